@@ -240,6 +240,80 @@ def test_spike_guard_never_fires_on_a_normal_run():
     assert reports[-1].loss < reports[0].loss
 
 
+LEVEL_SHIFT_STEP = 40  # from here on the loss is SPIKE_FACTOR times larger for good: a new level, not a spike
+LEVEL_SHIFT_RUN_STEPS = 120
+MAX_SKIPS = 3
+
+
+def level_shift_run(config, steps=LEVEL_SHIFT_RUN_STEPS, guard=None, model=None, optimizer=None, start=0):
+    model = model if model is not None else make_model()
+    optimizer = optimizer if optimizer is not None else adamw(model)
+    guard = guard if guard is not None else StepGuard(model, optimizer, config=config)
+    reports, step = [], start
+    while step < steps:
+        guard.begin_step(step, data_position=step)
+        x, y = get_batch(step)
+        loss = nn.functional.mse_loss(model(x), y)
+        if step >= LEVEL_SHIFT_STEP:
+            loss = loss * SPIKE_FACTOR
+        loss.backward()
+        reports.append(guard.check(loss))
+        if not reports[-1].skipped:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        step = reports[-1].next_step
+    return reports, guard, model, optimizer
+
+
+def test_sustained_rise_is_a_level_shift_not_an_endless_skip(caplog):
+    config = GuardConfig(spike_signals=("loss",), spike_max_skips=MAX_SKIPS)
+    with caplog.at_level(logging.WARNING, logger="minifloat"):
+        reports, guard, _, _ = level_shift_run(config)
+    skipped = [r.step for r in reports if r.skipped]
+    assert skipped == list(range(LEVEL_SHIFT_STEP, LEVEL_SHIFT_STEP + MAX_SKIPS))
+    shift = reports[LEVEL_SHIFT_STEP + MAX_SKIPS]
+    assert shift.level_shift and not shift.skipped and shift.reason is None
+    assert [r.step for r in reports if r.level_shift] == [LEVEL_SHIFT_STEP + MAX_SKIPS]
+    assert guard.num_level_shifts == 1
+    # the window restarted from the streak's values: it now holds only post-shift losses
+    window = list(guard.detectors[next(iter(guard.detectors))].values)
+    assert len(window) == LEVEL_SHIFT_RUN_STEPS - LEVEL_SHIFT_STEP
+    assert window[:MAX_SKIPS + 1] == [r.loss for r in reports[LEVEL_SHIFT_STEP:LEVEL_SHIFT_STEP + MAX_SKIPS + 1]]
+    assert "level shift" in caplog.text
+
+
+def test_spike_max_skips_zero_skips_a_sustained_rise_forever():
+    config = GuardConfig(spike_signals=("loss",), spike_max_skips=0)
+    reports, guard, _, _ = level_shift_run(config)
+    assert [r.step for r in reports if r.skipped] == list(range(LEVEL_SHIFT_STEP, LEVEL_SHIFT_RUN_STEPS))
+    assert guard.num_level_shifts == 0
+
+
+def test_rollback_acts_before_a_level_shift_when_it_counts_fewer_steps():
+    config = GuardConfig(spike_signals=("loss",), spike_max_skips=MAX_SKIPS, rollback_after=2, snapshot_every=10,
+                         max_rollbacks=1)
+    with pytest.raises(RuntimeError, match="max_rollbacks=1"):
+        level_shift_run(config)  # the replay after the rollback meets the same new level and rolls back again
+    # with rollback_after > spike_max_skips the level shift comes first and no rollback happens
+    config = dataclasses.replace(config, rollback_after=MAX_SKIPS + 2)
+    reports, guard, _, _ = level_shift_run(config)
+    assert guard.num_rollbacks == 0 and guard.num_level_shifts == 1
+
+
+def test_spike_streak_survives_state_dict_mid_streak():
+    config = GuardConfig(spike_signals=("loss",), spike_max_skips=MAX_SKIPS)
+    want, _, _, _ = level_shift_run(config)
+    mid = LEVEL_SHIFT_STEP + 2  # two spike skips into the streak
+    first, guard, model, optimizer = level_shift_run(config, steps=mid)
+    state = copy.deepcopy(guard.state_dict())
+    assert len(state["spike_streak"]["loss"]) == 2
+    resumed = StepGuard(model, optimizer, config=config)
+    resumed.load_state_dict(state)
+    rest, _, _, _ = level_shift_run(config, guard=resumed, model=model, optimizer=optimizer, start=mid)
+    got = first + rest
+    assert [(r.skipped, r.level_shift, r.loss) for r in got] == [(r.skipped, r.level_shift, r.loss) for r in want]
+
+
 # ---------------------------------------------------------------------------------------------- rollback
 
 
@@ -334,6 +408,7 @@ INVALID = [
     ("guard-warmup-above-window", GuardConfig, {"spike_window": 8, "spike_warmup": 9}, "spike_warmup", "9"),
     ("guard-signal-unknown", GuardConfig, {"spike_signals": ("lr",)}, "spike_signals", "'lr'"),
     ("guard-signals-list", GuardConfig, {"spike_signals": ["loss"]}, "spike_signals", "['loss']"),
+    ("guard-max-skips-negative", GuardConfig, {"spike_max_skips": -1}, "spike_max_skips", "-1"),
     ("guard-rollback-negative", GuardConfig, {"rollback_after": -1}, "rollback_after", "-1"),
     ("guard-snapshot-zero", GuardConfig, {"snapshot_every": 0}, "snapshot_every", "0"),
     ("guard-snapshot-negative", GuardConfig, {"snapshot_every": -5}, "snapshot_every", "-5"),
@@ -372,7 +447,7 @@ def test_configs_are_frozen_and_derive_with_replace():
     with pytest.raises(dataclasses.FrozenInstanceError):
         config.spike_sigma = 3.0
     assert dataclasses.replace(config, spike_sigma=3.0).spike_sigma == 3.0
-    assert (config.spike_sigma, config.spike_window, config.spike_warmup) == (6.0, 128, 20)
+    assert (config.spike_sigma, config.spike_window, config.spike_warmup, config.spike_max_skips) == (6.0, 128, 20, 3)
     stab = StabilityConfig()
     assert (stab.embedding_grad_alpha, stab.z_loss_coeff, stab.weight_decay) == (0.1, 1e-4, 0.1)
 

@@ -24,7 +24,9 @@ parameters without a gradient).
 
 Spike rule (OLMo-core's SkipStepOptimizer): a value v of a watched signal (loss, gradient norm) is a spike if
 v > mean + k·σ over a rolling window of the last accepted values, once the window holds `spike_warmup` values;
-skipped values never enter the window. Rollback (PaLM, arXiv 2204.02311 §5.1): after `rollback_after` consecutive
+skipped values never enter the window. A sustained rise is not a spike: when a watched value stays above the band
+for `spike_max_skips` steps in a row, the next such step is applied and the windows restart from the streak's values
+(a level shift, logged), instead of skipping every step from then on. Rollback (PaLM, arXiv 2204.02311 §5.1): after `rollback_after` consecutive
 skipped steps, restore the last in-memory snapshot and continue with the data after the last bad batch, so the
 batches between the snapshot and the streak's end are not replayed.
 """
@@ -78,6 +80,9 @@ class GuardConfig:
         spike_sigma: k, a spike lies more than k standard deviations above the window mean (> 0).
         spike_window: number of accepted values in the rolling window (>= 2).
         spike_warmup: values the window must hold before spikes are detected (2 <= warmup <= window).
+        spike_max_skips: consecutive spike skips after which the next spiking step is taken as a level shift: it is
+            applied and the windows restart from the streak's values (>= 0; 0 skips a sustained rise forever).
+            Rollback, when on, counts the same streak: with rollback_after <= spike_max_skips it acts first.
         rollback_after: consecutive skipped steps that trigger a rollback; 0 turns rollback (and snapshots) off.
         snapshot_every: steps between in-memory rollback snapshots (>= 1).
         rollback_extra_skip: batches skipped after the last bad one on a rollback (>= 0).
@@ -89,6 +94,7 @@ class GuardConfig:
     spike_sigma: float = 6.0
     spike_window: int = 128
     spike_warmup: int = 20
+    spike_max_skips: int = 3
     rollback_after: int = 0
     snapshot_every: int = 100
     rollback_extra_skip: int = 0
@@ -109,6 +115,7 @@ class GuardConfig:
         _int_at_least("spike_warmup", self.spike_warmup, 2)
         if self.spike_warmup > self.spike_window:
             raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup!r}")
+        _int_at_least("spike_max_skips", self.spike_max_skips, 0)
         _int_at_least("rollback_after", self.rollback_after, 0)
         _int_at_least("snapshot_every", self.snapshot_every, 1)
         _int_at_least("rollback_extra_skip", self.rollback_extra_skip, 0)
@@ -138,6 +145,8 @@ class StepReport:
         loss, grad_norm: the step's loss and total gradient L2 norm (before any clipping).
         bad_params: names of parameters with non-finite gradients.
         rollback: the rollback this step triggered, else None.
+        level_shift: the step spiked after `spike_max_skips` spike skips in a row, so it was applied and the spike
+            windows restarted (see GuardConfig.spike_max_skips).
         next_step, next_data_position: where the loop continues (step + 1 and data_position + 1 without rollback).
     """
 
@@ -149,6 +158,7 @@ class StepReport:
     grad_norm: float
     bad_params: tuple[str, ...] = ()
     rollback: RollbackEvent | None = None
+    level_shift: bool = False
     next_step: int = 0
     next_data_position: int | None = None
 
@@ -168,6 +178,10 @@ class SpikeDetector:
 
     def accept(self, value: float) -> None:
         self.values.append(value)
+
+    def restart(self, values: list[float]) -> None:
+        self.values.clear()
+        self.values.extend(values)
 
 
 @dataclasses.dataclass
@@ -227,7 +241,9 @@ class StepGuard:
         self.detectors = {Signal(s): SpikeDetector(c.spike_sigma, c.spike_window, c.spike_warmup)
                           for s in c.spike_signals}
         self.bad_streak = 0
+        self.spike_streak: list[dict[Signal, float]] = []  # watched values of the current run of spike skips
         self.num_skipped = 0
+        self.num_level_shifts = 0
         self.num_rollbacks = 0
         self._step: int | None = None
         self._data_position: int | None = None
@@ -296,13 +312,28 @@ class StepGuard:
             spiking = [s for s, d in self.detectors.items() if d.is_spike(values[s])]
             reason = _SPIKE_REASON[spiking[0]] if spiking else None
 
-        nxt = lambda p: None if p is None else p + 1  # noqa: E731
-        if reason is None:
+        level_shift = (reason in _SPIKE_REASON.values() and self.config.spike_max_skips > 0
+                       and len(self.spike_streak) >= self.config.spike_max_skips)
+        if level_shift:
+            for s, d in self.detectors.items():
+                d.restart([v[s] for v in self.spike_streak] + [values[s]])
+            self.num_level_shifts += 1
+            log.warning("minifloat: step %d applied: %s stayed above the spike band for %d steps in a row, so it "
+                        "is a level shift, not a spike; spike windows restart (loss=%g grad_norm=%g)",
+                        step, reason.value.removesuffix("_spike"), len(self.spike_streak) + 1, loss_v, norm_v)
+            reason = None
+        elif reason is None:
             for s, d in self.detectors.items():
                 d.accept(values[s])
+
+        nxt = lambda p: None if p is None else p + 1  # noqa: E731
+        if reason is None:
             self.bad_streak = 0
-            return StepReport(step, position, False, None, loss_v, norm_v, next_step=step + 1,
-                              next_data_position=nxt(position))
+            self.spike_streak = []
+            return StepReport(step, position, False, None, loss_v, norm_v, level_shift=level_shift,
+                              next_step=step + 1, next_data_position=nxt(position))
+
+        self.spike_streak = self.spike_streak + [values] if reason in _SPIKE_REASON.values() else []
 
         self._skip(params, step, reason, values, bad)
         rollback = None
@@ -356,12 +387,16 @@ class StepGuard:
     # ------------------------------------------------------------------------------------------------ state
 
     def state_dict(self) -> dict:
-        """The guard's own state (spike windows, bad streak), for checkpoints; counters of skips are not part."""
+        """The guard's own state (spike windows, bad and spike streaks), for checkpoints; counters are not part."""
         return {"windows": {s.value: list(d.values) for s, d in self.detectors.items()},
-                "bad_streak": self.bad_streak}
+                "bad_streak": self.bad_streak,
+                "spike_streak": {s.value: [v[s] for v in self.spike_streak] for s in Signal}}
 
     def load_state_dict(self, state: dict) -> None:
         for s, d in self.detectors.items():
             d.values.clear()
             d.values.extend(state["windows"].get(s.value, []))
         self.bad_streak = state["bad_streak"]
+        streak = state.get("spike_streak", {})  # absent in checkpoints written before spike_max_skips existed
+        columns = [streak.get(s.value, []) for s in Signal]
+        self.spike_streak = [dict(zip(Signal, row)) for row in zip(*columns)]
