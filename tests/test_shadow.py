@@ -1,6 +1,7 @@
 """Tests for minifloat.shadow: the FP8 ↔ BF16 shadow check and its automatic fallback and recovery."""
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -180,6 +181,38 @@ def test_context_keeps_outer_recipe_and_calibrates():
     with mf.autocast(recipe=recipe), shadow.context(0):
         state = _STATE.get()
         assert state.calibrating and state.recipe == recipe
+
+
+def test_state_dict_round_trips_as_json_after_a_fallback():
+    model = Regression(make_model(SABOTAGE_MARGIN))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    shadow = ShadowCheck(ShadowConfig(interval=1, threshold=THRESHOLD, patience=1, recover_after=3))
+    for step, batch in enumerate(make_batches(2)):  # falls back at step 0, then one unhealthy check in BF16
+        train_step(model, shadow, step, batch, opt)
+    state = json.loads(json.dumps(shadow.state_dict()))  # plain data, as a checkpoint's extra stores it
+    assert state["mode"] == "bf16" and state["streak"] == 0 and len(state["events"]) == 1
+
+    restored = ShadowCheck(shadow.config)
+    restored.load_state_dict(state)
+    assert (restored.mode, restored.streak, restored.events) == (shadow.mode, shadow.streak, shadow.events)
+    assert restored.state_dict() == state
+
+
+# (name, state, field named in the error)
+BAD_STATES = [
+    ("missing key", {"mode": "fp8", "streak": 0}, "keys"),
+    ("unknown mode", {"mode": "fp16", "streak": 0, "events": []}, "mode"),
+    ("negative streak", {"mode": "fp8", "streak": -1, "events": []}, "streak"),
+    ("events not a list", {"mode": "fp8", "streak": 0, "events": None}, "events"),
+]
+
+
+@pytest.mark.parametrize("name, state, field", BAD_STATES, ids=[c[0] for c in BAD_STATES])
+def test_load_state_dict_rejects(name, state, field):
+    shadow = ShadowCheck()
+    with pytest.raises(ValueError, match=field):
+        shadow.load_state_dict(state)
+    assert shadow.mode == Mode.FP8 and shadow.streak == 0  # unchanged
 
 
 # (field, bad value)

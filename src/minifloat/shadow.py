@@ -207,6 +207,26 @@ class ShadowCheck:
                 return self._switch(Mode.FP8, result, "healthy")
         return None
 
+    def state_dict(self) -> dict:
+        """Mode, streak and the switches so far, as plain data (JSON values) for checkpoints; `checks` is not part."""
+        return {"mode": self.mode.value, "streak": self.streak,
+                "events": [dataclasses.asdict(e) for e in self.events]}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`; the config is not part of it (the run supplies its own)."""
+        if not isinstance(state, dict) or set(state) != {"mode", "streak", "events"}:
+            raise ValueError(f"state must be a dict with exactly the keys 'events', 'mode' and 'streak', got "
+                             f"{sorted(state) if isinstance(state, dict) else state!r}")
+        if state["mode"] not in {m.value for m in Mode}:
+            raise ValueError(f"mode must be one of {[m.value for m in Mode]}, got {state['mode']!r}")
+        streak = state["streak"]
+        if not isinstance(streak, int) or isinstance(streak, bool) or streak < 0:
+            raise ValueError(f"streak must be an int >= 0, got {streak!r}")
+        if not isinstance(state["events"], list):
+            raise ValueError(f"events must be a list of ShadowEvent dicts, got {state['events']!r}")
+        events = [ShadowEvent(**{**e, "check": CheckResult(**e["check"])}) for e in state["events"]]
+        self.mode, self.streak, self.events = Mode(state["mode"]), streak, events
+
     def _switch(self, to: Mode, result: CheckResult, kind: str) -> ShadowEvent:
         cos = "" if result.grad_cosine is None else f", grad cosine {result.grad_cosine:.4f}"
         reason = (f"{self.streak} {kind} check(s) in a row; last: relative loss difference {result.rel_diff:.3g} "
