@@ -1,4 +1,5 @@
-"""minifloat.train: the training loop, its log, bitwise resume, the guards under injected NaNs, and `minifloat train`."""
+"""minifloat.train: the training loop, its log, bitwise resume, the guards under injected NaNs, rollback, the shadow
+check's BF16 fallback, the embedding gradient shrink, and `minifloat train`."""
 
 from __future__ import annotations
 
@@ -7,12 +8,18 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
+from minifloat import stability
 from minifloat.cli import main
 from minifloat.train import LOG_FIELDS, TrainConfig, get_lr, train
 
 SMALL = dict(model="tiny", steps=12, batch_size=8, seq_len=32, warmup=2, eval_every=6, eval_batches=2,
              max_bytes=100_000, checkpoint_every=0)
+# every check is unhealthy: FP8 and BF16 losses of the tiny model differ by ~1e-4 relative, never by less than 1e-9
+ALWAYS_UNHEALTHY = 1e-9
+NEVER_UNHEALTHY = 1.0  # a 100% loss difference; FP8 of the tiny model stays within ~1e-3
+PATIENCE = 3  # ShadowConfig().patience, the unhealthy checks in a row that switch to BF16
 
 
 @pytest.fixture
@@ -41,6 +48,7 @@ def test_log_has_one_row_per_step(config):
     rows = _rows(config.out)
     assert tuple(rows[0]) == LOG_FIELDS
     assert [int(r["step"]) for r in rows] == list(range(config.steps))
+    assert {r["mode"] for r in rows} == {""}  # bf16 has no FP8 recipe, so no mode
 
 
 def test_resume_is_bitwise(tmp_path):
@@ -58,6 +66,20 @@ def test_resume_is_bitwise(tmp_path):
     assert [int(r["step"]) for r in _rows(half.out)] == list(range(2 * n))
 
 
+def test_resume_is_bitwise_with_shadow_check(tmp_path):
+    # checks at 0, 3 (first half) and 6 (second half): the fallback at 6 needs the unhealthy streak from the checkpoint
+    n, shadow = 6, dict(preset="fp8-delayed", shadow_every=3, shadow_threshold=ALWAYS_UNHEALTHY)
+    whole = train(TrainConfig(**{**SMALL, "steps": 2 * n}, **shadow, out=str(tmp_path / "a")), progress=False)
+    half = TrainConfig(**{**SMALL, "steps": n, "checkpoint_every": n}, lr_decay_steps=2 * n, **shadow,
+                       out=str(tmp_path / "b"))
+    first = train(half, progress=False)
+    second = train(dataclasses.replace(half, steps=2 * n, lr_decay_steps=None, resume=True), progress=False)
+    assert [s for s, _ in whole.fallbacks] == [6] and first.fallbacks == ()
+    assert second.fallbacks == whole.fallbacks
+    assert first.losses + second.losses == whole.losses  # float equality, step by step
+    assert [r["mode"] for r in _rows(half.out)] == ["fp8"] * n + ["bf16"] * n
+
+
 def test_resume_without_checkpoint_raises(config):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         train(dataclasses.replace(config, resume=True), progress=False)
@@ -70,6 +92,59 @@ def test_nan_steps_are_skipped(config):
     assert result.final_loss < result.losses[0]
     rows = _rows(config.out)
     assert [(r["skipped"], r["reason"]) for r in rows[3:4]] == [("1", "nonfinite_loss")]
+
+
+def test_shadow_check_falls_back_to_bf16(config):
+    result = train(dataclasses.replace(config, preset="fp8-delayed", shadow_every=2,
+                                       shadow_threshold=ALWAYS_UNHEALTHY), progress=False)
+    switch = 2 * (PATIENCE - 1)  # checks at 0, 2, 4: the third unhealthy one switches
+    assert [s for s, _ in result.fallbacks] == [switch]
+    assert "relative loss difference" in result.fallbacks[0][1]
+    assert result.shadow_events == ((switch, "bf16", result.fallbacks[0][1]),)
+    assert [r["mode"] for r in _rows(config.out)] == ["fp8"] * switch + ["bf16"] * (config.steps - switch)
+    assert math.isfinite(result.final_loss) and result.final_loss < result.losses[0]
+
+
+def test_healthy_shadow_check_changes_nothing(config):
+    fp8 = dataclasses.replace(config, preset="fp8-delayed", steps=6, eval_every=3)
+    plain = train(fp8, progress=False)
+    shadow = dataclasses.replace(fp8, shadow_every=1, shadow_threshold=NEVER_UNHEALTHY, out=config.out + "-shadow")
+    checked = train(shadow, progress=False)
+    assert checked.fallbacks == () and checked.shadow_events == ()
+    assert checked.losses == plain.losses and checked.val_losses == plain.val_losses  # the check leaves no trace
+    assert {r["mode"] for r in _rows(shadow.out)} == {"fp8"}
+
+
+def test_rollback_after_a_streak_of_bad_steps(config):
+    # snapshots at steps 0 and 4; batches 5 and 6 poisoned: the skip at step 6 is the second in a row
+    result = train(dataclasses.replace(config, nan_steps=(5, 6), rollback_after=2, snapshot_every=4),
+                   progress=False)
+    assert result.skipped == ((5, "nonfinite_loss"), (6, "nonfinite_loss"))
+    assert result.rollbacks == ((6, 4, 3),)  # back to step 4, batches 4..6 never trained on
+    rows = _rows(config.out)
+    assert [int(r["step"]) for r in rows] == list(range(7)) + list(range(4, config.steps))
+    assert len(result.losses) == len(rows) and math.isfinite(result.final_loss)
+    assert result.final_loss < result.losses[0]
+    assert result.val_losses[-1][0] == config.steps
+
+
+def test_embedding_grad_alpha_shrinks_the_embedding_gradient(config, monkeypatch):
+    alpha, grads = 0.1, {}
+    library = stability.shrink_embedding_grad
+
+    def spy(x, a):
+        out = library(x, a)
+        if not grads:  # the first step's embedding output (B, T, C)
+            out.register_hook(lambda g: grads.setdefault("out", g))
+            x.register_hook(lambda g: grads.setdefault("in", g))
+        return out
+
+    monkeypatch.setattr(stability, "shrink_embedding_grad", spy)
+    shrunk = train(dataclasses.replace(config, steps=2, embedding_grad_alpha=alpha), progress=False)
+    assert set(grads) == {"in", "out"}, "train did not shrink through minifloat.stability"
+    torch.testing.assert_close(grads["in"], grads["out"] * alpha, rtol=0, atol=0)
+    plain = train(dataclasses.replace(config, steps=2, out=config.out + "-plain"), progress=False)
+    assert shrunk.losses[0] == plain.losses[0] and shrunk.losses[1] != plain.losses[1]  # same start, other update
 
 
 def test_lr_schedule(config):
@@ -89,6 +164,14 @@ def test_lr_schedule(config):
     ("fp8 override on bf16", {"fp8_margin": 1}, "fp8_margin"),
     ("bad fp8 format", {"preset": "fp8-delayed", "fp8_format": "e5m2"}, "fp8_format"),
     ("bad amax history", {"preset": "fp8-delayed", "fp8_amax_history_len": 0}, "fp8_amax_history_len"),
+    ("shadow check without FP8", {"preset": "bf16", "shadow_every": 10}, "shadow_every"),
+    ("negative shadow_every", {"preset": "fp8-delayed", "shadow_every": -1}, "shadow_every"),
+    ("zero shadow_threshold", {"shadow_threshold": 0.0}, "shadow_threshold"),
+    ("nan shadow_threshold", {"shadow_threshold": math.nan}, "shadow_threshold"),
+    ("negative rollback_after", {"rollback_after": -1}, "rollback_after"),
+    ("zero snapshot_every", {"snapshot_every": 0}, "snapshot_every"),
+    ("zero embedding_grad_alpha", {"embedding_grad_alpha": 0.0}, "embedding_grad_alpha"),
+    ("embedding_grad_alpha above 1", {"embedding_grad_alpha": 1.5}, "embedding_grad_alpha"),
 ])
 def test_config_rejects(name, overrides, field):
     with pytest.raises(ValueError, match=field):

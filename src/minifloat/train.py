@@ -3,13 +3,16 @@
     result = train(TrainConfig(model="tiny", preset="fp8-delayed", steps=200, out="runs/a"))
     result.losses, result.val_losses, result.skipped
 
-Every step: batch k of the hashed loader, forward under the policy's autocast, scaled backward, unscale, the guard's
-verdict (non-finite / spike → the update is skipped), clip, step, scaler update. The learning rate is a pure function
-of the step (linear warm-up, cosine decay to min_lr), so a run resumed from `out/ckpt` continues bitwise where the
-uninterrupted run would be: model, optimizer, scaler, guard, loader position and RNG are all in the checkpoint.
+Every step: batch k of the hashed loader, (every `shadow_every` steps) the FP8-vs-BF16 shadow check, forward under
+the policy's autocast and the shadow's mode, scaled backward, unscale, the guard's verdict (non-finite / spike → the
+update is skipped; `rollback_after` skips in a row → back to the last snapshot, past the bad batches), clip, step,
+scaler update. The learning rate is a pure function of the step (linear warm-up, cosine decay to min_lr), so a run
+resumed from `out/ckpt` continues bitwise where the uninterrupted run would be: model, optimizer, scaler, guard,
+shadow mode, loader position and RNG are all in the checkpoint. (Rollback snapshots live in memory only: a resumed
+run takes its first one at the step it resumes from.)
 
-Outputs under `out/`: log.csv (one row per step), val.csv (one row per evaluation), ckpt/ (latest checkpoint) and,
-if tensorboard is installed, TensorBoard event files.
+Outputs under `out/`: log.csv (one row per step run; a rollback re-runs steps, so their numbers repeat), val.csv (one
+row per evaluation), ckpt/ (latest checkpoint) and, if tensorboard is installed, TensorBoard event files.
 """
 
 from __future__ import annotations
@@ -26,16 +29,19 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from minifloat.checkpoint import load_checkpoint, save_checkpoint
 from minifloat.data import BatchLoader, ByteCorpus, DataConfig, val_batches
-from minifloat.guards import StepGuard
+from minifloat.guards import GuardConfig, StepGuard
 from minifloat.model import SIZES, Llama, LlamaConfig
+from minifloat.modules import autocast
 from minifloat.policy import PRESETS, PrecisionPolicy
 from minifloat.recipes import DelayedScaling
 from minifloat.scaler import LossScaler
+from minifloat.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.stability import StabilityConfig
 
 log = logging.getLogger("minifloat")
 
-LOG_FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "reason", "tokens_per_s")
+# mode: "fp8" or "bf16" (the shadow check's fallback) for presets with an FP8 recipe, "" for the others
+LOG_FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "reason", "tokens_per_s", "mode")
 CHECKPOINT_DIR = "ckpt"
 ADAMW_BETAS = (0.9, 0.95)  # nanoGPT / Llama; beta2 = 0.95 reacts faster to the gradient growth of low precision
 
@@ -75,8 +81,19 @@ class TrainConfig:
         resume: continue from out/ckpt.
         fp8_format, fp8_amax_history_len, fp8_margin: override the preset's DelayedScaling recipe (Megatron-LM's
             --fp8-format / --fp8-amax-history-len / --fp8-margin); None keeps the preset's value.
-        nan_steps: fault injection for testing the guards: the loss of these steps is multiplied by NaN, so their
-            gradients are NaN too. Leave empty outside tests.
+        nan_steps: fault injection for testing the guards: the loss on these batches is multiplied by NaN, so their
+            gradients are NaN too. Batch k is step k's until a rollback skips batches (so a rolled-back run does not
+            meet the same poison again). Leave empty outside tests.
+        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.shadow) every N steps, falling back to BF16 after
+            ShadowConfig().patience unhealthy checks in a row and returning to FP8 after recover_after healthy ones;
+            0 turns it off. Needs a preset with an FP8 recipe.
+        shadow_threshold: largest healthy relative loss difference |L_fp8 - L_bf16| / |L_bf16| of a check.
+        rollback_after: skipped steps in a row that roll the run back to the last in-memory snapshot and on past
+            the bad batches (PaLM, minifloat.guards); 0 turns rollback off.
+        snapshot_every: steps between rollback snapshots (used when rollback_after > 0).
+        embedding_grad_alpha: multiplier of the gradient flowing into the token embedding's output, in (0, 1]
+            (GLM-130B's embedding gradient shrink uses 0.1); 1 turns it off. With tied embeddings the lm_head's
+            gradient of the shared matrix is not shrunk.
     """
 
     model: str = "tiny"
@@ -102,6 +119,11 @@ class TrainConfig:
     fp8_amax_history_len: int | None = None
     fp8_margin: int | None = None
     nan_steps: tuple[int, ...] = ()
+    shadow_every: int = 0
+    shadow_threshold: float = ShadowConfig().threshold
+    rollback_after: int = 0
+    snapshot_every: int = 50
+    embedding_grad_alpha: float = 1.0
 
     def __post_init__(self):
         if self.model not in SIZES:
@@ -109,7 +131,8 @@ class TrainConfig:
         if self.preset not in PRESETS:
             raise ValueError(f"preset must be one of {list(PRESETS)}, got {self.preset!r}")
         for field, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("warmup", 0), ("eval_every", 1),
-                           ("eval_batches", 1), ("seed", 0), ("checkpoint_every", 0)):
+                           ("eval_batches", 1), ("seed", 0), ("checkpoint_every", 0), ("shadow_every", 0),
+                           ("rollback_after", 0), ("snapshot_every", 1)):
             _int(field, getattr(self, field), low)
         if self.seq_len > SIZES[self.model].max_seq_len:
             raise ValueError(f"seq_len must be <= {SIZES[self.model].max_seq_len} (max_seq_len of model "
@@ -134,7 +157,14 @@ class TrainConfig:
             raise ValueError(f"nan_steps must be a tuple of step numbers, got {self.nan_steps!r}")
         for s in self.nan_steps:
             _int("nan_steps", s, 0)
+        _number("shadow_threshold", self.shadow_threshold, positive=True)
+        _number("embedding_grad_alpha", self.embedding_grad_alpha, positive=True)
+        if self.embedding_grad_alpha > 1:
+            raise ValueError(f"embedding_grad_alpha must be in (0, 1] (1 = off), got {self.embedding_grad_alpha!r}")
         recipe = PRESETS[self.preset].recipe
+        if self.shadow_every and recipe is None:
+            raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
+                             f"use an fp8 preset or shadow_every=0, got shadow_every={self.shadow_every!r}")
         for field in ("fp8_format", "fp8_amax_history_len", "fp8_margin"):
             if getattr(self, field) is not None and not isinstance(recipe, DelayedScaling):
                 raise ValueError(f"{field} overrides a DelayedScaling recipe, but preset {self.preset!r} has "
@@ -162,11 +192,15 @@ class TrainResult:
 
     Attributes:
         first_step: the step this call started at (0, or the checkpoint's step when resuming).
-        losses: training loss of each step run in this call (skipped steps included, NaN where poisoned).
+        losses: training loss of each step run in this call, in the order run (skipped steps included, NaN where
+            poisoned; steps re-run after a rollback appear again).
         final_loss: loss of the last step whose update was applied (NaN if none was).
         val_losses: (step, mean validation loss) per evaluation, step counted after the update.
         tokens_per_s: trained tokens / time spent in training steps (evaluation and checkpoints excluded).
         skipped: (step, reason) of each step the guard skipped.
+        fallbacks: (step, reason) of each switch from FP8 to BF16 by the shadow check in this call.
+        shadow_events: (step, mode switched to, reason) of every shadow switch in this call, recoveries included.
+        rollbacks: (step, restored step, batches skipped) of each rollback in this call.
     """
 
     first_step: int
@@ -175,6 +209,9 @@ class TrainResult:
     val_losses: tuple[tuple[int, float], ...]
     tokens_per_s: float
     skipped: tuple[tuple[int, str], ...]
+    fallbacks: tuple[tuple[int, str], ...] = ()
+    shadow_events: tuple[tuple[int, str, str], ...] = ()
+    rollbacks: tuple[tuple[int, int, int], ...] = ()
 
 
 def get_lr(step: int, config: TrainConfig) -> float:
@@ -191,13 +228,16 @@ def get_lr(step: int, config: TrainConfig) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: Llama, tokens: torch.Tensor, policy: PrecisionPolicy, config: TrainConfig) -> float:
-    """Mean cross-entropy over the first `eval_batches` fixed validation batches (rows weighted equally)."""
+def evaluate(model: Llama, tokens: torch.Tensor, policy: PrecisionPolicy, config: TrainConfig, *,
+             fp8: bool = True) -> float:
+    """Mean cross-entropy over the first `eval_batches` fixed validation batches (rows weighted equally).
+
+    fp8=False runs the FP8 layers in high precision (the shadow check's BF16 fallback), recording nothing."""
     model.eval()
     total, rows = 0.0, 0
     for x, y in val_batches(tokens, batch_size=config.batch_size, seq_len=config.seq_len,
                             max_batches=config.eval_batches):
-        with policy.autocast("cpu"):
+        with policy.autocast("cpu"), autocast(enabled=fp8):
             _, loss = model(x, y)
         total += loss.item() * x.shape[0]
         rows += x.shape[0]
@@ -252,10 +292,18 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     model = Llama(LlamaConfig.preset(config.model))
     policy = config.policy()
     model = policy.apply(model)
-    stability = StabilityConfig(max_grad_norm=config.grad_clip, weight_decay=config.weight_decay)
+    stability = StabilityConfig(embedding_grad_alpha=config.embedding_grad_alpha, max_grad_norm=config.grad_clip,
+                                weight_decay=config.weight_decay)
+    if config.embedding_grad_alpha != 1.0:
+        # GLM-130B: the embedding output's gradient times alpha (a forward hook, so the state-dict keys stay)
+        model.wte.register_forward_hook(lambda _module, _args, h: stability.shrink_embedding_grad(h))
     optimizer = torch.optim.AdamW(stability.param_groups(model), lr=config.lr, betas=ADAMW_BETAS)
     scaler = LossScaler.for_dtype(policy.compute_dtype, model=model)  # a no-op for bf16 and fp32
-    guard = StepGuard(model, optimizer, stateful={"scaler": scaler})
+    guard = StepGuard(model, optimizer, stateful={"scaler": scaler},
+                      config=GuardConfig(rollback_after=config.rollback_after, snapshot_every=config.snapshot_every))
+    # without checks the mode stays FP8 and shadow.context() changes nothing
+    shadow = ShadowCheck(ShadowConfig(interval=config.shadow_every or 1, threshold=config.shadow_threshold,
+                                      reference_dtype=str(policy.compute_dtype).removeprefix("torch.")))
 
     start_step = 0
     if config.resume:
@@ -268,6 +316,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             raise ValueError(f"the corpus differs from the one checkpoint {ckpt_dir} was trained on: "
                              f"{'; '.join(changes[:5])}")
         start_step = extra["step"]
+        if config.shadow_every and "shadow" in extra:  # resumed without the check, the run is plain FP8 again
+            shadow.load_state_dict(extra["shadow"])
         log.info("minifloat: resumed from %s at step %d", ckpt_dir, start_step)
 
     # train rows are numbered by step, validation rows by steps done: the checkpoint's own evaluation is kept
@@ -275,14 +325,16 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     val_file, val_rows = _open_log(out / "val.csv", ("step", "val_loss"), start_step + 1 if config.resume else None)
     writer = _tensorboard(out)
     tokens_per_step = config.batch_size * config.seq_len
-    losses, val_losses, skipped = [], [], []
+    losses, val_losses, skipped, shadow_events, rollbacks = [], [], [], [], []
     final_loss, train_time = math.nan, 0.0
+    fp8 = policy.recipe is not None
 
     bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn(), disable=not progress)
     with bar, log_file, val_file:
         task = bar.add_task("train", total=config.steps, completed=start_step, info="")
-        for step in range(start_step, config.steps):
+        step = start_step
+        while step < config.steps:
             t0 = time.perf_counter()
             lr = get_lr(step, config)
             for group in optimizer.param_groups:
@@ -290,15 +342,19 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             data_position = loader.position
             x, y = next(loader)  # (B, T) each
 
+            if config.shadow_every:
+                event = shadow.maybe_check(step, model, lambda output, _batch: output[1], (x, y))  # model(x, y)
+                if event is not None:
+                    shadow_events.append((step, event.switched_to, event.reason))
             guard.begin_step(step, data_position=data_position)
-            with policy.autocast("cpu"):
+            with policy.autocast("cpu"), shadow.context(step) as mode:
                 logits, loss = model(x, y)  # (B, T, V), fp32 scalar
                 loss = loss + stability.z_loss(logits)
-            if step in config.nan_steps:
+            if data_position in config.nan_steps:
                 loss = loss * math.nan  # fault injection (TrainConfig.nan_steps)
             scaler.scale(loss).backward()
             scaler.unscale_(optimizer)
-            report = guard.check(loss)  # on a skip the gradients are already dropped
+            report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
             if not report.skipped:
                 stability.clip_grad_norms(optimizer.param_groups)
                 scaler.step(optimizer)
@@ -313,29 +369,37 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             losses.append(report.loss)
             row = {"step": step, "loss": report.loss, "lr": lr, "grad_norm": report.grad_norm,
                    "skipped": int(report.skipped), "reason": report.reason.value if report.skipped else "",
-                   "tokens_per_s": tokens_per_step / dt}
+                   "tokens_per_s": tokens_per_step / dt, "mode": mode.value if fp8 else ""}
             log_rows.writerow(row)
             if writer is not None:
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                     writer.add_scalar(f"train/{key}", row[key], step)
 
-            done = step + 1
-            if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
-                save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scaler=scaler, guard=guard,
-                                loader=loader, extra={"step": done, "config": dataclasses.asdict(config),
-                                                      "data": corpus.manifest.to_dict()})
-            if done % config.eval_every == 0 or done == config.steps:
-                val = evaluate(model, corpus.val, policy, config)
-                val_losses.append((done, val))
-                val_rows.writerow({"step": done, "val_loss": val})
-                if writer is not None:
-                    writer.add_scalar("val/loss", val, done)
-            bar.update(task, completed=done, info=f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  "
-                                                  f"skipped {len(skipped)}")
+            if report.rollback is not None:  # back at the snapshot's step, past the bad batches
+                rollbacks.append((step, report.rollback.restored_step, report.rollback.skip_batches))
+            else:
+                done = step + 1
+                if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps):
+                    save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scaler=scaler, guard=guard,
+                                    loader=loader, extra={"step": done, "config": dataclasses.asdict(config),
+                                                          "data": corpus.manifest.to_dict(),
+                                                          "shadow": shadow.state_dict()})
+                if done % config.eval_every == 0 or done == config.steps:
+                    val = evaluate(model, corpus.val, policy, config, fp8=shadow.mode == Mode.FP8)
+                    val_losses.append((done, val))
+                    val_rows.writerow({"step": done, "val_loss": val})
+                    if writer is not None:
+                        writer.add_scalar("val/loss", val, done)
+            step = report.next_step
+            loader.skip(report.next_data_position - loader.position)  # 0 batches, unless rolled back
+            info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(skipped)}"
+            bar.update(task, completed=step, info=info + (f"  {mode.value}" if config.shadow_every else ""))
     if writer is not None:
         writer.close()
 
     return TrainResult(first_step=start_step, losses=tuple(losses), final_loss=final_loss,
                        val_losses=tuple(val_losses),
                        tokens_per_s=tokens_per_step * len(losses) / train_time if train_time else 0.0,
-                       skipped=tuple(skipped))
+                       skipped=tuple(skipped), shadow_events=tuple(shadow_events),
+                       fallbacks=tuple((s, reason) for s, to, reason in shadow_events if to == Mode.BF16.value),
+                       rollbacks=tuple(rollbacks))
