@@ -2,12 +2,37 @@
 
 from __future__ import annotations
 
+import csv
 import json
+import math
+import os
+import subprocess
+import sys
 
 import pytest
+from rich.console import Console
 
+from minifloat import cli
 from minifloat.cli import main
 from minifloat.formats import FORMATS
+
+WIDE = 200  # console columns, so that table cells are not wrapped
+# a small train run: tiny Llama, short sequences, a 100 kB corpus; a few seconds on 2 CPU cores
+TRAIN = ["train", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--max-bytes", "100000",
+         "--eval-batches", "1", "--checkpoint-every", "0", "--warmup", "2"]
+
+
+@pytest.fixture
+def console(monkeypatch) -> Console:
+    """The CLI's rich console, recording and wide."""
+    wide = Console(width=WIDE, record=True)
+    monkeypatch.setattr(cli, "console", wide)
+    return wide
+
+
+def _rows(out) -> list[dict]:
+    with open(f"{out}/log.csv", newline="") as f:
+        return list(csv.DictReader(f))
 
 
 def test_formats_json_lists_every_format(capsys):
@@ -40,3 +65,67 @@ def test_audit_passes_policy_presets(preset, tmp_path):
 
 def test_audit_rejects_unknown_preset():
     assert main(["audit", "--preset", "fp9"]) == 2
+
+
+def test_audit_llama_passes_and_lists_its_modules(tmp_path, console):
+    path = tmp_path / "audit.json"
+    assert main(["audit", "--model", "tiny", "--preset", "fp8-delayed", "--batch", "2", "--json", str(path)]) == 0
+    report = json.loads(path.read_text())
+    assert report["violations"] == []
+    modules = {r["module"] for r in report["records"]}
+    assert {"wte", "lm_head", "blocks.0.attn", "blocks.1.mlp.down_proj"} <= modules
+    text = console.export_text()
+    assert "audit passed" in text and "lm_head" in text and "blocks.0.attn.k_proj" in text
+
+
+def test_train_with_nan_steps_skips_them(tmp_path, console):
+    out = tmp_path / "nan"
+    assert main([*TRAIN, "--preset", "fp8-delayed", "--steps", "12", "--eval-every", "6", "--nan-steps", "3,7",
+                 "--out", str(out)]) == 0
+    text = console.export_text()
+    assert "3 (nonfinite_loss), 7 (nonfinite_loss)" in text
+    rows = _rows(out)
+    assert [int(r["step"]) for r in rows if r["skipped"] == "1"] == [3, 7]
+    assert {r["reason"] for r in rows if r["skipped"] == "1"} == {"nonfinite_loss"}
+    assert math.isnan(float(rows[3]["loss"])) and math.isfinite(float(rows[-1]["loss"]))
+    final = next(line for line in text.splitlines() if "final train loss" in line)
+    assert math.isfinite(float(final.split()[-2]))  # "│ final train loss │ 4.1234 │"
+
+
+def test_train_with_shadow_and_rollback_reports_them(tmp_path, console):
+    out = tmp_path / "safety"
+    assert main([*TRAIN, "--preset", "fp8-delayed", "--steps", "8", "--eval-every", "8", "--nan-steps", "4,5",
+                 "--rollback-after", "2", "--snapshot-every", "3", "--shadow-every", "1", "--shadow-threshold",
+                 "1e-9", "--embedding-grad-alpha", "0.1", "--out", str(out)]) == 0
+    text = console.export_text()
+    assert "5 (back to 3, 3 batches skipped)" in text  # snapshots at 0 and 3; batches 3..5 dropped
+    assert "2 (to bf16)" in text  # three unhealthy checks in a row, at steps 0, 1, 2
+    assert [r["mode"] for r in _rows(out)][:4] == ["fp8", "fp8", "bf16", "bf16"]
+
+
+@pytest.mark.parametrize("argv, field", [
+    (["--nan-steps", "3,x"], "nan_steps"),
+    (["--nan-steps", "3,-1"], "nan_steps"),
+    (["--nan-steps", ""], "nan_steps"),
+    (["--shadow-every", "5"], "shadow_every"),  # bf16 has no FP8 recipe
+    (["--embedding-grad-alpha", "2"], "embedding_grad_alpha"),
+    (["--rollback-after", "-1"], "rollback_after"),
+    (["--eval-batches", "0"], "eval_batches"),
+    (["--max-bytes", "1"], "max_bytes"),
+])
+def test_train_rejects_bad_flags(argv, field, tmp_path, console):
+    assert main(["train", "--out", str(tmp_path), *argv]) == 2
+    text = console.export_text()
+    assert "invalid option" in text and field in text
+
+
+def test_train_runs_as_a_command(tmp_path):
+    out = tmp_path / "cmd"
+    env = {**os.environ, "COLUMNS": str(WIDE), "MINIFLOAT_COMPILE": "0"}  # eager kernels: seconds, not compile time
+    proc = subprocess.run([sys.executable, "-m", "minifloat.cli", *TRAIN, "--preset", "fp8-delayed", "--steps", "6",
+                           "--eval-every", "6", "--nan-steps", "2", "--out", str(out)],
+                          capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "2 (nonfinite_loss)" in proc.stdout
+    assert "step 2 skipped (nonfinite_loss)" in proc.stderr  # the guard's warning, through logging
+    assert len(_rows(out)) == 6

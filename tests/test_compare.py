@@ -6,8 +6,8 @@ import math
 import pytest
 
 from minifloat.cli import main
-from minifloat.compare import compare
-from minifloat.train import TrainConfig
+from minifloat.compare import _command, _summarize, compare
+from minifloat.train import TrainConfig, TrainResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
@@ -54,11 +54,28 @@ def test_rejects_bad_presets(presets, tmp_path):
         compare(presets, base=TrainConfig(**TINY), out=tmp_path)
 
 
+def test_summary_counts_fallbacks():
+    result = TrainResult(first_step=0, losses=(5.0, 4.0), final_loss=4.0, val_losses=((2, 4.5),), tokens_per_s=1.0,
+                         skipped=(), fallbacks=((0, "unhealthy"), (6, "unhealthy")),
+                         shadow_events=((0, "bf16", "unhealthy"), (4, "fp8", "healthy"), (6, "bf16", "unhealthy")))
+    assert _summarize(result)["fallbacks"] == 2
+
+
+def test_command_names_the_shadow_check(tmp_path):
+    base = TrainConfig(**TINY, preset="fp8-delayed", shadow_every=5)
+    assert "--shadow-every 5 --shadow-threshold 0.05" in _command(["bf16", "mxfp8"], base, tmp_path)
+    assert "--shadow-every" not in _command(["bf16"], TrainConfig(**TINY), tmp_path)
+
+
 def test_cli_compare(tmp_path, capsys):
     assert main(["compare", "--presets", "bf16,mxfp8", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
-                 "--max-bytes", "200000", "--out", str(tmp_path)]) == 0
-    assert "mxfp8" in capsys.readouterr().out
+                 "--max-bytes", "200000", "--shadow-every", "1", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mxfp8" in out and "fallbacks" in out
     assert (tmp_path / "numerics_heatmap.png").is_file()
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "--shadow-every 1" in summary["command"]
+    assert {name: m["fallbacks"] for name, m in summary["presets"].items()} == {"bf16": 0, "mxfp8": 0}
 
 
 def test_cli_compare_rejects_unknown_preset(tmp_path):

@@ -13,6 +13,9 @@ from rich.table import Table
 
 console = Console()
 
+AUDIT_BYTES = 100_000  # corpus bytes the audited batch is drawn from
+AUDIT_SEQ_LEN = 64  # bytes per sequence of the audited Llama batch (TrainConfig's default seq_len)
+
 
 def cmd_formats(args: argparse.Namespace) -> int:
     """Print the number-format table (every limit derived from the bit layout)."""
@@ -85,15 +88,28 @@ def cmd_audit(args: argparse.Namespace) -> int:
         return 2
     policy = PrecisionPolicy.preset(args.preset)
     torch.manual_seed(args.seed)
-    model = policy.apply(ByteMLP())
-    data = stdlib_bytes(100_000)
-    g = torch.Generator().manual_seed(args.seed)
-    start = torch.randint(0, data.numel() - model.context - 1, (args.batch,), generator=g)
-    window = data[start[:, None] + torch.arange(model.context + 1)]
-    inputs, targets = window[:, :-1], window[:, -1]
+    if args.model == "byte-mlp":
+        model = policy.apply(ByteMLP())
+        data = stdlib_bytes(AUDIT_BYTES)
+        g = torch.Generator().manual_seed(args.seed)
+        start = torch.randint(0, data.numel() - model.context - 1, (args.batch,), generator=g)
+        window = data[start[:, None] + torch.arange(model.context + 1)]
+        inputs, targets = window[:, :-1], window[:, -1]
 
-    def loss_fn(logits, _inputs):
-        return torch.nn.functional.cross_entropy(logits.float(), targets)
+        def loss_fn(logits, _inputs):
+            return torch.nn.functional.cross_entropy(logits.float(), targets)
+    else:  # the reference Llama: model(x, y) -> (logits, loss)
+        from minifloat.data import BatchLoader, ByteCorpus, DataConfig
+        from minifloat.model import Llama, LlamaConfig
+
+        config = LlamaConfig.preset(args.model)
+        model = policy.apply(Llama(config))
+        corpus = ByteCorpus.load(DataConfig(max_bytes=AUDIT_BYTES))
+        seq_len = min(AUDIT_SEQ_LEN, config.max_seq_len)
+        inputs = next(BatchLoader(corpus.train, batch_size=args.batch, seq_len=seq_len, seed=args.seed))  # (x, y)
+
+        def loss_fn(output, _batch):
+            return output[1]  # the model's fp32 cross-entropy
 
     with policy.autocast("cpu"):
         report = audit(model, inputs, loss_fn=loss_fn)
@@ -114,19 +130,35 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return status
 
 
+def _steps(text: str) -> tuple[int, ...]:
+    """"5,9" -> (5, 9); TrainConfig checks the values."""
+    try:
+        return tuple(int(s) for s in text.split(","))
+    except ValueError:
+        raise ValueError(f"nan_steps must be a comma list of step numbers, e.g. 5,9, got {text!r}") from None
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train the reference Llama on the byte corpus (the Python standard library's sources, or --data) under a
     precision preset: warm-up + cosine LR, AdamW, loss scaling, non-finite and spike guards, evaluation, checkpoints.
-    Writes OUT/log.csv (one row per step), OUT/val.csv, OUT/ckpt and, if tensorboard is installed, TensorBoard logs.
-    Exits with status 2 on an invalid option."""
+    Optional safety nets: --shadow-every (check FP8 against BF16 every N steps and fall back to BF16 while FP8 is
+    off), --rollback-after (after N skipped steps in a row, return to the last snapshot and continue past the bad
+    batches), --embedding-grad-alpha (GLM-130B's embedding gradient shrink); --nan-steps injects NaN losses to try
+    the guards. Writes OUT/log.csv (one row per step; the mode column says fp8 or bf16), OUT/val.csv, OUT/ckpt and,
+    if tensorboard is installed, TensorBoard logs. Exits with status 2 on an invalid option."""
     from minifloat.train import TrainConfig, train
 
     fields = {"model": args.model, "preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
-              "seq_len": args.seq_len, "lr": args.lr, "seed": args.seed, "data": args.data, "out": args.out,
-              "eval_every": args.eval_every, "checkpoint_every": args.checkpoint_every, "resume": args.resume,
+              "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "data": args.data,
+              "max_bytes": args.max_bytes, "out": args.out, "eval_every": args.eval_every,
+              "eval_batches": args.eval_batches, "checkpoint_every": args.checkpoint_every, "resume": args.resume,
               "fp8_format": args.fp8_format, "fp8_amax_history_len": args.fp8_amax_history_len,
-              "fp8_margin": args.fp8_margin}
+              "fp8_margin": args.fp8_margin, "shadow_every": args.shadow_every,
+              "shadow_threshold": args.shadow_threshold, "rollback_after": args.rollback_after,
+              "snapshot_every": args.snapshot_every, "embedding_grad_alpha": args.embedding_grad_alpha}
     try:
+        if args.nan_steps is not None:
+            fields["nan_steps"] = _steps(args.nan_steps)
         # --lr alone moves the floor with it (min_lr = lr / 10, nanoGPT's rule of thumb)
         config = TrainConfig(**{k: v for k, v in fields.items() if v is not None},
                              **({"min_lr": args.lr / 10} if args.lr is not None else {}))
@@ -142,6 +174,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     t.add_row("final val loss", f"{result.val_losses[-1][1]:.4f}" if result.val_losses else "-")
     t.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
     t.add_row("skipped steps", ", ".join(f"{s} ({r})" for s, r in result.skipped) or "none")
+    t.add_row("shadow switches", (", ".join(f"{s} (to {to})" for s, to, _ in result.shadow_events) or "none")
+              if config.shadow_every else "off")
+    t.add_row("FP8 fallbacks", str(len(result.fallbacks)) if config.shadow_every else "off")
+    t.add_row("rollbacks", (", ".join(f"{s} (back to {to}, {n} batches skipped)" for s, to, n in result.rollbacks)
+                            or "none") if config.rollback_after else "off")
     t.add_row("outputs", str(pathlib.Path(config.out)))
     console.print(t)
     return 0
@@ -151,14 +188,19 @@ def cmd_compare(args: argparse.Namespace) -> int:
     """Train the reference Llama once per precision preset (same seed, data, model and steps; each into OUT/<preset>)
     and compare them against BF16 (added when not listed). Writes OUT/summary.json, OUT/loss_curves.png (training
     loss and its % difference to BF16, with the ±1% band and DeepSeek-V3's 0.25%) and OUT/numerics_heatmap.png
-    (per-layer SQNR of every FP8 cast after training). The defaults take about three minutes on 2 CPU cores.
+    (per-layer SQNR of every FP8 cast after training). With --shadow-every the FP8 presets run the shadow check
+    and the table counts their fallbacks to BF16. The defaults take about three minutes on 2 CPU cores.
     Exits with status 2 on an invalid option."""
     import dataclasses
 
     from minifloat.compare import DEFAULT_CONFIG, compare
+    from minifloat.policy import PRESETS
 
     fields = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-              "seed": args.seed, "data": args.data, "max_bytes": args.max_bytes}
+              "seed": args.seed, "data": args.data, "max_bytes": args.max_bytes, "shadow_every": args.shadow_every,
+              "shadow_threshold": args.shadow_threshold}
+    if args.shadow_every:
+        fields["preset"] = "fp8-delayed"  # base's preset is replaced per run; an FP8 one may carry shadow_every
     try:
         base = dataclasses.replace(DEFAULT_CONFIG, **{k: v for k, v in fields.items() if v is not None})
         presets = [p.strip() for p in args.presets.split(",") if p.strip()]
@@ -169,13 +211,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     t = Table(title=f"{base.model} · {base.steps} steps · batch {base.batch_size} × {base.seq_len} · "
                     f"seed {base.seed}")
     t.add_column("preset", no_wrap=True)
-    for col in ("final train loss", "final val loss", "vs bf16", "tokens/s", "skipped"):
+    for col in ("final train loss", "final val loss", "vs bf16", "tokens/s", "skipped", "fallbacks"):
         t.add_column(col, justify="right")
     for name, m in summary["presets"].items():
         t.add_row(name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}",
-                  f"{m['rel_diff_vs_bf16']:+.2%}", f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"]))
+                  f"{m['rel_diff_vs_bf16']:+.2%}", f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"]),
+                  str(m["fallbacks"]) if base.shadow_every and PRESETS[name].recipe is not None else "-")
     console.print(t)
-    console.print("vs bf16 = relative difference of the final validation loss.")
+    console.print("vs bf16 = relative difference of the final validation loss; fallbacks = FP8 -> BF16 switches of "
+                  "the shadow check (--shadow-every; - where it is off).")
     for path in summary["files"].values():
         console.print(f"wrote {path}")
     return 0
@@ -204,8 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="record the dtype every op of a model runs in and flag policy violations",
                        description=cmd_audit.__doc__)
-    a.add_argument("--model", default="byte-mlp", choices=["byte-mlp"],
-                   help="model to audit (default byte-mlp, the demo's model)")
+    from minifloat.model import SIZES
+
+    a.add_argument("--model", default="byte-mlp", choices=["byte-mlp", *SIZES],
+                   help=f"model to audit: byte-mlp (the demo's model) or a reference Llama size ({', '.join(SIZES)}) "
+                        f"on a batch of {AUDIT_SEQ_LEN}-byte sequences (default byte-mlp)")
     a.add_argument("--preset", default="fp8-delayed",
                    help="precision policy preset: fp32, bf16, fp16, fp8-delayed (default), fp8-current, fp8-block, "
                         "mxfp8")
@@ -217,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", default="", help="write every recorded op and violation as JSON to this path")
     a.set_defaults(func=cmd_audit)
 
+    from minifloat.shadow import ShadowConfig
     from minifloat.train import TrainConfig  # defaults shown in --help come from the config itself
 
     defaults = TrainConfig()
@@ -231,12 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seq-len", type=int, default=None, help=f"bytes per sequence (default {defaults.seq_len})")
     tr.add_argument("--lr", type=float, default=None,
                     help=f"peak learning rate; the cosine floor is lr/10 (default {defaults.lr})")
+    tr.add_argument("--warmup", type=int, default=None,
+                    help=f"steps of linear learning-rate warm-up (default {defaults.warmup})")
     tr.add_argument("--seed", type=int, default=None,
                     help=f"seed for weights and batch order (default {defaults.seed})")
     tr.add_argument("--data", default=None, help="folder of text files (default: the Python standard library)")
+    tr.add_argument("--max-bytes", type=int, default=None,
+                    help=f"cap on the corpus bytes, train + val (default {defaults.max_bytes})")
     tr.add_argument("--out", default=None, help=f"output folder (default {defaults.out})")
     tr.add_argument("--eval-every", type=int, default=None,
                     help=f"steps between validation passes (default {defaults.eval_every})")
+    tr.add_argument("--eval-batches", type=int, default=None,
+                    help=f"validation batches per pass (default {defaults.eval_batches})")
     tr.add_argument("--checkpoint-every", type=int, default=None,
                     help=f"steps between checkpoints into OUT/ckpt, 0 for none (default {defaults.checkpoint_every})")
     tr.add_argument("--resume", action="store_true", default=None, help="continue from OUT/ckpt")
@@ -247,6 +301,25 @@ def build_parser() -> argparse.ArgumentParser:
                     help="steps of amax history of the delayed recipe (needs fp8-delayed)")
     tr.add_argument("--fp8-margin", type=int, default=None, metavar="N",
                     help="scale = fp8_max / amax / 2^N: N bits of headroom (needs fp8-delayed)")
+    tr.add_argument("--shadow-every", type=int, default=None, metavar="N",
+                    help=f"every N steps, run the batch in FP8 and in BF16 and compare the losses; "
+                         f"{ShadowConfig().patience} unhealthy checks in a row move the run to BF16, "
+                         f"{ShadowConfig().recover_after} healthy ones back to FP8; 0 for off (needs an FP8 preset; "
+                         f"default {defaults.shadow_every})")
+    tr.add_argument("--shadow-threshold", type=float, default=None, metavar="X",
+                    help=f"largest healthy relative loss difference |fp8 - bf16| / bf16 of a shadow check "
+                         f"(default {defaults.shadow_threshold})")
+    tr.add_argument("--rollback-after", type=int, default=None, metavar="N",
+                    help=f"after N skipped steps in a row, restore the last snapshot and continue past the bad "
+                         f"batches; 0 for off (default {defaults.rollback_after})")
+    tr.add_argument("--snapshot-every", type=int, default=None, metavar="N",
+                    help=f"steps between the in-memory rollback snapshots (default {defaults.snapshot_every})")
+    tr.add_argument("--embedding-grad-alpha", type=float, default=None, metavar="A",
+                    help=f"multiply the gradient into the token embedding's output by A in (0, 1] (GLM-130B: 0.1); "
+                         f"1 for off (default {defaults.embedding_grad_alpha})")
+    tr.add_argument("--nan-steps", default=None, metavar="S,S",
+                    help="fault injection: comma list of steps whose loss is made NaN, to try the guards (the "
+                         "batch numbers, once a rollback skipped batches; default none)")
     tr.set_defaults(func=cmd_train)
 
     from minifloat.compare import DEFAULT_CONFIG, DEFAULT_PRESETS
@@ -267,6 +340,12 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("--data", default=None, help="folder of text files (default: the Python standard library)")
     c.add_argument("--max-bytes", type=int, default=None,
                    help=f"cap on the corpus bytes, train + val (default {DEFAULT_CONFIG.max_bytes})")
+    c.add_argument("--shadow-every", type=int, default=None, metavar="N",
+                   help="run the FP8-vs-BF16 shadow check every N steps in the FP8 presets and count their fallbacks "
+                        f"to BF16; 0 for off (default {DEFAULT_CONFIG.shadow_every})")
+    c.add_argument("--shadow-threshold", type=float, default=None, metavar="X",
+                   help=f"largest healthy relative loss difference of a shadow check "
+                        f"(default {DEFAULT_CONFIG.shadow_threshold})")
     c.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     c.set_defaults(func=cmd_compare)
     return p

@@ -5,7 +5,8 @@
 
 Every preset trains with the same seed, data, model and steps (`base` with only `preset` and `out` replaced), each
 into out/<preset>/. Then, in `out`:
-    summary.json          per preset: final train / val loss, val loss relative to BF16, tokens/s, skipped steps
+    summary.json          per preset: final train / val loss, val loss relative to BF16, tokens/s, skipped steps,
+                          FP8 -> BF16 fallbacks of the shadow check
     loss_curves.png       training loss per step (raw faint, smoothed solid) and the smoothed loss's % difference
                           to BF16, with the ±1% band and DeepSeek-V3's 0.25% marked
     numerics_heatmap.png  per FP8 preset: SQNR of each layer's casts by tensor role, from telemetry captured on one
@@ -60,7 +61,7 @@ def _summarize(result: TrainResult) -> dict:
             "final_val_loss": result.val_losses[-1][1] if result.val_losses else math.nan,
             "tokens_per_s": result.tokens_per_s,
             "skipped_steps": len(result.skipped),
-            "fallbacks": 0}  # train() reports no FP8 fallbacks yet
+            "fallbacks": len(result.fallbacks)}  # FP8 -> BF16 switches of the shadow check (base.shadow_every)
 
 
 def _command(presets: list[str], base: TrainConfig, out: pathlib.Path) -> str:
@@ -68,6 +69,8 @@ def _command(presets: list[str], base: TrainConfig, out: pathlib.Path) -> str:
     flags = {"--presets": ",".join(presets), "--model": base.model, "--steps": base.steps,
              "--batch-size": base.batch_size, "--seq-len": base.seq_len, "--seed": base.seed, "--data": base.data,
              "--max-bytes": base.max_bytes, "--out": str(out)}
+    if base.shadow_every:
+        flags.update({"--shadow-every": base.shadow_every, "--shadow-threshold": base.shadow_threshold})
     return "minifloat compare " + " ".join(f"{k} {v}" for k, v in flags.items() if v is not None)
 
 
@@ -180,7 +183,8 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
     Args:
         presets: keys of minifloat.policy.PRESETS; "bf16" is added first when missing (it is the baseline).
         base: the run every preset shares; its `preset`, `out` and `resume` are replaced, and checkpoint_every=0
-            becomes `steps` (the numerics capture reloads the final checkpoint).
+            becomes `steps` (the numerics capture reloads the final checkpoint). Its shadow_every (which needs an
+            FP8 preset in `base`) applies to the FP8 presets; the others run without the shadow check.
         out: output folder; preset p trains into out/p/.
         progress: show each run's progress bar.
     Returns:
@@ -199,7 +203,9 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
         presets.insert(0, BASELINE)
     out = pathlib.Path(out)
     configs = {p: dataclasses.replace(base, preset=p, out=str(out / p), resume=False,
-                                      checkpoint_every=base.checkpoint_every or base.steps) for p in presets}
+                                      checkpoint_every=base.checkpoint_every or base.steps,
+                                      shadow_every=base.shadow_every if PRESETS[p].recipe is not None else 0)
+               for p in presets}
 
     results = {}
     for p, config in configs.items():
