@@ -277,3 +277,20 @@ def test_bf16_support_reads_cpuinfo(tmp_path):
     info.write_text("processor : 0\nflags : fpu sse avx2\n")
     assert not bf16_support(str(info)).native
     assert not bf16_support(str(tmp_path / "missing")).native
+
+
+def test_backward_is_recorded_outside_torch_autocast():
+    """A training loop runs backward outside torch.autocast, so the fp32 head's backward matmuls are fp32; run inside
+    the caller's autocast they would be recast to bf16 and the report would be wrong about the backward."""
+    from minifloat.model import Llama, LlamaConfig
+
+    policy = mf.PrecisionPolicy.preset("bf16")
+    model = policy.apply(Llama(LlamaConfig.preset("tiny")))
+    x = torch.randint(0, 256, (2, SEQ))
+    with policy.autocast("cpu"):
+        report = audit(model, (x, x), loss_fn=lambda out, _batch: out[1])
+    head_mm = [r for r in report.records if r.phase == "backward" and r.module == "lm_head" and "mm" in r.op]
+    assert head_mm and {r.precision for r in head_mm} == {"float32"}
+    proj_mm = [r for r in report.records if r.phase == "backward" and r.module.endswith("q_proj") and "mm" in r.op]
+    assert proj_mm and {r.precision for r in proj_mm} == {"bfloat16"}  # autocast's bf16 weights, saved in forward
+    assert report.ok

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from minifloat import _compile
+from minifloat._amp import autocast_off
 from minifloat.autograd import Fp8LinearFunction
 from minifloat.modules import _STATE, Fp8Linear
 
@@ -363,7 +364,10 @@ def audit(model: nn.Module, batch, *, loss_fn: Callable | None = None,
             loss = loss_fn(output, batch)
             tracker.claim(loss, LOSS, "", boundary)
             if loss.requires_grad and params:
-                torch.autograd.grad(loss, params, allow_unused=True)  # leaves .grad untouched
+                # a training loop runs backward outside torch.autocast; inside it, the backward of fp32 ops
+                # (the head, attention) would be recast to bf16 and misreported
+                with autocast_off(params[0].device.type):
+                    torch.autograd.grad(loss, params, allow_unused=True)  # leaves .grad untouched
             else:
                 log.warning("minifloat.audit: the loss needs no gradient; only the forward was audited")
     finally:
