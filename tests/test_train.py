@@ -51,6 +51,23 @@ def test_log_has_one_row_per_step(config):
     assert {r["mode"] for r in rows} == {""}  # bf16 has no FP8 recipe, so no mode
 
 
+def test_tensorboard_gets_the_logged_scalars(config):
+    pytest.importorskip("tensorboard", reason="tensorboard is optional (in the dev extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    result = train(config, progress=False)
+    events = EventAccumulator(config.out)
+    events.Reload()
+    loss = events.Scalars("train/loss")
+    assert [e.step for e in loss] == list(range(config.steps))
+    assert [e.value for e in loss] == pytest.approx(list(result.losses), rel=1e-6)  # stored as float32
+    val = events.Scalars("val/loss")
+    assert [e.step for e in val] == [step for step, _ in result.val_losses]
+    assert [e.value for e in val] == pytest.approx([v for _, v in result.val_losses], rel=1e-6)
+    for tag in ("train/lr", "train/grad_norm", "train/tokens_per_s"):
+        assert len(events.Scalars(tag)) == config.steps
+
+
 def test_resume_is_bitwise(tmp_path):
     n = 6
     whole = train(TrainConfig(**{**SMALL, "steps": 2 * n}, preset="fp8-delayed", out=str(tmp_path / "a")),
