@@ -10,6 +10,7 @@ Usage:
     python benchmarks/convergence.py                                       # 10.7M-parameter model; about 2 hours
     python benchmarks/convergence.py --model tiny --steps 50 --seeds 0     # smoke run, a minute
     python benchmarks/convergence.py --json docs/bench_convergence_10m.json --markdown out.md
+    python benchmarks/convergence.py --throughput-steps 30                 # tokens/s per preset, a few minutes
 
 This is a measurement: nothing here is asserted. The same-machine baseline is the BF16 run of each seed.
 """
@@ -17,6 +18,7 @@ This is a measurement: nothing here is asserted. The same-machine baseline is th
 from __future__ import annotations
 
 import argparse
+import csv
 import dataclasses
 import json
 import pathlib
@@ -29,7 +31,9 @@ import time
 import torch
 
 from minifloat.compare import BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, compare
-from minifloat.train import TrainConfig
+from minifloat.train import TrainConfig, train
+
+WARMUP_STEPS = 5  # the first steps compile the quantization kernels
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -49,6 +53,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="take each preset's run that already finished in OUT/seed<N>/<preset> with the same config "
                         "instead of training it again (compare(reuse=True)): resume an interrupted benchmark, or "
                         "gather presets trained in separate processes")
+    p.add_argument("--throughput-steps", type=int, default=0, metavar="N",
+                   help="instead of the convergence runs: train each preset N steps (seed 0), one after another, and "
+                        "report the median tokens/s of the steps after the first 5 (compilation), as a ratio to BF16")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     p.add_argument("--markdown", default="", help="write the table as Markdown to this path")
     return p.parse_args(argv)
@@ -79,6 +86,23 @@ def table(presets: list[str], seeds: list[int], summaries: dict[int, dict]) -> t
     return rows, agg
 
 
+def throughput(presets: list[str], base: TrainConfig, steps: int, out: pathlib.Path) -> tuple[list[str], dict]:
+    """Median per-step tokens/s of each preset over `steps` steps after WARMUP_STEPS, as Markdown rows and numbers."""
+    agg = {}
+    for p in presets:
+        config = dataclasses.replace(base, preset=p, steps=steps, eval_every=steps, eval_batches=1,
+                                     out=str(out / "throughput" / p), checkpoint_every=0)
+        train(config, progress=False)
+        with open(pathlib.Path(config.out) / "log.csv", newline="") as f:
+            rates = [float(r["tokens_per_s"]) for r in csv.DictReader(f)][WARMUP_STEPS:]
+        agg[p] = {"tokens_per_s": statistics.median(rates)}
+    rows = ["| preset | tokens/s | × bf16 |", "|---|---:|---:|"]
+    for p, m in agg.items():
+        m["vs_bf16"] = m["tokens_per_s"] / agg[BASELINE]["tokens_per_s"]
+        rows.append(f"| {p} | {m['tokens_per_s']:,.0f} | {m['vs_bf16']:.2f} |")
+    return rows, agg
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
@@ -90,10 +114,14 @@ def main(argv: list[str] | None = None) -> int:
                        eval_batches=args.eval_batches, max_bytes=args.max_bytes, checkpoint_every=0)
     out = pathlib.Path(args.out)
     summaries, started = {}, time.perf_counter()
-    for seed in seeds:
-        summaries[seed] = compare(presets, base=dataclasses.replace(base, seed=seed), out=out / f"seed{seed}",
-                                  reuse=args.reuse)
-    rows, agg = table(presets, seeds, summaries)
+    if args.throughput_steps:
+        rows, agg = throughput(presets, base, args.throughput_steps, out)
+        seeds = [base.seed]
+    else:
+        for seed in seeds:
+            summaries[seed] = compare(presets, base=dataclasses.replace(base, seed=seed), out=out / f"seed{seed}",
+                                      reuse=args.reuse)
+        rows, agg = table(presets, seeds, summaries)
     text = "\n".join(rows)
     print(text)
     meta = {"command": "python benchmarks/convergence.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
