@@ -80,3 +80,31 @@ def test_cli_compare(tmp_path, capsys):
 
 def test_cli_compare_rejects_unknown_preset(tmp_path):
     assert main(["compare", "--presets", "bf16,fp7", "--out", str(tmp_path)]) == 2
+
+
+def test_reuse_rebuilds_finished_runs_without_training(summary, monkeypatch):
+    out, s = summary
+    import minifloat.compare as compare_module
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("reuse=True trained a run that had already finished")
+
+    monkeypatch.setattr(compare_module, "train", no_training)
+    again = compare(["fp8-current"], base=TrainConfig(**TINY, seed=0), out=out, progress=False, reuse=True)
+    for name, m in s["presets"].items():
+        for key in ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "skipped_steps", "fallbacks"):
+            assert again["presets"][name][key] == m[key], (name, key)
+        # tokens/s comes back from the per-step timings of log.csv: the same up to their rounding in the file
+        assert again["presets"][name]["tokens_per_s"] == pytest.approx(m["tokens_per_s"], rel=1e-6)
+
+
+def test_reuse_trains_again_when_the_config_differs(summary, monkeypatch):
+    out, _ = summary
+    import minifloat.compare as compare_module
+
+    trained = []
+    monkeypatch.setattr(compare_module, "train", lambda config, **kw: trained.append(config.preset) or
+                        (_ for _ in ()).throw(RuntimeError("stop")))
+    with pytest.raises(RuntimeError, match="stop"):
+        compare(["fp8-current"], base=TrainConfig(**TINY, seed=1), out=out, progress=False, reuse=True)
+    assert trained == ["bf16"]  # seed 1 was never run here: nothing to reuse

@@ -15,6 +15,7 @@ into out/<preset>/. Then, in `out`:
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import logging
@@ -24,7 +25,7 @@ import pathlib
 import torch
 
 from minifloat import telemetry
-from minifloat.checkpoint import load_checkpoint
+from minifloat.checkpoint import _decode, load_checkpoint
 from minifloat.data import ByteCorpus, DataConfig, val_batches
 from minifloat.model import Llama, LlamaConfig
 from minifloat.policy import PRESETS
@@ -35,8 +36,9 @@ log = logging.getLogger("minifloat")
 
 BASELINE = "bf16"
 DEFAULT_PRESETS = ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8")
-# Five presets of the tiny model in about two minutes on 2 CPU cores (measured 113 s; FP8 emulation dominates)
-DEFAULT_CONFIG = TrainConfig(model="tiny", steps=400, batch_size=16, seq_len=64, eval_every=100, eval_batches=4,
+# Five presets of the tiny model in about two minutes on 2 CPU cores (FP8 emulation dominates). The learning rate is
+# TrainConfig's 1e-3: at 3e-3 the tiny model's FP8 runs wander 1-2% from BF16, by seed (docs/benchmarks.md)
+DEFAULT_CONFIG = TrainConfig(model="tiny", steps=400, batch_size=16, seq_len=64, eval_every=100, eval_batches=16,
                              out="runs/compare")
 SMOOTHING = 0.9  # EMA weight of the previous smoothed loss (TensorBoard's slider)
 RANGE_BAND_PCT = 1.0  # a common acceptance band for low-precision loss curves
@@ -176,8 +178,39 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
     plt.close(fig)
 
 
+def finished_result(config: TrainConfig) -> TrainResult | None:
+    """The TrainResult of a run of `config` that already finished in config.out, rebuilt from its log.csv, val.csv
+    and final checkpoint; None when there is none, or it was made with another config or stopped early.
+
+    Only the summary's fields are rebuilt: losses, final loss, validation losses, tokens/s (from the per-step
+    timings), skipped steps and FP8 -> BF16 switches (from the mode column; their reasons stay in the run's log)."""
+    out = pathlib.Path(config.out)
+    manifest = out / CHECKPOINT_DIR / "manifest.json"
+    if not (manifest.exists() and (out / "log.csv").exists() and (out / "val.csv").exists()):
+        return None
+    extra = _decode(json.loads(manifest.read_text()).get("extra", {}), {})  # plain values, no tensors
+    if extra.get("step") != config.steps or extra.get("config") != dataclasses.asdict(config):
+        return None
+    with open(out / "log.csv", newline="") as f:
+        rows = list(csv.DictReader(f))
+    with open(out / "val.csv", newline="") as f:
+        val = tuple((int(r["step"]), float(r["val_loss"])) for r in csv.DictReader(f))
+    if len(rows) != config.steps or not val or val[-1][0] != config.steps:
+        return None
+    applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
+    seconds = sum(1 / float(r["tokens_per_s"]) for r in rows)  # per token; dt = tokens_per_step / tokens_per_s
+    modes = [r.get("mode", "") for r in rows]
+    fallbacks = tuple((int(rows[i]["step"]), "see log.csv") for i in range(1, len(rows))
+                      if modes[i] == "bf16" and modes[i - 1] != "bf16")
+    return TrainResult(first_step=0, losses=tuple(float(r["loss"]) for r in rows),
+                       final_loss=applied[-1] if applied else math.nan, val_losses=val,
+                       tokens_per_s=len(rows) / seconds if seconds else 0.0,
+                       skipped=tuple((int(r["step"]), r["reason"]) for r in rows if r["skipped"] != "0"),
+                       fallbacks=fallbacks)
+
+
 def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: TrainConfig = DEFAULT_CONFIG,
-            out: str | pathlib.Path = "runs/compare", progress: bool = True) -> dict:
+            out: str | pathlib.Path = "runs/compare", progress: bool = True, reuse: bool = False) -> dict:
     """Train `base` under each preset and write summary.json, loss_curves.png and numerics_heatmap.png into `out`.
 
     Args:
@@ -187,6 +220,8 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
             FP8 preset in `base`) applies to the FP8 presets; the others run without the shadow check.
         out: output folder; preset p trains into out/p/.
         progress: show each run's progress bar.
+        reuse: take the result of a preset whose run already finished in out/p with the same config (see
+            `finished_result`) instead of training it again, e.g. after an interrupted compare.
     Returns:
         The summary written to summary.json: {"command", "config", "presets": {name: metrics}, "files"}.
         rel_diff_vs_bf16 is (val_loss - val_loss_bf16) / val_loss_bf16, a fraction. numerics_heatmap.png is written
@@ -209,6 +244,10 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
 
     results = {}
     for p, config in configs.items():
+        if reuse and (done := finished_result(config)) is not None:
+            log.info("minifloat: compare: reusing the finished run of %s in %s", p, config.out)
+            results[p] = done
+            continue
         log.info("minifloat: compare: training %s into %s", p, config.out)
         results[p] = train(config, progress=progress)
     metrics = {p: _summarize(r) for p, r in results.items()}
