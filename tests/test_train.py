@@ -68,6 +68,30 @@ def test_tensorboard_gets_the_logged_scalars(config):
         assert len(events.Scalars(tag)) == config.steps
 
 
+def test_level_shift_is_reported(config, monkeypatch):
+    """A loss that jumps to a new level for good: 3 spike skips (GuardConfig.spike_max_skips), then applied."""
+    from minifloat.model import Llama
+
+    jump_at, factor = 30, 20.0  # after the spike window's 20-value warm-up
+    calls = {"n": 0}
+    forward = Llama.forward
+
+    def jumping(self, idx, targets=None):
+        logits, loss = forward(self, idx, targets)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] > jump_at:
+                loss = loss * factor
+        return logits, loss
+
+    monkeypatch.setattr(Llama, "forward", jumping)
+    config = dataclasses.replace(config, steps=40, eval_every=40)
+    result = train(config, progress=False)
+    assert [s for s, _ in result.skipped] == [jump_at, jump_at + 1, jump_at + 2]
+    assert result.level_shifts == (jump_at + 3,)
+    assert all(math.isfinite(v) for v in result.losses)
+
+
 def test_resume_is_bitwise(tmp_path):
     n = 6
     whole = train(TrainConfig(**{**SMALL, "steps": 2 * n}, preset="fp8-delayed", out=str(tmp_path / "a")),

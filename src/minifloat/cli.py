@@ -179,6 +179,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     t.add_row("FP8 fallbacks", str(len(result.fallbacks)) if config.shadow_every else "off")
     t.add_row("rollbacks", (", ".join(f"{s} (back to {to}, {n} batches skipped)" for s, to, n in result.rollbacks)
                             or "none") if config.rollback_after else "off")
+    t.add_row("spike level shifts", ", ".join(map(str, result.level_shifts)) or "none")
     t.add_row("outputs", str(pathlib.Path(config.out)))
     console.print(t)
     return 0

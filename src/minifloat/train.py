@@ -201,6 +201,7 @@ class TrainResult:
         fallbacks: (step, reason) of each switch from FP8 to BF16 by the shadow check in this call.
         shadow_events: (step, mode switched to, reason) of every shadow switch in this call, recoveries included.
         rollbacks: (step, restored step, batches skipped) of each rollback in this call.
+        level_shifts: steps the guard applied as a level shift after a run of spike skips (GuardConfig.spike_max_skips).
     """
 
     first_step: int
@@ -212,6 +213,7 @@ class TrainResult:
     fallbacks: tuple[tuple[int, str], ...] = ()
     shadow_events: tuple[tuple[int, str, str], ...] = ()
     rollbacks: tuple[tuple[int, int, int], ...] = ()
+    level_shifts: tuple[int, ...] = ()
 
 
 def get_lr(step: int, config: TrainConfig) -> float:
@@ -325,7 +327,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     val_file, val_rows = _open_log(out / "val.csv", ("step", "val_loss"), start_step + 1 if config.resume else None)
     writer = _tensorboard(out)
     tokens_per_step = config.batch_size * config.seq_len
-    losses, val_losses, skipped, shadow_events, rollbacks = [], [], [], [], []
+    losses, val_losses, skipped, shadow_events, rollbacks, level_shifts = [], [], [], [], [], []
     final_loss, train_time = math.nan, 0.0
     fp8 = policy.recipe is not None
 
@@ -361,6 +363,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 final_loss = report.loss
             else:
                 skipped.append((step, report.reason.value))
+            if report.level_shift:
+                level_shifts.append(step)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             dt = time.perf_counter() - t0
@@ -402,4 +406,4 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                        tokens_per_s=tokens_per_step * len(losses) / train_time if train_time else 0.0,
                        skipped=tuple(skipped), shadow_events=tuple(shadow_events),
                        fallbacks=tuple((s, reason) for s, to, reason in shadow_events if to == Mode.BF16.value),
-                       rollbacks=tuple(rollbacks))
+                       rollbacks=tuple(rollbacks), level_shifts=tuple(level_shifts))
