@@ -56,9 +56,10 @@ def test_rejects_bad_presets(presets, tmp_path):
 
 def test_summary_counts_fallbacks():
     result = TrainResult(first_step=0, losses=(5.0, 4.0), final_loss=4.0, val_losses=((2, 4.5),), tokens_per_s=1.0,
-                         skipped=(), fallbacks=((0, "unhealthy"), (6, "unhealthy")),
+                         skipped=(),
                          shadow_events=((0, "bf16", "unhealthy"), (4, "fp8", "healthy"), (6, "bf16", "unhealthy")))
     assert _summarize(result)["fallbacks"] == 2
+    assert result.fallbacks == ((0, "unhealthy"), (6, "unhealthy"))  # derived from the switches to bf16
 
 
 def test_command_names_the_shadow_check(tmp_path):
@@ -108,3 +109,20 @@ def test_reuse_trains_again_when_the_config_differs(summary, monkeypatch):
     with pytest.raises(RuntimeError, match="stop"):
         compare(["fp8-current"], base=TrainConfig(**TINY, seed=1), out=out, progress=False, reuse=True)
     assert trained == ["bf16"]  # seed 1 was never run here: nothing to reuse
+
+
+def test_reuse_keeps_the_shadow_fallbacks_with_their_reasons(tmp_path, monkeypatch):
+    # every check unhealthy (FP8 and BF16 losses always differ by more than 1e-9): a fallback after 3 checks
+    base = TrainConfig(**TINY, seed=0, preset="fp8-current", shadow_every=1, shadow_threshold=1e-9)
+    first = compare(["fp8-current"], base=base, out=tmp_path, progress=False)
+    assert first["presets"]["fp8-current"]["fallbacks"] == 1
+    import minifloat.compare as compare_module
+
+    monkeypatch.setattr(compare_module, "train", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
+    config = compare_module.dataclasses.replace(base, out=str(tmp_path / "fp8-current"),
+                                                checkpoint_every=base.checkpoint_every or base.steps)
+    rebuilt = compare_module.finished_result(config)
+    assert len(rebuilt.fallbacks) == 1 and "unhealthy" in rebuilt.fallbacks[0][1]
+    again = compare(["fp8-current"], base=base, out=tmp_path, progress=False, reuse=True)
+    assert again["presets"] == first["presets"] | {
+        p: {**m, "tokens_per_s": again["presets"][p]["tokens_per_s"]} for p, m in first["presets"].items()}

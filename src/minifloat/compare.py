@@ -183,7 +183,7 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     and final checkpoint; None when there is none, or it was made with another config or stopped early.
 
     Only the summary's fields are rebuilt: losses, final loss, validation losses, tokens/s (from the per-step
-    timings), skipped steps and FP8 -> BF16 switches (from the mode column; their reasons stay in the run's log)."""
+    timings), skipped steps and the shadow check's switches (from the checkpoint's shadow state)."""
     out = pathlib.Path(config.out)
     manifest = out / CHECKPOINT_DIR / "manifest.json"
     if not (manifest.exists() and (out / "log.csv").exists() and (out / "val.csv").exists()):
@@ -199,14 +199,12 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
         return None
     applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
     seconds = sum(1 / float(r["tokens_per_s"]) for r in rows)  # per token; dt = tokens_per_step / tokens_per_s
-    modes = [r.get("mode", "") for r in rows]
-    fallbacks = tuple((int(rows[i]["step"]), "see log.csv") for i in range(1, len(rows))
-                      if modes[i] == "bf16" and modes[i - 1] != "bf16")
+    events = extra.get("shadow", {}).get("events", [])
     return TrainResult(first_step=0, losses=tuple(float(r["loss"]) for r in rows),
                        final_loss=applied[-1] if applied else math.nan, val_losses=val,
                        tokens_per_s=len(rows) / seconds if seconds else 0.0,
                        skipped=tuple((int(r["step"]), r["reason"]) for r in rows if r["skipped"] != "0"),
-                       fallbacks=fallbacks)
+                       shadow_events=tuple((e["step"], e["switched_to"], e["reason"]) for e in events))
 
 
 def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: TrainConfig = DEFAULT_CONFIG,

@@ -198,7 +198,6 @@ class TrainResult:
         val_losses: (step, mean validation loss) per evaluation, step counted after the update.
         tokens_per_s: trained tokens / time spent in training steps (evaluation and checkpoints excluded).
         skipped: (step, reason) of each step the guard skipped.
-        fallbacks: (step, reason) of each switch from FP8 to BF16 by the shadow check in this call.
         shadow_events: (step, mode switched to, reason) of every shadow switch in this call, recoveries included.
         rollbacks: (step, restored step, batches skipped) of each rollback in this call.
         level_shifts: steps the guard applied as a level shift after a run of spike skips (GuardConfig.spike_max_skips).
@@ -210,10 +209,14 @@ class TrainResult:
     val_losses: tuple[tuple[int, float], ...]
     tokens_per_s: float
     skipped: tuple[tuple[int, str], ...]
-    fallbacks: tuple[tuple[int, str], ...] = ()
     shadow_events: tuple[tuple[int, str, str], ...] = ()
     rollbacks: tuple[tuple[int, int, int], ...] = ()
     level_shifts: tuple[int, ...] = ()
+
+    @property
+    def fallbacks(self) -> tuple[tuple[int, str], ...]:
+        """(step, reason) of each switch from FP8 to BF16 by the shadow check in this call."""
+        return tuple((step, reason) for step, to, reason in self.shadow_events if to == Mode.BF16.value)
 
 
 def get_lr(step: int, config: TrainConfig) -> float:
@@ -405,5 +408,4 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                        val_losses=tuple(val_losses),
                        tokens_per_s=tokens_per_step * len(losses) / train_time if train_time else 0.0,
                        skipped=tuple(skipped), shadow_events=tuple(shadow_events),
-                       fallbacks=tuple((s, reason) for s, to, reason in shadow_events if to == Mode.BF16.value),
                        rollbacks=tuple(rollbacks), level_shifts=tuple(level_shifts))
