@@ -14,7 +14,6 @@ references to fp32-accumulation accuracy; accuracy against the unquantized layer
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 
 import pytest
