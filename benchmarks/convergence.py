@@ -1,6 +1,6 @@
 """FP8 vs BF16 convergence of the reference Llama on the Python standard library, over one or more seeds.
 
-For each seed this runs `minifloat.compare.compare` (every preset trains the same model, on the same data, from the
+For each seed this runs `minifloat.training.compare.compare` (every preset trains the same model, on the same data, from the
 same initial weights) into OUT/seed<N>/ (summary.json, loss_curves.png, numerics_heatmap.png), then prints and
 writes a table of the final validation loss's relative difference to BF16 per preset: per seed, the mean over seeds,
 and whether the mean meets a 1% band and DeepSeek-V3's 0.25% (arXiv:2412.19437 §3.3), with tokens/s per preset
@@ -30,8 +30,8 @@ import time
 
 import torch
 
-from minifloat.compare import BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, compare
-from minifloat.train import TrainConfig, train
+from minifloat.training.compare import BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, compare
+from minifloat.training.loop import TrainConfig, train
 
 WARMUP_STEPS = 5  # the first steps compile the quantization kernels
 

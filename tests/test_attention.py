@@ -9,8 +9,8 @@ import pytest
 import torch
 from torch import nn
 
-from minifloat.attention import attention
-from minifloat.audit import audit
+from minifloat.amp.attention import attention
+from minifloat.safety.audit import audit
 
 # fp32 scores/softmax/PV on bf16 inputs, returned in bf16: one bf16 rounding of the output (2^-8 relative)
 BF16_OUT_RTOL = 2.0**-7

@@ -1,4 +1,4 @@
-"""Tests for minifloat.audit: op-precision audit against AuditRules, and the FP16/BF16 preflight."""
+"""Tests for minifloat.safety.audit: op-precision audit against AuditRules, and the FP16/BF16 preflight."""
 
 import json
 
@@ -9,9 +9,9 @@ import torch.nn.functional as F
 from torch import nn
 
 import minifloat as mf
-from minifloat.audit import BACKWARD, LOSS, AuditRules, OpRecord, audit, check, find_head
-from minifloat.preflight import bf16_support, preflight
-from minifloat.formats import FP16
+from minifloat.safety.audit import BACKWARD, LOSS, AuditRules, OpRecord, audit, check, find_head
+from minifloat.safety.preflight import bf16_support, preflight
+from minifloat.numerics.formats import FP16
 
 VOCAB, DIM, SEQ = 64, 32, 16
 
@@ -282,7 +282,7 @@ def test_bf16_support_reads_cpuinfo(tmp_path):
 def test_backward_is_recorded_outside_torch_autocast():
     """A training loop runs backward outside torch.autocast, so the fp32 head's backward matmuls are fp32; run inside
     the caller's autocast they would be recast to bf16 and the report would be wrong about the backward."""
-    from minifloat.model import Llama, LlamaConfig
+    from minifloat.training.model import Llama, LlamaConfig
 
     policy = mf.PrecisionPolicy.preset("bf16")
     model = policy.apply(Llama(LlamaConfig.preset("tiny")))

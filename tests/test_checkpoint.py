@@ -1,4 +1,4 @@
-"""Tests for minifloat.checkpoint: bitwise resume of an FP8 Llama, tied weights, corrupt and mismatched checkpoints
+"""Tests for minifloat.training.checkpoint: bitwise resume of an FP8 Llama, tied weights, corrupt and mismatched checkpoints
 (which must change nothing), atomic saves, and loading without pickle.
 
 One module-scoped run trains a tiny FP8 Llama (DelayedScaling, AdamW with two parameter groups, an enabled
@@ -23,8 +23,8 @@ import torch
 from safetensors import safe_open
 
 import minifloat as mf
-import minifloat.checkpoint as ckpt
-from minifloat.checkpoint import (
+import minifloat.training.checkpoint as ckpt
+from minifloat.training.checkpoint import (
     FORMAT_VERSION,
     MANIFEST_FILE,
     TENSORS_FILE,
@@ -32,9 +32,9 @@ from minifloat.checkpoint import (
     load_checkpoint,
     save_checkpoint,
 )
-from minifloat.data import BatchLoader
-from minifloat.guards import GuardConfig, StepGuard
-from minifloat.model import Llama, LlamaConfig
+from minifloat.training.data import BatchLoader
+from minifloat.safety.guards import GuardConfig, StepGuard
+from minifloat.training.model import Llama, LlamaConfig
 
 SEED = 0
 OTHER_SEED = 1  # fresh objects start from other weights, so a load that restored nothing would show

@@ -14,7 +14,7 @@ from rich.console import Console
 
 from minifloat import cli
 from minifloat.cli import main
-from minifloat.formats import FORMATS
+from minifloat.numerics.formats import FORMATS
 
 WIDE = 200  # console columns, so that table cells are not wrapped
 # a small train run: tiny Llama, short sequences, a 100 kB corpus; a few seconds on 2 CPU cores

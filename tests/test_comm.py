@@ -7,7 +7,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from minifloat.comm import fp32_allreduce_hook
+from minifloat.distributed.comm import fp32_allreduce_hook
 
 
 @pytest.fixture

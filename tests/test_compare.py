@@ -6,8 +6,8 @@ import math
 import pytest
 
 from minifloat.cli import main
-from minifloat.compare import _command, _summarize, compare
-from minifloat.train import TrainConfig, TrainResult
+from minifloat.training.compare import _command, _summarize, compare
+from minifloat.training.loop import TrainConfig, TrainResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
@@ -85,7 +85,7 @@ def test_cli_compare_rejects_unknown_preset(tmp_path):
 
 def test_reuse_rebuilds_finished_runs_without_training(summary, monkeypatch):
     out, s = summary
-    import minifloat.compare as compare_module
+    import minifloat.training.compare as compare_module
 
     def no_training(*args, **kwargs):
         raise AssertionError("reuse=True trained a run that had already finished")
@@ -101,7 +101,7 @@ def test_reuse_rebuilds_finished_runs_without_training(summary, monkeypatch):
 
 def test_reuse_trains_again_when_the_config_differs(summary, monkeypatch):
     out, _ = summary
-    import minifloat.compare as compare_module
+    import minifloat.training.compare as compare_module
 
     trained = []
     monkeypatch.setattr(compare_module, "train", lambda config, **kw: trained.append(config.preset) or
@@ -116,7 +116,7 @@ def test_reuse_keeps_the_shadow_fallbacks_with_their_reasons(tmp_path, monkeypat
     base = TrainConfig(**TINY, seed=0, preset="fp8-current", shadow_every=1, shadow_threshold=1e-9)
     first = compare(["fp8-current"], base=base, out=tmp_path, progress=False)
     assert first["presets"]["fp8-current"]["fallbacks"] == 1
-    import minifloat.compare as compare_module
+    import minifloat.training.compare as compare_module
 
     monkeypatch.setattr(compare_module, "train", lambda *a, **k: (_ for _ in ()).throw(AssertionError("trained")))
     config = compare_module.dataclasses.replace(base, out=str(tmp_path / "fp8-current"),

@@ -28,16 +28,16 @@ import sys
 
 import pytest
 
-from minifloat.compare import BASELINE, DEFAULT_CONFIG, DEFAULT_PRESETS
-from minifloat.data import ByteCorpus, DataConfig
-from minifloat.train import TrainConfig, train
+from minifloat.training.compare import BASELINE, DEFAULT_CONFIG, DEFAULT_PRESETS
+from minifloat.training.data import ByteCorpus, DataConfig
+from minifloat.training.loop import TrainConfig, train
 
 REFERENCE = pathlib.Path(__file__).parent / "data" / "llama_tiny_bf16_losses.json"
 FP8_BAND = 0.01  # |val_fp8 − val_bf16| / val_bf16; measured 0.03–0.51% over seeds 0–3 (docs/benchmarks.md)
 REFERENCE_EMA_BAND = 0.005  # relative; measured 0.01% (fp32 vs bf16) and 0.03% (1 vs 2 threads) at the worst step
 REFERENCE_VAL_BAND = 0.0025  # relative; measured 0.004% and 0.001%
 OTHER_CORPUS_VAL_BAND = 0.02
-EMA_BETA = 0.9  # as minifloat.compare's curves
+EMA_BETA = 0.9  # as minifloat.training.compare's curves
 FP8_PRESETS = [p for p in DEFAULT_PRESETS if p != BASELINE]
 
 

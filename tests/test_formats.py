@@ -1,4 +1,4 @@
-"""Tests for minifloat.formats: every limit derived from the format table against golden values.
+"""Tests for minifloat.numerics.formats: every limit derived from the format table against golden values.
 
 The golden numbers come from the specifications, not from the table under test:
   * E4M3 / E5M2: OCP 8-bit Floating Point Specification (OFP8) rev 1.0, Table 1;
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import torch
 
-from minifloat.formats import BF16, E2M1, E4M3, E5M2, E8M0, FORMATS, FP16, FP32, NumberFormat, Special, get_format
+from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FORMATS, FP16, FP32, NumberFormat, Special, get_format
 
 # ---------------------------------------------------------------------------------------------------- golden limits
 

@@ -1,4 +1,4 @@
-"""Tests for minifloat.gemm: scaled_mm against float64 matmul of the dequantized operands.
+"""Tests for minifloat.fp8.gemm: scaled_mm against float64 matmul of the dequantized operands.
 
 The reference multiplies exactly what the operands hold (data · scale, dequantized) in float64, so the only error
 left is the GEMM's own: fp32 accumulation for a float32 output, plus the output rounding for bfloat16.
@@ -9,9 +9,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from minifloat.formats import E4M3, E5M2
-from minifloat.gemm import scaled_mm
-from minifloat.quantize import quantize
+from minifloat.numerics.formats import E4M3, E5M2
+from minifloat.fp8.gemm import scaled_mm
+from minifloat.numerics.quantize import quantize
 
 # fp32 accumulation of K ≈ 300 exact products: rounding errors grow like sqrt(K)·2^-24 of the partial sums (measured
 # ≤ 1.2e-7 of max|ref|); the dequantized reference itself carries one fp32 rounding of data · scale per operand.
@@ -168,7 +168,7 @@ def test_unknown_backend_from_environment_raises(operands, monkeypatch):
                          ids=["fp32", "bf16"])
 @pytest.mark.parametrize("fa, fb", [c[1:] for c in FORMAT_PAIRS], ids=[c[0] for c in FORMAT_PAIRS])
 def test_native_matches_emulated(granularity, out_dtype, rtol, fa, fb):
-    from minifloat.gemm import native_fp8_available
+    from minifloat.fp8.gemm import native_fp8_available
 
     if not native_fp8_available():
         pytest.skip("GPU has no FP8 tensor cores (needs SM 8.9+)")

@@ -1,4 +1,4 @@
-"""Tests for minifloat.guards (non-finite guard, spike guard, rollback) and minifloat.stability (embedding gradient
+"""Tests for minifloat.safety.guards (non-finite guard, spike guard, rollback) and minifloat.safety.stability (embedding gradient
 shrink, z-loss, per-group clipping, weight-decay groups).
 
 Training runs use a small MLP converted to FP8 with DelayedScaling on every layer (keep_first_last=False), so FP8
@@ -18,8 +18,8 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.guards import GuardConfig, RollbackEvent, SkipReason, SpikeDetector, StepGuard
-from minifloat.stability import (
+from minifloat.safety.guards import GuardConfig, RollbackEvent, SkipReason, SpikeDetector, StepGuard
+from minifloat.safety.stability import (
     GradNorms,
     ShrinkEmbeddingGrad,
     StabilityConfig,

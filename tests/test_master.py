@@ -1,4 +1,4 @@
-"""Tests for minifloat.master: float32 master weights keep updates that bfloat16 parameters round away."""
+"""Tests for minifloat.amp.master: float32 master weights keep updates that bfloat16 parameters round away."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.master import MasterWeightOptimizer, MasterWeights
+from minifloat.amp.master import MasterWeightOptimizer, MasterWeights
 
 # the issue's case: an update of 1e-4 relative to a weight of 1.0, for 100 steps
 LR, STEPS = 1e-4, 100

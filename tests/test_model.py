@@ -1,4 +1,4 @@
-"""Tests for minifloat.model: config validation and sizes, shapes, causality, RoPE, tying, QK-norm, the loss, and
+"""Tests for minifloat.training.model: config validation and sizes, shapes, causality, RoPE, tying, QK-norm, the loss, and
 the model under mf.convert, PrecisionPolicy and the precision audit."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.audit import audit
-from minifloat.model import SIZES, Llama, LlamaConfig, apply_rope, rope_tables, swiglu_hidden
-from minifloat.policy import ISLAND_ATTR, PrecisionPolicy
+from minifloat.safety.audit import audit
+from minifloat.training.model import SIZES, Llama, LlamaConfig, apply_rope, rope_tables, swiglu_hidden
+from minifloat.amp.policy import ISLAND_ATTR, PrecisionPolicy
 
 # fp32 maths on identical inputs; only summation order may differ
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-5

@@ -1,6 +1,6 @@
-"""Tests for minifloat.modules (with minifloat.autograd and minifloat.telemetry behind it): Fp8Linear, convert, autocast.
+"""Tests for minifloat.fp8.modules (with minifloat.fp8.autograd and minifloat.fp8.telemetry behind it): Fp8Linear, convert, autocast.
 
-References are float64 matmuls of exactly what the layer quantized, rebuilt here with minifloat.quantize.quantize
+References are float64 matmuls of exactly what the layer quantized, rebuilt here with minifloat.numerics.quantize.quantize
 under the recipe's spec and following autograd.py's documented transposes:
     fprop:  x @ Wᵀ  = y      x, W quantized along K
     dgrad:  dy @ W  = dx     dy along N; W along N: the forward's FP8 W transposed for "tensor"/"block" scales,
@@ -22,9 +22,9 @@ from torch import nn
 
 import minifloat as mf
 from recipe_cases import RECIPES
-from minifloat import telemetry
-from minifloat.quantize import Quantized, quantize, sqnr_db
-from minifloat.recipes import ROLES, Role
+from minifloat.fp8 import telemetry
+from minifloat.numerics.quantize import Quantized, quantize, sqnr_db
+from minifloat.fp8.recipes import ROLES, Role
 
 # fp32 accumulation over K = 192 exact FP8 products (and fp32 dequantization of the operands in the reference):
 # measured ≤ 1.2e-7 of max|ref|

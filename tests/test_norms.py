@@ -1,4 +1,4 @@
-"""Tests for minifloat.norms: fp32-internal RMSNorm / LayerNorm against float64 references, and swap_norms."""
+"""Tests for minifloat.amp.norms: fp32-internal RMSNorm / LayerNorm against float64 references, and swap_norms."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.norms import LayerNorm, RMSNorm, fp32_norm, swap_norms
+from minifloat.amp.norms import LayerNorm, RMSNorm, fp32_norm, swap_norms
 
 # fp32 compute of a 256-wide norm against float64: a few fp32 ulps (u = 2^-24) per reduction step, measured ≤ 1e-6
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6

@@ -1,4 +1,4 @@
-"""Tests for minifloat.policy: presets, validation, apply() on a plain nn.Module, autocast and describe()."""
+"""Tests for minifloat.amp.policy: presets, validation, apply() on a plain nn.Module, autocast and describe()."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ from rich.console import Console
 from torch import nn
 
 import minifloat as mf
-from minifloat.master import MasterWeightOptimizer
-from minifloat.norms import LayerNorm, RMSNorm
-from minifloat.policy import ISLAND_ATTR, PRESETS, PrecisionPolicy
+from minifloat.amp.master import MasterWeightOptimizer
+from minifloat.amp.norms import LayerNorm, RMSNorm
+from minifloat.amp.policy import ISLAND_ATTR, PRESETS, PrecisionPolicy
 
 # fp32 islands against an fp32 copy of the same module: identical maths, only summation order may differ
 FP32_RTOL, FP32_ATOL = 1e-5, 1e-6

@@ -3,7 +3,7 @@
 import torch
 
 import minifloat as mf
-from minifloat.formats import NumberFormat
+from minifloat.numerics.formats import NumberFormat
 
 FIXED = ["E4M3", "E5M2", "E8M0", "E2M1", "BF16", "FP16", "FP32", "cast", "quantize", "Quantized", "DelayedScaling",
          "CurrentScaling", "BlockScaling", "MXScaling", "Fp8Linear", "convert", "autocast", "PrecisionPolicy",

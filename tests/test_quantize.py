@@ -1,4 +1,4 @@
-"""Tests for minifloat.quantize: `cast` bit for bit against ml_dtypes, and `quantize` at every granularity.
+"""Tests for minifloat.numerics.quantize: `cast` bit for bit against ml_dtypes, and `quantize` at every granularity.
 
 ml_dtypes is an independent implementation of the OCP formats (round-to-nearest-even, subnormals kept) that does not
 saturate, so the reference for the saturating `cast` is  clip(x, -max, max) -> ml_dtypes -> float32.
@@ -16,12 +16,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifloat._compile import compile_enabled
-from minifloat.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, NumberFormat
-from minifloat.quantize import GRANULARITIES, MX_BLOCK, TILE, Quantized, cast, quantize, scale_from_amax, sqnr_db
+from minifloat.numerics.compiling import compile_enabled
+from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, NumberFormat
+from minifloat.numerics.quantize import GRANULARITIES, MX_BLOCK, TILE, Quantized, cast, quantize, scale_from_amax, sqnr_db
 
-# `minifloat.quantize` is also the name of the function the package exports, so fetch the module itself
-Q = importlib.import_module("minifloat.quantize")
+# `minifloat.numerics.quantize` is also the name of the function the package exports, so fetch the module itself
+Q = importlib.import_module("minifloat.numerics.quantize")
 EAGER_KERNEL = Q._cast_kernel_compiled.eager  # the plain Python function behind the compiled kernel
 
 # (name, format, ml_dtypes type) for the element formats ml_dtypes implements

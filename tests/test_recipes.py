@@ -1,4 +1,4 @@
-"""Tests for minifloat.recipes: validation, immutability and the per-role cast specs each recipe documents.
+"""Tests for minifloat.fp8.recipes: validation, immutability and the per-role cast specs each recipe documents.
 
 The documented specs come from the recipes' sources of truth, not from the code under test:
   * DelayedScaling / CurrentScaling "hybrid": Transformer Engine's Format.HYBRID — E4M3 forward (input, weight),
@@ -15,8 +15,8 @@ import re
 
 import pytest
 
-from minifloat.formats import E4M3, E5M2
-from minifloat.recipes import (
+from minifloat.numerics.formats import E4M3, E5M2
+from minifloat.fp8.recipes import (
     ROLES,
     BlockScaling,
     CurrentScaling,

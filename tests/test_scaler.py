@@ -1,4 +1,4 @@
-"""Tests for minifloat.scaler: GradScaler equivalence, hysteresis, bounds, records, state and the disabled no-op.
+"""Tests for minifloat.amp.scaler: GradScaler equivalence, hysteresis, bounds, records, state and the disabled no-op.
 
 The reference for the scale sequence is torch.amp.GradScaler itself (device "cpu"), run on the same gradients; the
 reference for hysteresis is Megatron-LM's DynamicGradScaler.update (megatron/core/optimizer/grad_scaler.py): an
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.scaler import (
+from minifloat.amp.scaler import (
     LossScaler,
     SkipReason,
     StepRecord,

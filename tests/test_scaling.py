@@ -1,4 +1,4 @@
-"""Tests for minifloat.scaling: the delayed-scaling update rule, non-finite handling, state_dict and reduce_amax.
+"""Tests for minifloat.fp8.scaling: the delayed-scaling update rule, non-finite handling, state_dict and reduce_amax.
 
 The reference is Transformer Engine's delayed scaling (transformer_engine/pytorch/fp8.py, `_default_sf_compute` and
 `_update_amax_history`), re-implemented below on Python floats:
@@ -19,10 +19,10 @@ import pytest
 import torch
 from torch import nn
 
-from minifloat.formats import E4M3, E5M2
-from minifloat.modules import Fp8Linear
-from minifloat.recipes import ROLES, DelayedScaling, Role
-from minifloat.scaling import ScalingState, reduce_amax, scaling_states
+from minifloat.numerics.formats import E4M3, E5M2
+from minifloat.fp8.modules import Fp8Linear
+from minifloat.fp8.recipes import ROLES, DelayedScaling, Role
+from minifloat.fp8.scaling import ScalingState, reduce_amax, scaling_states
 
 FORMATS = {Role.INPUT: E4M3, Role.WEIGHT: E4M3, Role.GRAD_OUTPUT: E5M2}
 FMT_MAX = [FORMATS[role].max for role in ROLES]

@@ -1,4 +1,4 @@
-"""Tests for minifloat.shadow: the FP8 ↔ BF16 shadow check and its automatic fallback and recovery."""
+"""Tests for minifloat.safety.shadow: the FP8 ↔ BF16 shadow check and its automatic fallback and recovery."""
 
 import dataclasses
 import json
@@ -10,10 +10,10 @@ import torch.nn.functional as F
 from torch import nn
 
 import minifloat as mf
-from minifloat import _compile
-from minifloat.formats import E4M3
-from minifloat.recipes import Role
-from minifloat.shadow import Mode, ShadowCheck, ShadowConfig, grad_cosine
+from minifloat.numerics.compiling import eager_kernels
+from minifloat.numerics.formats import E4M3
+from minifloat.fp8.recipes import Role
+from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig, grad_cosine
 
 IN, HIDDEN, OUT, BATCH = 32, 64, 16, 64
 # DelayedScaling's scale is fp8_max / amax / 2^margin: with margin 24 every value x·scale ≤ 448·2^-24 lies below half
@@ -28,9 +28,10 @@ ONE_STEP_GROWTH = 0.01  # one SGD step at LR moves a weight's amax by far less t
 
 
 @pytest.fixture(autouse=True)
-def setup(monkeypatch):
+def setup():
     torch.manual_seed(0)
-    monkeypatch.setattr(_compile, "compile_enabled", lambda: False)  # eager kernels: no compile time in unit tests
+    with eager_kernels():  # no compile time in unit tests
+        yield
 
 
 def make_model(margin: int) -> nn.Module:
@@ -173,13 +174,13 @@ def test_interval_skips_steps():
 
 
 def test_context_keeps_outer_recipe_and_calibrates():
-    from minifloat.modules import _STATE
+    from minifloat.fp8.modules import current_autocast
 
     shadow = ShadowCheck()
     shadow.mode = Mode.BF16
     recipe = mf.CurrentScaling()
     with mf.autocast(recipe=recipe), shadow.context(0):
-        state = _STATE.get()
+        state = current_autocast()
         assert state.calibrating and state.recipe == recipe
 
 

@@ -1,4 +1,4 @@
-"""minifloat.train: the training loop, its log, bitwise resume, the guards under injected NaNs, rollback, the shadow
+"""minifloat.training.loop: the training loop, its log, bitwise resume, the guards under injected NaNs, rollback, the shadow
 check's BF16 fallback, the embedding gradient shrink, and `minifloat train`."""
 
 from __future__ import annotations
@@ -10,9 +10,9 @@ import math
 import pytest
 import torch
 
-from minifloat import stability
+from minifloat.safety import stability
 from minifloat.cli import main
-from minifloat.train import LOG_FIELDS, TrainConfig, get_lr, train
+from minifloat.training.loop import LOG_FIELDS, TrainConfig, get_lr, train
 
 SMALL = dict(model="tiny", steps=12, batch_size=8, seq_len=32, warmup=2, eval_every=6, eval_batches=2,
              max_bytes=100_000, checkpoint_every=0)
@@ -70,7 +70,7 @@ def test_tensorboard_gets_the_logged_scalars(config):
 
 def test_level_shift_is_reported(config, monkeypatch):
     """A loss that jumps to a new level for good: 3 spike skips (GuardConfig.spike_max_skips), then applied."""
-    from minifloat.model import Llama
+    from minifloat.training.model import Llama
 
     jump_at, factor = 30, 20.0  # after the spike window's 20-value warm-up
     calls = {"n": 0}
@@ -182,7 +182,7 @@ def test_embedding_grad_alpha_shrinks_the_embedding_gradient(config, monkeypatch
 
     monkeypatch.setattr(stability, "shrink_embedding_grad", spy)
     shrunk = train(dataclasses.replace(config, steps=2, embedding_grad_alpha=alpha), progress=False)
-    assert set(grads) == {"in", "out"}, "train did not shrink through minifloat.stability"
+    assert set(grads) == {"in", "out"}, "train did not shrink through minifloat.safety.stability"
     torch.testing.assert_close(grads["in"], grads["out"] * alpha, rtol=0, atol=0)
     plain = train(dataclasses.replace(config, steps=2, out=config.out + "-plain"), progress=False)
     assert shrunk.losses[0] == plain.losses[0] and shrunk.losses[1] != plain.losses[1]  # same start, other update

@@ -1,19 +1,20 @@
 """minifloat: low-precision (FP8 / BF16 / FP16) training for PyTorch that runs anywhere and explains its numerics."""
 
-from minifloat import telemetry
-from minifloat.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, FP32, FORMATS, NumberFormat, get_format
-from minifloat.gemm import scaled_mm
-from minifloat.guards import GuardConfig, StepGuard
-from minifloat.master import MasterWeightOptimizer, MasterWeights
-from minifloat.modules import Fp8Linear, autocast, convert, fp8_layers
-from minifloat.norms import LayerNorm, RMSNorm
-from minifloat.policy import PrecisionPolicy
-from minifloat.quantize import Quantized, cast, quantize, sqnr_db
-from minifloat.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling
-from minifloat.scaler import LossScaler, StepRecord
-from minifloat.scaling import ScalingState, reduce_amax
-from minifloat.shadow import ShadowCheck, ShadowConfig
-from minifloat.stability import StabilityConfig
+from minifloat.fp8 import telemetry
+from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, FP32, FORMATS, NumberFormat, get_format
+from minifloat.fp8.gemm import scaled_mm
+from minifloat.safety.guards import GuardConfig, StepGuard
+from minifloat.amp.master import MasterWeightOptimizer, MasterWeights
+from minifloat.fp8.convert import convert, fp8_layers
+from minifloat.fp8.modules import Fp8Linear, autocast
+from minifloat.amp.norms import LayerNorm, RMSNorm
+from minifloat.amp.policy import PrecisionPolicy
+from minifloat.numerics.quantize import Quantized, cast, quantize, sqnr_db
+from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling
+from minifloat.amp.scaler import LossScaler, StepRecord
+from minifloat.fp8.scaling import ScalingState, reduce_amax
+from minifloat.safety.shadow import ShadowCheck, ShadowConfig
+from minifloat.safety.stability import StabilityConfig
 
 __version__ = "0.1.0"
 
@@ -26,5 +27,5 @@ __all__ = [
     "PrecisionPolicy", "LossScaler", "StepRecord", "RMSNorm", "LayerNorm", "MasterWeights", "MasterWeightOptimizer",
     "StepGuard", "GuardConfig", "ShadowCheck", "ShadowConfig", "StabilityConfig",
 ]
-# the reference model, data, trainer, checkpoints and comparison live in their modules: minifloat.model,
-# minifloat.data, minifloat.train, minifloat.checkpoint, minifloat.compare
+# the reference model, data, trainer, checkpoints and comparison live in their modules: minifloat.training.model,
+# minifloat.training.data, minifloat.training.loop, minifloat.training.checkpoint, minifloat.training.compare

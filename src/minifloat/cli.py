@@ -19,7 +19,7 @@ AUDIT_SEQ_LEN = 64  # bytes per sequence of the audited Llama batch (TrainConfig
 
 def cmd_formats(args: argparse.Namespace) -> int:
     """Print the number-format table (every limit derived from the bit layout)."""
-    from minifloat.formats import FORMATS
+    from minifloat.numerics.formats import FORMATS
 
     rows = [f.describe() for f in FORMATS.values()]
     if args.json:
@@ -40,7 +40,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     """Train one small byte-level MLP LM under fp32, bf16 and every FP8 recipe; print a comparison table."""
     from rich.progress import Progress
 
-    from minifloat.demo import VARIANTS, run_demo
+    from minifloat.training.demo import VARIANTS, run_demo
 
     variants = args.variants.split(",") if args.variants else list(VARIANTS)
     unknown = [v for v in variants if v not in VARIANTS]
@@ -62,7 +62,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
                   "-" if r.max_saturated != r.max_saturated else f"{r.max_saturated:.2%}")
     console.print(t)
     console.print("final loss = mean of the last 20 steps' training loss; SQNR and saturation over every FP8 cast "
-                  "of the last step (see minifloat.telemetry).")
+                  "of the last step (see minifloat.fp8.telemetry).")
     if args.out:
         out = pathlib.Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -78,10 +78,10 @@ def cmd_audit(args: argparse.Namespace) -> int:
     Exits with status 1 when there are violations (or, with --preflight, pre-flight issues)."""
     import torch
 
-    from minifloat.audit import audit
-    from minifloat.preflight import preflight
-    from minifloat.demo import ByteMLP, stdlib_bytes
-    from minifloat.policy import PRESETS, PrecisionPolicy
+    from minifloat.safety.audit import audit
+    from minifloat.safety.preflight import preflight
+    from minifloat.training.demo import ByteMLP, stdlib_bytes
+    from minifloat.amp.policy import PRESETS, PrecisionPolicy
 
     if args.preset not in PRESETS:
         console.print(f"[red]unknown preset {args.preset!r}; choose from {sorted(PRESETS)}")
@@ -99,8 +99,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         def loss_fn(logits, _inputs):
             return torch.nn.functional.cross_entropy(logits.float(), targets)
     else:  # the reference Llama: model(x, y) -> (logits, loss)
-        from minifloat.data import BatchLoader, ByteCorpus, DataConfig
-        from minifloat.model import Llama, LlamaConfig
+        from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig
+        from minifloat.training.model import Llama, LlamaConfig
 
         config = LlamaConfig.preset(args.model)
         model = policy.apply(Llama(config))
@@ -146,7 +146,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     batches), --embedding-grad-alpha (GLM-130B's embedding gradient shrink); --nan-steps injects NaN losses to try
     the guards. Writes OUT/log.csv (one row per step; the mode column says fp8 or bf16), OUT/val.csv, OUT/ckpt and,
     if tensorboard is installed, TensorBoard logs. Exits with status 2 on an invalid option."""
-    from minifloat.train import TrainConfig, train
+    from minifloat.training.loop import TrainConfig, train
 
     fields = {"model": args.model, "preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
               "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "data": args.data,
@@ -194,8 +194,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
     Exits with status 2 on an invalid option."""
     import dataclasses
 
-    from minifloat.compare import DEFAULT_CONFIG, compare
-    from minifloat.policy import PRESETS
+    from minifloat.training.compare import DEFAULT_CONFIG, compare
+    from minifloat.amp.policy import PRESETS
 
     fields = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "seed": args.seed, "data": args.data, "max_bytes": args.max_bytes, "shadow_every": args.shadow_every,
@@ -249,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     a = sub.add_parser("audit", help="record the dtype every op of a model runs in and flag policy violations",
                        description=cmd_audit.__doc__)
-    from minifloat.model import SIZES
+    from minifloat.training.model import SIZES
 
     a.add_argument("--model", default="byte-mlp", choices=["byte-mlp", *SIZES],
                    help=f"model to audit: byte-mlp (the demo's model) or a reference Llama size ({', '.join(SIZES)}) "
@@ -265,8 +265,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--json", default="", help="write every recorded op and violation as JSON to this path")
     a.set_defaults(func=cmd_audit)
 
-    from minifloat.shadow import ShadowConfig
-    from minifloat.train import TrainConfig  # defaults shown in --help come from the config itself
+    from minifloat.safety.shadow import ShadowConfig
+    from minifloat.training.loop import TrainConfig  # defaults shown in --help come from the config itself
 
     defaults = TrainConfig()
     tr = sub.add_parser("train", help="train the reference Llama on the byte corpus under a precision preset",
@@ -323,7 +323,7 @@ def build_parser() -> argparse.ArgumentParser:
                          "batch numbers, once a rollback skipped batches; default none)")
     tr.set_defaults(func=cmd_train)
 
-    from minifloat.compare import DEFAULT_CONFIG, DEFAULT_PRESETS
+    from minifloat.training.compare import DEFAULT_CONFIG, DEFAULT_PRESETS
 
     c = sub.add_parser("compare", help="train under several presets and compare loss curves and numerics with BF16",
                        description=cmd_compare.__doc__)

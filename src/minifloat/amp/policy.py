@@ -21,11 +21,12 @@ import torch
 from rich.table import Table
 from torch import nn
 
-from minifloat.master import MasterWeightOptimizer
-from minifloat.modules import MIN_DIM_MULTIPLE, Fp8Linear, convert
-from minifloat.norms import LayerNorm, RMSNorm, swap_norms
-from minifloat.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, Recipe, check_recipe
-from minifloat.scaling import ScalingState
+from minifloat.amp.master import MasterWeightOptimizer
+from minifloat.fp8.convert import MIN_DIM_MULTIPLE, convert
+from minifloat.fp8.modules import Fp8Linear
+from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
+from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, Recipe, check_recipe
+from minifloat.fp8.scaling import ScalingState
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 HEAD_NAMES = ("lm_head", "head", "output")  # last name component that marks the output head, in priority order
@@ -184,7 +185,7 @@ class PrecisionPolicy:
     def apply(self, model: nn.Module, *, head: str | None = "auto") -> nn.Module:
         """Make `model` (any nn.Module) follow this policy, in place. Call it before building the optimizer.
 
-        1. torch.nn.LayerNorm / RMSNorm become minifloat.norms twins (fp32 compute); other norms, the embeddings,
+        1. torch.nn.LayerNorm / RMSNorm become minifloat.amp.norms twins (fp32 compute); other norms, the embeddings,
            the head, nn.Softmax / LogSoftmax and nn.CrossEntropyLoss / NLLLoss become fp32 islands (forward hooks
            that upcast the inputs, switch autocast off and cast the output back), each as its field says.
         2. Parameters and floating-point buffers of the islands become fp32, all others param_dtype (FP8 scaling

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 
-from minifloat.formats import E4M3, E5M2, NumberFormat
+from minifloat.numerics.formats import E4M3, E5M2, NumberFormat
 
 
 class Role(str, enum.Enum):
@@ -26,6 +26,11 @@ ROLES = (Role.INPUT, Role.WEIGHT, Role.GRAD_OUTPUT)
 class Fp8Format(str, enum.Enum):
     HYBRID = "hybrid"  # E4M3 forward (input, weight), E5M2 backward (gradients) — Transformer Engine's HYBRID
     E4M3 = "e4m3"  # E4M3 for all three tensors
+
+
+# Amax history length: DelayedScaling's default, and the telemetry history every other recipe keeps (so a run that
+# switches to delayed scaling starts from current statistics).
+DEFAULT_AMAX_HISTORY_LEN = 16
 
 
 class AmaxCompute(str, enum.Enum):
@@ -76,7 +81,7 @@ class DelayedScaling:
 
     format: Fp8Format | str = Fp8Format.HYBRID
     margin: int = 0
-    amax_history_len: int = 16
+    amax_history_len: int = DEFAULT_AMAX_HISTORY_LEN
     amax_compute: AmaxCompute | str = AmaxCompute.MAX
 
     def __post_init__(self):
@@ -87,12 +92,25 @@ class DelayedScaling:
         if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
             raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
 
+    delayed = True  # scales come from the amax history, updated once per optimizer step
+
+    @property
+    def history_len(self) -> int:
+        return self.amax_history_len
+
     def spec(self, role: Role) -> CastSpec:
         return CastSpec(_formats(self.format)[role], "tensor", delayed=True, margin=self.margin)
 
 
+class _JustInTime:
+    """Recipes whose scales come from each tensor itself; their history only feeds telemetry."""
+
+    delayed = False
+    history_len = DEFAULT_AMAX_HISTORY_LEN
+
+
 @dataclasses.dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_JustInTime):
     """Current (just-in-time) scaling from each tensor's own amax, per tensor or per row.
 
     "row" scales each row of the input and of grad_output (one scale per token) and each output row of the weight.
@@ -114,7 +132,7 @@ class CurrentScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class BlockScaling:
+class BlockScaling(_JustInTime):
     """DeepSeek-V3 fine-grained scaling (arXiv 2412.19437 §3.3).
 
     E4M3 for every tensor; current scaling per 1×128 tile for activations and activation gradients, per 128×128
@@ -134,7 +152,7 @@ class BlockScaling:
 
 
 @dataclasses.dataclass(frozen=True)
-class MXScaling:
+class MXScaling(_JustInTime):
     """MXFP8 (OCP MX v1.0): blocks of 32 elements along K sharing an E8M0 (power-of-two) scale.
 
     format "e4m3" uses E4M3 for all tensors (the usual MXFP8 training choice), "hybrid" E5M2 for gradients.

@@ -27,16 +27,16 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from minifloat.checkpoint import load_checkpoint, save_checkpoint
-from minifloat.data import BatchLoader, ByteCorpus, DataConfig, val_batches
-from minifloat.guards import GuardConfig, StepGuard
-from minifloat.model import SIZES, Llama, LlamaConfig
-from minifloat.modules import autocast
-from minifloat.policy import PRESETS, PrecisionPolicy
-from minifloat.recipes import DelayedScaling
-from minifloat.scaler import LossScaler
-from minifloat.shadow import Mode, ShadowCheck, ShadowConfig
-from minifloat.stability import StabilityConfig
+from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
+from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
+from minifloat.safety.guards import GuardConfig, StepGuard
+from minifloat.training.model import SIZES, Llama, LlamaConfig
+from minifloat.fp8.modules import autocast
+from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.fp8.recipes import DelayedScaling
+from minifloat.amp.scaler import LossScaler
+from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
+from minifloat.safety.stability import StabilityConfig
 
 log = logging.getLogger("minifloat")
 
@@ -62,8 +62,8 @@ class TrainConfig:
     """One training run.
 
     Args:
-        model: model size, a key of minifloat.model.SIZES ("tiny", "small", "10m", "100m").
-        preset: precision preset, a key of minifloat.policy.PRESETS ("bf16", "fp8-delayed", ...).
+        model: model size, a key of minifloat.training.model.SIZES ("tiny", "small", "10m", "100m").
+        preset: precision preset, a key of minifloat.amp.policy.PRESETS ("bf16", "fp8-delayed", ...).
         steps: optimizer steps to run up to (a resumed run continues from the checkpoint's step to this).
         batch_size, seq_len: B and T of each batch; seq_len <= the model's max_seq_len.
         lr, min_lr: peak learning rate and the floor of the cosine decay (min_lr <= lr).
@@ -84,12 +84,12 @@ class TrainConfig:
         nan_steps: fault injection for testing the guards: the loss on these batches is multiplied by NaN, so their
             gradients are NaN too. Batch k is step k's until a rollback skips batches (so a rolled-back run does not
             meet the same poison again). Leave empty outside tests.
-        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.shadow) every N steps, falling back to BF16 after
+        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.safety.shadow) every N steps, falling back to BF16 after
             ShadowConfig().patience unhealthy checks in a row and returning to FP8 after recover_after healthy ones;
             0 turns it off. Needs a preset with an FP8 recipe.
         shadow_threshold: largest healthy relative loss difference |L_fp8 - L_bf16| / |L_bf16| of a check.
         rollback_after: skipped steps in a row that roll the run back to the last in-memory snapshot and on past
-            the bad batches (PaLM, minifloat.guards); 0 turns rollback off.
+            the bad batches (PaLM, minifloat.safety.guards); 0 turns rollback off.
         snapshot_every: steps between rollback snapshots (used when rollback_after > 0).
         embedding_grad_alpha: multiplier of the gradient flowing into the token embedding's output, in (0, 1]
             (GLM-130B's embedding gradient shrink uses 0.1); 1 turns it off. With tied embeddings the lm_head's

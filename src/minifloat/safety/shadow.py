@@ -29,8 +29,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from minifloat.audit import call_model, restoring_buffers
-from minifloat.modules import _STATE, autocast
+from minifloat.safety.audit import call_model, restoring_buffers
+from minifloat.fp8.modules import current_autocast, autocast
 
 log = logging.getLogger("minifloat")
 
@@ -135,8 +135,8 @@ class ShadowCheck:
         if self.mode == Mode.FP8:
             yield self.mode
             return
-        outer = _STATE.get()
-        log.debug("minifloat.shadow: step %s runs in BF16 (calibrating)", step)
+        outer = current_autocast()
+        log.debug("minifloat.safety.shadow: step %s runs in BF16 (calibrating)", step)
         with autocast(recipe=outer.recipe, backend=outer.backend, calibrating=True):
             yield self.mode
 
@@ -145,7 +145,7 @@ class ShadowCheck:
         return torch.autocast(device_type, dtype=dtype, enabled=dtype != torch.float32)
 
     def _loss_and_grads(self, model: nn.Module, loss_fn: Callable, batch, fp8: bool, params: list[nn.Parameter]):
-        outer = _STATE.get()
+        outer = current_autocast()
         with autocast(recipe=outer.recipe, backend=outer.backend, enabled=fp8), self._autocast(params[0].device.type):
             loss = loss_fn(call_model(model, batch), batch)
         if self.config.grad_cosine_min is None:
@@ -185,7 +185,7 @@ class ShadowCheck:
         Args:
             step: the training step (checked when step % interval == 0).
             model: the model; `loss_fn(model_output, batch)` gives the loss, the model is called as in
-                `minifloat.audit.audit` (tensor: model(batch), tuple: model(*batch), mapping: model(**batch)).
+                `minifloat.safety.audit.audit` (tensor: model(batch), tuple: model(*batch), mapping: model(**batch)).
         Returns:
             The ShadowEvent if this check switched the mode, else None.
         """
@@ -194,7 +194,7 @@ class ShadowCheck:
         result = self.run_check(step, model, loss_fn, batch)
         self.checks.append(result)
         if result.healthy is None:
-            log.warning("minifloat.shadow: step %d: the reference loss is %s; check inconclusive", step,
+            log.warning("minifloat.safety.shadow: step %d: the reference loss is %s; check inconclusive", step,
                         result.ref_loss)
             return None
         if self.mode == Mode.FP8:
@@ -233,7 +233,7 @@ class ShadowCheck:
                   f"(threshold {self.config.threshold:g}), fp8 loss {result.fp8_loss:.6g}, "
                   f"{self.config.reference_dtype} loss {result.ref_loss:.6g}{cos}")
         event = ShadowEvent(result.step, to.value, reason, self.streak, result)
-        log.warning("minifloat.shadow: step %d: switching %s -> %s: %s", result.step, self.mode.value, to.value,
+        log.warning("minifloat.safety.shadow: step %d: switching %s -> %s: %s", result.step, self.mode.value, to.value,
                     reason)
         self.mode, self.streak = to, 0
         self.events.append(event)

@@ -5,7 +5,7 @@ significant bits) and fp16 sums overflow; mixed-precision practice reduces in fp
 does; with bf16/fp16 parameters (pure low-precision storage) register this hook:
 
     ddp = DistributedDataParallel(model)
-    ddp.register_comm_hook(None, minifloat.comm.fp32_allreduce_hook)
+    ddp.register_comm_hook(None, minifloat.distributed.comm.fp32_allreduce_hook)
 """
 
 # no `from __future__ import annotations`: DDP compares the hook's return annotation to the real type

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.data import ByteCorpus, DataConfig
+from minifloat.training.data import ByteCorpus, DataConfig
 
 RECIPES = {
     "fp8-delayed": mf.DelayedScaling(),
@@ -27,7 +27,7 @@ VARIANTS = ("fp32", "bf16", *RECIPES)
 
 
 def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:
-    """The training split of the standard-library corpus (minifloat.data), capped at `limit` bytes, as int64."""
+    """The training split of the standard-library corpus (minifloat.training.data), capped at `limit` bytes, as int64."""
     return ByteCorpus.load(DataConfig(max_bytes=limit)).train.long()
 
 

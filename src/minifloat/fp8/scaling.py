@@ -19,8 +19,8 @@ import logging
 import torch
 from torch import nn
 
-from minifloat.quantize import scale_from_amax
-from minifloat.recipes import ROLES, AmaxCompute, DelayedScaling, Role
+from minifloat.numerics.quantize import scale_from_amax
+from minifloat.fp8.recipes import DEFAULT_AMAX_HISTORY_LEN, ROLES, AmaxCompute, DelayedScaling, Role
 
 log = logging.getLogger("minifloat")
 _COL = {role: i for i, role in enumerate(ROLES)}
@@ -29,7 +29,7 @@ _COL = {role: i for i, role in enumerate(ROLES)}
 class ScalingState(nn.Module):
     """Amax history and scales of one FP8 layer (see module docstring)."""
 
-    def __init__(self, history_len: int = 16, device: torch.device | str | None = None):
+    def __init__(self, history_len: int = DEFAULT_AMAX_HISTORY_LEN, device: torch.device | str | None = None):
         super().__init__()
         if history_len < 1:
             raise ValueError(f"history_len must be >= 1, got {history_len}")

@@ -4,7 +4,7 @@
     dgrad:  dy @ W  = dx       (M, N) · (N, K)
     wgrad:  dyᵀ @ x = dW       (N, M) · (M, K)
 
-Every operand of every GEMM is quantized through `minifloat.quantize.quantize` under the layer's recipe by a
+Every operand of every GEMM is quantized through `minifloat.numerics.quantize.quantize` under the layer's recipe by a
 `LayerCaster`, which also applies delayed scaling, records amaxes and feeds telemetry. With per-tensor scales the
 backward GEMMs reuse the forward's FP8 tensors transposed (exact). With row, tile or MX scales the backward needs the
 operands scaled along the other axis: the weight and the output gradient are re-quantized from high precision, the
@@ -24,11 +24,11 @@ import dataclasses
 
 import torch
 
-from minifloat import telemetry
-from minifloat.gemm import native_fp8_available, operand, scaled_mm
-from minifloat.quantize import Quantized, abs_max, quantize, quantize_t, scale_from_amax
-from minifloat.recipes import ROLES, DelayedScaling, Recipe, Role
-from minifloat.scaling import ScalingState
+from minifloat.fp8 import telemetry
+from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
+from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t, scale_from_amax
+from minifloat.fp8.recipes import ROLES, DelayedScaling, Recipe, Role
+from minifloat.fp8.scaling import ScalingState
 
 _OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
 
@@ -52,8 +52,8 @@ class LayerCaster:
         The history rolls under every recipe, so it always holds the last H steps' amaxes (telemetry, and current
         statistics when a run switches to DelayedScaling).
         """
-        if isinstance(self.recipe, DelayedScaling):
-            self.state.resize(self.recipe.amax_history_len)
+        if self.recipe.delayed:
+            self.state.resize(self.recipe.history_len)
             self.state.update(self.recipe, self.formats())
         else:
             self.state.roll()

@@ -18,8 +18,8 @@ import math
 
 import torch
 
-from minifloat._compile import maybe_compile
-from minifloat.formats import E8M0, FORMATS, NumberFormat, Special, get_format
+from minifloat.numerics.compiling import maybe_compile
+from minifloat.numerics.formats import E8M0, FORMATS, NumberFormat, Special, get_format
 
 GRANULARITIES = ("tensor", "row", "tile", "block", "mx")
 TILE = 128  # DeepSeek-V3 §3.3: 1×128 activation tiles, 128×128 weight blocks

@@ -19,7 +19,7 @@ from typing import Iterator
 
 import torch
 
-from minifloat.quantize import Quantized, sqnr_db
+from minifloat.numerics.quantize import Quantized, sqnr_db
 
 _ACTIVE: "Recorder | None" = None
 _SATURATION_SLACK = 2.0**-20  # a few fp32 ulps

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifloat._amp import autocast_off
+from minifloat.amp.islands import autocast_off
 
 _SWAPPED = (nn.LayerNorm, nn.RMSNorm)
 

@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from minifloat.audit import ROOT, call_model, restoring_buffers
-from minifloat.formats import FP16
+from minifloat.safety.audit import ROOT, call_model, restoring_buffers
+from minifloat.numerics.formats import FP16
 
 @dataclasses.dataclass
 class RangeRecord:

@@ -8,10 +8,12 @@ Set MINIFLOAT_COMPILE=0 to force eager execution.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import os
-from typing import Callable, TypeVar
+import threading
+from typing import Callable, Iterator, TypeVar
 
 import torch
 
@@ -21,9 +23,28 @@ F = TypeVar("F", bound=Callable)
 _RECOMPILE_LIMIT = 64
 
 
+_EAGER = threading.local()  # set by eager_kernels() for the calling thread only
+
+
 @functools.cache
-def compile_enabled() -> bool:
+def _env_allows_compile() -> bool:
     return os.environ.get("MINIFLOAT_COMPILE", "1").lower() not in ("0", "false", "no", "off")
+
+
+def compile_enabled() -> bool:
+    return _env_allows_compile() and not getattr(_EAGER, "on", False)
+
+
+@contextlib.contextmanager
+def eager_kernels() -> Iterator[None]:
+    """Run minifloat's kernels eagerly inside the block (this thread only): under a dispatch mode, which dynamo
+    cannot trace, and in unit tests that should not pay compile time. Results are the same either way."""
+    prev = getattr(_EAGER, "on", False)
+    _EAGER.on = True
+    try:
+        yield
+    finally:
+        _EAGER.on = prev
 
 
 def maybe_compile(fn: F) -> F:

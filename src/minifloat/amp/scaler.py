@@ -31,7 +31,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifloat.formats import NumberFormat
+from minifloat.numerics.formats import NumberFormat
 
 log = logging.getLogger("minifloat")
 

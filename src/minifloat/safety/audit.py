@@ -12,7 +12,7 @@ backward `torch._C._current_autograd_node()` names the node running. minifloat's
 GEMM on operands that lie on the FP8 grid, so a GEMM counts as FP8 when it runs inside an FP8-enabled `Fp8Linear`
 (forward) or inside `Fp8LinearFunction`'s backward node, or when an operand has a float8 dtype (native backend).
 
-The questions to ask before a run (FP16 range, native BF16) are `minifloat.preflight`'s.
+The questions to ask before a run (FP16 range, native BF16) are `minifloat.safety.preflight`'s.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifloat import _compile
-from minifloat._amp import autocast_off
-from minifloat.autograd import Fp8LinearFunction
-from minifloat.modules import _STATE, Fp8Linear
+from minifloat.numerics.compiling import eager_kernels
+from minifloat.amp.islands import autocast_off
+from minifloat.fp8.autograd import Fp8LinearFunction
+from minifloat.fp8.modules import current_autocast, Fp8Linear
 
 log = logging.getLogger("minifloat")
 
@@ -236,7 +236,7 @@ class _Recorder(TorchDispatchMode):
         if node is None:
             path, type_name, module = self.tracker.current()
             phase = "forward"
-            state = _STATE.get()
+            state = current_autocast()
             fp8_context = isinstance(module, Fp8Linear) and state.enabled and not state.calibrating
         else:
             path = self.tracker.owner.get(node, BACKWARD)
@@ -297,18 +297,6 @@ def check(records: list[OpRecord], rules: AuditRules, head: str | None = None) -
 
 
 @contextlib.contextmanager
-def _eager_kernels() -> Iterator[None]:
-    """Run minifloat's compiled kernels eagerly: dynamo cannot trace under a dispatch mode, and a failed compile
-    would switch the kernel to eager for the rest of the process."""
-    saved = _compile.compile_enabled
-    _compile.compile_enabled = lambda: False
-    try:
-        yield
-    finally:
-        _compile.compile_enabled = saved
-
-
-@contextlib.contextmanager
 def restoring_buffers(model: nn.Module) -> Iterator[None]:
     """Leave buffers (FP8 scaling state, batch-norm statistics) as they were."""
     names = {n for n, _ in model.named_buffers()}
@@ -358,7 +346,7 @@ def audit(model: nn.Module, batch, *, loss_fn: Callable | None = None,
     recorder = _Recorder(tracker)
     params = [p for p in model.parameters() if p.requires_grad]
     try:
-        with _eager_kernels(), restoring_buffers(model), recorder:
+        with eager_kernels(), restoring_buffers(model), recorder:
             output = call_model(model, batch)
             boundary = {t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor)}
             loss = loss_fn(output, batch)
@@ -369,7 +357,7 @@ def audit(model: nn.Module, batch, *, loss_fn: Callable | None = None,
                 with autocast_off(params[0].device.type):
                     torch.autograd.grad(loss, params, allow_unused=True)  # leaves .grad untouched
             else:
-                log.warning("minifloat.audit: the loss needs no gradient; only the forward was audited")
+                log.warning("minifloat.safety.audit: the loss needs no gradient; only the forward was audited")
     finally:
         tracker.remove()
     head = find_head(model, rules)

@@ -22,8 +22,8 @@ import os
 
 import torch
 
-from minifloat._compile import maybe_compile
-from minifloat.quantize import TILE, Quantized, decode
+from minifloat.numerics.compiling import maybe_compile
+from minifloat.numerics.quantize import TILE, Quantized, decode
 
 BACKENDS = ("auto", "native", "emulated")
 

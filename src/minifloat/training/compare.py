@@ -24,13 +24,13 @@ import pathlib
 
 import torch
 
-from minifloat import telemetry
-from minifloat.checkpoint import _decode, load_checkpoint
-from minifloat.data import ByteCorpus, DataConfig, val_batches
-from minifloat.model import Llama, LlamaConfig
-from minifloat.policy import PRESETS
-from minifloat.recipes import ROLES
-from minifloat.train import CHECKPOINT_DIR, TrainConfig, TrainResult, train
+from minifloat.fp8 import telemetry
+from minifloat.training.checkpoint import _decode, load_checkpoint
+from minifloat.training.data import ByteCorpus, DataConfig, val_batches
+from minifloat.training.model import Llama, LlamaConfig
+from minifloat.amp.policy import PRESETS
+from minifloat.fp8.recipes import ROLES
+from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train
 
 log = logging.getLogger("minifloat")
 
@@ -212,7 +212,7 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
     """Train `base` under each preset and write summary.json, loss_curves.png and numerics_heatmap.png into `out`.
 
     Args:
-        presets: keys of minifloat.policy.PRESETS; "bf16" is added first when missing (it is the baseline).
+        presets: keys of minifloat.amp.policy.PRESETS; "bf16" is added first when missing (it is the baseline).
         base: the run every preset shares; its `preset`, `out` and `resume` are replaced, and checkpoint_every=0
             becomes `steps` (the numerics capture reloads the final checkpoint). Its shadow_every (which needs an
             FP8 preset in `base`) applies to the FP8 presets; the others run without the shadow check.

@@ -7,8 +7,8 @@ embeddings (RoPE, Su et al., arXiv 2104.09864) instead of a learned position tab
 (Shazeer, arXiv 2002.05202). Optional QK-norm (RMSNorm on each head's queries and keys, as in OLMo 2 and Qwen3)
 bounds the attention logits, which low-precision training tends to blow up.
 
-The precision-sensitive parts are fp32 whatever autocast is in force: the norms (minifloat.norms.RMSNorm), the
-rotary rotation, attention scores / softmax / scores·V (minifloat.attention.attention) and the cross-entropy. Every
+The precision-sensitive parts are fp32 whatever autocast is in force: the norms (minifloat.amp.norms.RMSNorm), the
+rotary rotation, attention scores / softmax / scores·V (minifloat.amp.attention.attention) and the cross-entropy. Every
 nn.Linear has in/out features that are multiples of 16, so `mf.convert` and `PrecisionPolicy.apply` can turn each
 of them into an FP8 GEMM; the head is named `lm_head`, which they keep in high precision.
 
@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifloat.attention import attention
-from minifloat.modules import MIN_DIM_MULTIPLE
-from minifloat.norms import RMSNorm
+from minifloat.amp.attention import attention
+from minifloat.fp8.convert import MIN_DIM_MULTIPLE
+from minifloat.amp.norms import RMSNorm
 
 
 def swiglu_hidden(d_model: int) -> int:

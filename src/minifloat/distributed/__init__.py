@@ -1,0 +1,1 @@
+"""torch.distributed integration: gradient reduction in fp32, amax agreement across ranks."""

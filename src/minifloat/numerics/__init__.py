@@ -1,0 +1,1 @@
+"""Number formats and the one rounding path: formats, quantize, compiled kernels."""
