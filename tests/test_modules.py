@@ -75,12 +75,14 @@ def data(gen, *lead, scale_x=1.0, scale_dy=1e-3):
 
 
 def run(layer, x, dy):
-    """One training step's forward and backward; returns (y, dx, dW, db) and leaves grads zeroed on the layer."""
+    """One training step's forward and backward, then the end of its FP8 step (as an optimizer step would);
+    returns (y, dx, dW, db) and leaves grads zeroed on the layer."""
     x = x.detach().clone().requires_grad_(True)
     y = layer(x)
     y.backward(dy.to(y.dtype))
     dw, db = layer.weight.grad, None if layer.bias is None else layer.bias.grad
     layer.zero_grad(set_to_none=True)
+    layer.fp8_step()
     return y.detach(), x.grad, dw, db
 
 
@@ -159,20 +161,21 @@ def test_delayed_steps_use_previous_amaxes(recipe, gen):
              data(gen, M, scale_x=1.0, scale_dy=1e-3)]
     amaxes = []
     for i, (x, dy) in enumerate(steps):
+        used = layer.fp8_state.scale.clone()  # fixed for the whole step
         got = run(layer, x, dy)
         if i == 0:
             scales = None  # seeded from the current amax
         else:
             # TE rule: scale = fmt.max / max(amaxes of the last H steps)
             window = amaxes[-recipe.amax_history_len:]
-            used = layer.fp8_state.scale
             for c, role in enumerate(ROLES):
                 expect = fmts[role].max / max(a[c] for a in window)
                 assert used[c].item() == pytest.approx(expect, rel=2.0**-22), (i, role)  # float / tensor: 2 roundings
             scales = {role: 1.0 / used[c] for c, role in enumerate(ROLES)}
         assert_matches(got, reference(recipe, x, w, layer.bias, dy, scales=scales))
         amaxes.append([x.abs().max().item(), w.abs().max().item(), dy.abs().max().item()])
-        assert layer.fp8_state.amax_history[0].tolist() == pytest.approx(amaxes[-1], rel=0, abs=0)
+        # the step's amaxes, rolled into the newest completed row by the step's end
+        assert layer.fp8_state.amax_history[-1].tolist() == pytest.approx(amaxes[-1], rel=0, abs=0)
 
 
 def test_delayed_scaling_saturates_when_tensor_outgrows_history(gen):
@@ -516,7 +519,7 @@ def test_autocast_calibrating_is_high_precision_and_records_amaxes(gen):
     y_ref.backward(dy)
     assert torch.equal(y, y_ref.detach())
     assert torch.equal(dx, xr.grad) and torch.equal(dw, layer.weight.grad) and torch.equal(db, layer.bias.grad)
-    row = layer.fp8_state.amax_history[0]
+    row = layer.fp8_state.amax_history[-1]  # the step's amaxes, rolled in at its end
     expect = [x.abs().max().item(), layer.weight.abs().max().item(), dy.abs().max().item()]
     assert row.tolist() == pytest.approx(expect, rel=0, abs=0)
     assert (row > 0).all()

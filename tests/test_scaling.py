@@ -152,8 +152,8 @@ def test_nonfinite_amax_is_not_recorded(amax, caplog):
     state.record(Role.INPUT, torch.tensor(1.0))
     history, scale = state.amax_history.clone(), state.scale.clone()
     with caplog.at_level(logging.WARNING, logger="minifloat"):
-        assert state.record(Role.INPUT, torch.tensor(amax)) is False
-        assert state.record(Role.GRAD_OUTPUT, torch.tensor(amax)) is False
+        state.record(Role.INPUT, torch.tensor(amax))
+        state.record(Role.GRAD_OUTPUT, torch.tensor(amax))
     assert torch.equal(state.amax_history, history)
     assert torch.equal(state.scale, scale)
     assert state.nonfinite.tolist() == [1, 0, 1]
@@ -166,27 +166,46 @@ def test_nonfinite_amax_is_not_recorded(amax, caplog):
 @pytest.mark.parametrize("amax", [c[1] for c in NONFINITE], ids=[c[0] for c in NONFINITE])
 def test_nonfinite_amax_never_seeds_a_scale(amax):
     state = ScalingState(2)
-    state.record(Role.INPUT, torch.tensor(amax), seed_scale=torch.tensor(float("nan")))
+    state.record(Role.INPUT, torch.tensor(amax))
+    used = state.delayed_scale(0, lambda: torch.tensor(amax), E4M3)
+    assert used.item() == 1.0  # scale_from_amax's fallback for this cast
     assert state.scale[0].item() == 1.0
+    assert not state.initialized[0]  # left unseeded, to seed from the next finite amax
+    assert state.delayed_scale(0, lambda: torch.tensor(4.0), E4M3).item() == 112.0
+    assert state.initialized[0]
     assert state.nonfinite[0].item() == 1
     assert state.amax_history[0, 0].item() == 0.0
 
 
 def test_nonfinite_element_anywhere_in_amax_tensor_is_caught():
     state = ScalingState(2)
-    assert state.record(Role.WEIGHT, torch.tensor([1.0, float("nan"), 3.0])) is False
+    state.record(Role.WEIGHT, torch.tensor([1.0, float("nan"), 3.0]))
     assert state.nonfinite.tolist() == [0, 1, 0]
     assert state.amax_history[0, 1].item() == 0.0
 
 
-def test_record_seeds_scale_once():
+def test_delayed_scale_seeds_once():
     state = ScalingState(2)
     assert state.scale_for(Role.INPUT) is None
-    state.record(Role.INPUT, torch.tensor(4.0), seed_scale=torch.tensor(112.0))
+    assert state.delayed_scale(0, lambda: torch.tensor(4.0), E4M3).item() == 112.0  # 448 / 4
     assert state.scale_for(Role.INPUT).item() == 112.0
-    state.record(Role.INPUT, torch.tensor(8.0), seed_scale=torch.tensor(56.0))  # already seeded: ignored
-    assert state.scale_for(Role.INPUT).item() == 112.0
+    assert state.delayed_scale(0, lambda: torch.tensor(8.0), E4M3).item() == 112.0  # already seeded: stored scale
     assert state.initialized.tolist() == [True, False, False]
+
+
+def test_delayed_scale_without_store_leaves_state_alone():
+    state = ScalingState(2)
+    assert state.delayed_scale(1, lambda: torch.tensor(4.0), E4M3, store=False).item() == 112.0
+    assert state.initialized.tolist() == [False, False, False]
+    assert state.scale.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_record_is_idempotent_max():
+    # activation-checkpoint recompute and reused layers record the same amax again: nothing changes
+    state = ScalingState(2)
+    for amax in (3.0, 1.0, 3.0, 2.0):
+        state.record(Role.INPUT, torch.tensor(amax))
+    assert state.amax_history[0].tolist() == [3.0, 0.0, 0.0]
 
 
 # ---------------------------------------------------------------------------------------------------- resize
@@ -238,7 +257,7 @@ def test_rejects_empty_history():
 def test_state_dict_round_trip_is_exact():
     recipe = DelayedScaling(amax_history_len=4)
     state = ScalingState(4)
-    state.record(Role.INPUT, torch.tensor(3.0), seed_scale=torch.tensor(448.0 / 3.0))
+    state.delayed_scale(0, lambda: torch.tensor(3.0), E4M3)
     _fill(state, recipe, [1.0, 5.0, 0.25])
     state.record(Role.GRAD_OUTPUT, torch.tensor(float("nan")))
 

@@ -25,6 +25,9 @@ TARGET_SCALE = 0.03
 # a healthy FP8 loss on this MLP sits well within 5% of the BF16 loss (E4M3 operands: ~30 dB SQNR)
 THRESHOLD = 0.05
 ONE_STEP_GROWTH = 0.01  # one SGD step at LR moves a weight's amax by far less than 1% (observed ~2e-5)
+# a new batch's input amax against the max of the recorded ones: maxima of BATCH×IN Gaussian samples differ by a few
+# per cent from batch to batch (observed up to 4.9%)
+NEW_BATCH_GROWTH = 0.10
 
 
 @pytest.fixture(autouse=True)
@@ -97,9 +100,9 @@ def test_fallback_fires_and_recovers_with_current_scales():
     assert modes == [Mode.FP8, Mode.FP8, Mode.BF16, Mode.BF16]
     assert [c.healthy for c in shadow.checks] == [False, False]
 
-    # BF16 steps calibrate: this step's amax row is filled from high-precision tensors
+    # BF16 steps calibrate: the last step's amax row (rolled in by opt.step) was filled from high-precision tensors
     for layer in layers:
-        assert (layer.fp8_state.amax_history[0] > 0).all(), layer.fp8_name
+        assert (layer.fp8_state.amax_history[-1] > 0).all(), layer.fp8_name
 
     # repair FP8 (the cause went away); the checks turn healthy and FP8 returns after `recover_after` of them
     for layer in layers:
@@ -109,7 +112,10 @@ def test_fallback_fires_and_recovers_with_current_scales():
         if recovery is not None:
             break
         assert train(model, shadow, step, batches[step], opt)[0] == Mode.BF16
-    assert recovery is not None and recovery.switched_to == "fp8" and recovery.step == 6
+    # the repaired recipe's scales take effect when step 4 ends (scales advance once per optimizer step), so the
+    # check at step 4 still sees the sabotaged scales and the checks at 6 and 8 are the healthy pair
+    assert [c.healthy for c in shadow.checks[2:]] == [False, True, True]
+    assert recovery is not None and recovery.switched_to == "fp8" and recovery.step == 8
     assert recovery.check.rel_diff < THRESHOLD and "healthy" in recovery.reason
     assert shadow.mode == Mode.FP8 and [e.switched_to for e in shadow.events] == ["bf16", "fp8"]
 
@@ -125,9 +131,11 @@ def test_fallback_fires_and_recovers_with_current_scales():
         for role in (Role.INPUT, Role.WEIGHT):  # E4M3 roles under HYBRID
             col = list(Role).index(role)
             torch.testing.assert_close(scale[col], E4M3.max / amax[col])
-            # this step's own amax fits the range those scales give: at most one SGD step's growth beyond it
+            # this step's own amax fits the range those scales give: at most one SGD step's growth beyond it for
+            # the weight, a new batch's for the input
             this_step = layer.fp8_state.amax_history[0, col]
-            assert E4M3.max / 4 <= float(this_step * scale[col]) <= E4M3.max * (1 + ONE_STEP_GROWTH)
+            growth = ONE_STEP_GROWTH if role == Role.WEIGHT else NEW_BATCH_GROWTH
+            assert E4M3.max / 4 <= float(this_step * scale[col]) <= E4M3.max * (1 + growth)
 
 
 def test_healthy_fp8_never_switches():

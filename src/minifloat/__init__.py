@@ -13,6 +13,7 @@ from minifloat.numerics.quantize import Quantized, cast, quantize, sqnr_db
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling
 from minifloat.amp.scaler import LossScaler, StepRecord
 from minifloat.fp8.scaling import ScalingState, reduce_amax
+from minifloat.fp8.step import fp8_step
 from minifloat.safety.shadow import ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
 
@@ -22,7 +23,7 @@ __all__ = [
     "E4M3", "E5M2", "E8M0", "E2M1", "BF16", "FP16", "FP32", "FORMATS", "NumberFormat", "get_format",
     "cast", "quantize", "Quantized", "sqnr_db", "scaled_mm",
     "DelayedScaling", "CurrentScaling", "BlockScaling", "MXScaling",
-    "ScalingState", "reduce_amax",
+    "ScalingState", "reduce_amax", "fp8_step",
     "Fp8Linear", "convert", "autocast", "fp8_layers", "telemetry",
     "PrecisionPolicy", "LossScaler", "StepRecord", "RMSNorm", "LayerNorm", "MasterWeights", "MasterWeightOptimizer",
     "StepGuard", "GuardConfig", "ShadowCheck", "ShadowConfig", "StabilityConfig",

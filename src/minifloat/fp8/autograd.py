@@ -21,42 +21,62 @@ torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 roundi
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 import torch
 
 from minifloat.fp8 import telemetry
 from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
 from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t, scale_from_amax
-from minifloat.fp8.recipes import ROLES, DelayedScaling, Recipe, Role
-from minifloat.fp8.scaling import ScalingState
+from minifloat.fp8.recipes import Recipe, Role
+from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
 
 _OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
 
 
+class WeightCache:
+    """A layer's weight casts for the current FP8 step (Transformer Engine's `is_first_microbatch`).
+
+    The weight does not change between the micro-batches of an optimizer step, so its casts are made once. An entry
+    is keyed by the weight's version counter and storage (an optimizer step, `load_state_dict` or a `.data`
+    swap invalidate it) and the casting options; `clear()` runs at every FP8 step, when delayed scales change.
+    Compiled graphs do not use it (the cast is part of the graph; keying on Python state would add guards).
+    """
+
+    def __init__(self):
+        self._entries: dict[str, tuple[tuple, Quantized]] = {}
+
+    def get(self, kind: str, weight: torch.Tensor, options: tuple, make: Callable[[], Quantized]
+            ) -> tuple[Quantized, bool]:
+        """(the cast, whether it came from the cache)."""
+        if torch.compiler.is_compiling():
+            return make(), False
+        key = (weight._version, weight.data_ptr(), weight.dtype, weight.device, options)
+        entry = self._entries.get(kind)
+        if entry is not None and entry[0] == key:
+            return entry[1], True
+        q = make()
+        self._entries[kind] = (key, q)
+        return q, False
+
+    def clear(self) -> None:
+        self._entries.clear()
+
+
 @dataclasses.dataclass
 class LayerCaster:
-    """Quantizes one layer's tensors under a recipe, keeping its ScalingState up to date."""
+    """Quantizes one layer's tensors under a recipe and records their amaxes in its ScalingState.
+
+    `recording` is False for evaluation forwards (their amaxes stay out of the training history); casts then
+    still use the stored delayed scales but never seed them.
+    """
 
     recipe: Recipe
     state: ScalingState
     name: str = ""
     backend: str | None = None
-    recording: bool = True  # False in evaluation: amaxes of eval batches do not enter the training history
-
-    def formats(self) -> dict:
-        return {role: self.recipe.spec(role).fmt for role in ROLES}
-
-    def begin_step(self) -> None:
-        """Start of a training step: delayed scaling turns last step's amaxes into scales; the history rolls.
-
-        The history rolls under every recipe, so it always holds the last H steps' amaxes (telemetry, and current
-        statistics when a run switches to DelayedScaling).
-        """
-        if self.recipe.delayed:
-            self.state.resize(self.recipe.history_len)
-            self.state.update(self.recipe, self.formats())
-        else:
-            self.state.roll()
+    recording: bool = True
+    weights: WeightCache | None = None
 
     def _native(self, t: torch.Tensor, granularity: str) -> bool:
         return (self.backend != "emulated" and t.is_cuda and native_fp8_available(t.device.index or 0)
@@ -80,26 +100,39 @@ class LayerCaster:
         out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
         if scale is not None:
             return quantize(t, spec.fmt, granularity="tensor", scale=scale, **out)
-        qscale = self.state.scale_for(role) if spec.delayed else None
-        if qscale is None:
+        if spec.delayed:
+            qscale = self.state.delayed_scale(ROLE_INDEX[role], lambda: abs_max(t.detach(), None), spec.fmt,
+                                              margin=spec.margin, store=record and self.recording)
+            q = quantize(t, spec.fmt, granularity="tensor", scale=1.0 / qscale, **out)
+        else:
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
-            amax = q.amax
-            seed = 1.0 / q.scale if spec.delayed else None  # DelayedScaling's first step: seed from current amax
-        else:
-            q = quantize(t, spec.fmt, granularity="tensor", scale=1.0 / qscale, **out)
-            amax, seed = q.amax, None
-        if record and self.recording:
-            self.state.record(role, amax, seed_scale=seed)
-        if record and telemetry.enabled():
+        if record:
+            self._observe(role, t, q)
+        return q
+
+    def _observe(self, role: Role, t: torch.Tensor, q: Quantized) -> None:
+        if self.recording:
+            self.state.record(role, q.amax)
+        if telemetry.enabled():
             telemetry.observe(self.name, role.value, t, q)
+
+    def cast_weight(self, weight: torch.Tensor) -> Quantized:
+        """The forward's weight cast, made once per FP8 step when the layer caches (its amax recorded each time)."""
+        if self.weights is None:
+            return self.cast(Role.WEIGHT, weight)
+        q, hit = self.weights.get("fprop", weight, (self.recipe, self.backend, self.recording),
+                                  lambda: self.cast(Role.WEIGHT, weight))
+        if hit and self.recording:
+            self.state.record(Role.WEIGHT, q.amax)  # a reentrant checkpoint's first recording forward may hit
         return q
 
     def observe_high_precision(self, role: Role, t: torch.Tensor) -> None:
         """Calibration: record `t`'s amax (and seed the scale) without quantizing anything."""
         spec = self.recipe.spec(role)
         amax = abs_max(t.detach(), None)
-        self.state.record(role, amax, seed_scale=scale_from_amax(amax, spec.fmt, margin=spec.margin))
+        self.state.record(role, amax)
+        self.state.delayed_scale(ROLE_INDEX[role], lambda: amax, spec.fmt, margin=spec.margin)
 
 
 def _transposed(q: Quantized, caster: LayerCaster, role: Role, source: torch.Tensor | None) -> Quantized:
@@ -114,7 +147,18 @@ def _transposed(q: Quantized, caster: LayerCaster, role: Role, source: torch.Ten
 
 def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: str,
                     scale: torch.Tensor | None) -> Quantized:
-    """Wᵀ quantized along N for dgrad, from the weight parameter."""
+    """Wᵀ quantized along N for dgrad, from the weight parameter (once per FP8 step when the layer caches)."""
+    if caster.weights is None:
+        return _requantize_weight_t(caster, weight, granularity, scale)
+    # the per-tensor scale is fixed for the step (delayed: until the step ends; current: the weight's own amax,
+    # and the weight is unchanged while its version is), so it needs no place in the key
+    options = (caster.recipe, caster.backend, granularity)
+    return caster.weights.get("dgrad", weight, options,
+                              lambda: _requantize_weight_t(caster, weight, granularity, scale))[0]
+
+
+def _requantize_weight_t(caster: LayerCaster, weight: torch.Tensor, granularity: str,
+                         scale: torch.Tensor | None) -> Quantized:
     if granularity == "tensor":  # the forward's scale: the same FP8 values as in the forward, transposed
         return caster.cast(Role.WEIGHT, weight, scale=scale, record=False).t()
     if granularity == "block":  # 128×128 blocks transpose with their scales
@@ -134,7 +178,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         with torch.autocast(x.device.type, enabled=False):
             x2 = x.reshape(-1, x.shape[-1])
             qx = caster.cast(Role.INPUT, x2, keep_data=True)  # saved for backward in FP8
-            qw = caster.cast(Role.WEIGHT, weight)
+            qw = caster.cast_weight(weight)
             # fprop: x @ Wᵀ = y
             y = scaled_mm(qx, qw, out_dtype=compute_dtype, bias=bias, backend=caster.backend)
         # Saved for backward: the input's FP8 bytes and scales, and the weight parameter itself (no copy: the

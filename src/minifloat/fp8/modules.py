@@ -1,17 +1,18 @@
-"""FP8 modules and the switches around them: `Fp8Linear`, `convert(model, ...)` and `autocast(...)`."""
+"""The FP8 linear layer `Fp8Linear` and the switch around it, `autocast(...)`."""
 
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import dataclasses
 import logging
+import threading
 from typing import Iterator
 
 import torch
 from torch import nn
 
-from minifloat.fp8.autograd import Fp8LinearFunction, LayerCaster, recording_linear
+from minifloat.fp8 import step as fp8_steps
+from minifloat.fp8.autograd import Fp8LinearFunction, LayerCaster, WeightCache, recording_linear
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
 from minifloat.fp8.scaling import ScalingState
@@ -26,7 +27,10 @@ class _AutocastState:
     backend: str | None = None
 
 
-_STATE: contextvars.ContextVar[_AutocastState] = contextvars.ContextVar("minifloat_autocast", default=_AutocastState())
+# Per thread, like torch.autocast. A threading.local (not a ContextVar, which dynamo cannot trace): a compiled model
+# guards on it, so entering another autocast recompiles rather than reusing a graph traced for other settings.
+_LOCAL = threading.local()
+_DEFAULT = _AutocastState()
 
 
 @contextlib.contextmanager
@@ -47,16 +51,17 @@ def autocast(*, recipe: Recipe | None = None, enabled: bool = True, calibrating:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if not isinstance(enabled, bool) or not isinstance(calibrating, bool):
         raise ValueError(f"enabled and calibrating must be bools, got {enabled!r}, {calibrating!r}")
-    token = _STATE.set(_AutocastState(recipe, enabled, calibrating, backend))
+    prev = current_autocast()
+    _LOCAL.state = _AutocastState(recipe, enabled, calibrating, backend)
     try:
         yield
     finally:
-        _STATE.reset(token)
+        _LOCAL.state = prev
 
 
 def current_autocast() -> _AutocastState:
     """The FP8 autocast state in force here (recipe override, enabled, calibrating, backend)."""
-    return _STATE.get()
+    return getattr(_LOCAL, "state", _DEFAULT)
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
@@ -70,52 +75,67 @@ class Fp8Linear(nn.Linear):
 
     Parameters keep their dtype (FP32 master weights stay FP32); the bias is added in high precision; the input is
     saved for backward in FP8. Scaling state (amax history, scales) lives in the `fp8_state` buffers and so in
-    `state_dict`.
+    `state_dict`. Scales advance once per optimizer step (minifloat.fp8.step): forwards and backwards only record.
 
     Args:
         in_features, out_features, bias, device, dtype: as nn.Linear.
         recipe: DelayedScaling, CurrentScaling, BlockScaling or MXScaling (default DelayedScaling()).
         backend: GEMM backend ("auto", "native", "emulated"); None means auto / $MINIFLOAT_GEMM_BACKEND.
+        step_on: "optimizer" (the FP8 step ends after any torch.optim step over this layer's parameters) or
+            "manual" (only `minifloat.fp8.step.fp8_step(model)` ends it).
+        cache_weight: cast the weight once per FP8 step and reuse it across micro-batches (and for dgrad), at the
+            cost of keeping its FP8/bfloat16 copy between steps.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
-                 recipe: Recipe | None = None, backend: str | None = None):
+                 recipe: Recipe | None = None, backend: str | None = None, step_on: str = "optimizer",
+                 cache_weight: bool = True):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if step_on not in fp8_steps.STEP_ON:
+            raise ValueError(f"step_on must be one of {fp8_steps.STEP_ON}, got {step_on!r}")
+        if not isinstance(cache_weight, bool):
+            raise ValueError(f"cache_weight must be a bool, got {cache_weight!r}")
         self.backend = backend
+        self.step_on = step_on
+        self.cache_weight = cache_weight
         self.fp8_state = ScalingState(self.recipe.history_len, device=self.weight.device)
         self.fp8_name = ""
+        self._weights = WeightCache()
+        fp8_steps.track(self)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, recipe: Recipe | None = None, backend: str | None = None,
-                    name: str = "") -> "Fp8Linear":
+                    name: str = "", **options) -> "Fp8Linear":
         """An Fp8Linear sharing `linear`'s parameters (the same Parameter objects, so optimizers keep them)."""
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                      dtype=linear.weight.dtype, recipe=recipe, backend=backend)
+                      dtype=linear.weight.dtype, recipe=recipe, backend=backend, **options)
         new.weight = linear.weight
         new.bias = linear.bias
         new.fp8_state = ScalingState(new.fp8_state.history_len, device=linear.weight.device)
         new.fp8_name = name
         new.train(linear.training)
+        fp8_steps.track(new)
         return new
 
-    def _caster(self, state: _AutocastState) -> LayerCaster:
-        recipe = state.recipe if state.recipe is not None else self.recipe
-        backend = state.backend if state.backend is not None else self.backend
-        return LayerCaster(recipe, self.fp8_state, self.fp8_name, backend)
+    def fp8_step(self) -> None:
+        """End this layer's FP8 step: new delayed scales from the amax history, history rolled, weight casts
+        dropped. Called for you after optimizer steps (see minifloat.fp8.step)."""
+        self.fp8_state.advance(self.recipe)
+        self._weights.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        state = _STATE.get()
+        state = current_autocast()
         if not state.enabled or x.numel() == 0:
             return super().forward(x)
-        caster = self._caster(state)
-        training_step = self.training and torch.is_grad_enabled()
-        caster.recording = training_step or state.calibrating
-        if caster.recording:
-            caster.begin_step()
+        # evaluation records nothing; activation-checkpoint recompute records the same amaxes again (a no-op)
+        recording = (self.training and torch.is_grad_enabled()) or state.calibrating
+        caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state,
+                             self.fp8_name, state.backend if state.backend is not None else self.backend,
+                             recording, self._weights if self.cache_weight else None)
         if state.calibrating:
             return recording_linear(x, self.weight, self.bias, caster)
         return Fp8LinearFunction.apply(x, self.weight, self.bias, caster, _compute_dtype(x))

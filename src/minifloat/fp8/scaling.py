@@ -15,6 +15,7 @@ one all-reduce (MAX).
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import torch
 from torch import nn
@@ -23,7 +24,7 @@ from minifloat.numerics.quantize import scale_from_amax
 from minifloat.fp8.recipes import DEFAULT_AMAX_HISTORY_LEN, ROLES, AmaxCompute, DelayedScaling, Role
 
 log = logging.getLogger("minifloat")
-_COL = {role: i for i, role in enumerate(ROLES)}
+ROLE_INDEX = {role: i for i, role in enumerate(ROLES)}  # tensor role -> column of the buffers
 
 
 class ScalingState(nn.Module):
@@ -72,41 +73,71 @@ class ScalingState(nn.Module):
         self.amax_history = new
 
     def scale_for(self, role: Role) -> torch.Tensor | None:
-        """The role's quantization multiplier, or None before the role was first seeded."""
-        col = _COL[role]
+        """The role's quantization multiplier, or None before the role was first seeded (eager helper)."""
+        col = ROLE_INDEX[role]
         if not self._host_seeded()[col]:
             return None
         return self.scale[col]
 
     @torch.no_grad()
-    def record(self, role: Role, amax: torch.Tensor, *, seed_scale: torch.Tensor | None = None) -> bool:
-        """Fold a cast's amax into this step's history row; returns False (and counts it) if amax is not finite.
+    def delayed_scale(self, col: int, amax: Callable[[], torch.Tensor], fmt, *, margin: int = 0,
+                      store: bool = True) -> torch.Tensor:
+        """The quantization multiplier a delayed cast of column `col` uses this step.
 
-        A non-finite amax never enters the history, so it can never reach a scale.
+        Once seeded it is the stored scale. Before, it is `seed()` (the tensor's current scale, so step 0 neither
+        under- nor overflows), stored as the role's scale when finite: every later cast of this step (micro-batches,
+        activation-checkpoint recompute, a reused layer) then quantizes with exactly that multiplier.
+        Under torch.compile the choice is a `torch.where` on the `initialized` buffer (no host sync, no guard on
+        Python state); eagerly a host mirror of `initialized` skips the extra amax pass once seeded. Both pick the
+        same value.
         """
-        col = _COL[role]
+        compiling = torch.compiler.is_compiling()
+        if not compiling and self._host_seeded()[col]:
+            return self.scale[col]
+        now = amax().float().reshape(())
+        finite = torch.isfinite(now)  # a NaN/inf step 0 leaves the role unseeded, to seed on the next cast
+        fresh = scale_from_amax(now, fmt, margin=margin)
+        qscale = torch.where(self.initialized[col], self.scale[col], fresh)
+        if not store:
+            return qscale
+        self.scale[col] = torch.where(~self.initialized[col] & finite, fresh, self.scale[col])
+        self.initialized[col] = self.initialized[col] | finite
+        if not compiling:
+            self._host_seeded()[col] = bool(self.initialized[col])  # one host sync, until the role is seeded
+        return qscale
+
+    @torch.no_grad()
+    def record(self, role: Role, amax: torch.Tensor) -> None:
+        """Fold a cast's amax into this step's history row (max: recording the same tensor twice is a no-op).
+
+        A non-finite amax never enters the history, so it can never reach a scale; it bumps `nonfinite` instead.
+        """
+        col = ROLE_INDEX[role]
         amax = amax.detach().float().amax()
         finite = torch.isfinite(amax)
         # sync-free: a non-finite amax leaves the history as it was and only bumps the counter
-        self.amax_history[0, col] = torch.where(finite, torch.maximum(self.amax_history[0, col], amax),
-                                                self.amax_history[0, col])
+        row = self.amax_history[0, col]
+        self.amax_history[0, col] = torch.where(finite, torch.maximum(row, amax), row)
         self.nonfinite[col] += (~finite).long()
-        if seed_scale is not None and not self._host_seeded()[col]:
-            # seed only from a finite amax: a NaN first step leaves the role unseeded, to seed on the next one
-            self.scale[col] = torch.where(finite, seed_scale.reshape(()), self.scale[col])
-            self.initialized[col] = self.initialized[col] | finite
-            self._seeded[col] = bool(finite)  # one host sync, on the first step only
-        if amax.device.type == "cpu" and not bool(finite):
-            if not self._warned:
-                log.warning("minifloat: non-finite values in %s; its amax was not recorded and its scale is kept",
-                            role.value)
-                self._warned = True
-            return False
-        return True
+        if not torch.compiler.is_compiling() and amax.device.type == "cpu" and not self._warned and not bool(finite):
+            log.warning("minifloat: non-finite values in %s; its amax was not recorded and its scale is kept",
+                        role.value)
+            self._warned = True
+
+    @torch.no_grad()
+    def advance(self, recipe) -> None:
+        """The end of an optimizer step: delayed recipes turn the history into new scales (TE rule); the history
+        rolls under every recipe, so it always holds the last H steps' amaxes (telemetry, and current statistics
+        when a run switches to delayed scaling)."""
+        if recipe.delayed:
+            self.resize(recipe.history_len)
+            self.update(recipe, {role: recipe.spec(role).fmt for role in ROLES})
+        else:
+            self.roll()
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, formats: dict[Role, object]) -> None:
-        """End of a step: new scales from the history (TE rule), then roll the history and clear row 0.
+        """New scales from the history (TE rule), then roll the history and clear row 0.
 
         Roles with no amax recorded in the whole history keep their scale (fallback inside scale_from_amax).
         """
@@ -115,7 +146,7 @@ class ScalingState(nn.Module):
         else:
             amax = self.amax_history[0]
         for role in ROLES:
-            col = _COL[role]
+            col = ROLE_INDEX[role]
             # scale_from_amax keeps the previous scale where amax is 0 (nothing recorded in the whole history)
             self.scale[col] = scale_from_amax(amax[col], formats[role], margin=recipe.margin,
                                               fallback=self.scale[col])

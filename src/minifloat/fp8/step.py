@@ -1,0 +1,80 @@
+"""The FP8 step: scaling state advances once per optimizer step.
+
+Within a step every Fp8Linear only *records*: the amax of each tensor role is max-folded into row 0 of its history,
+over all forwards and backwards of the step (micro-batches, a layer used twice, activation-checkpoint recompute,
+which records the same amaxes again and so changes nothing). Scales stay fixed until the step ends; then
+`ScalingState.advance` turns the history into new delayed scales and rolls it.
+
+When the step ends:
+  * automatically, after `optimizer.step()` of any torch.optim optimizer that holds an Fp8Linear's weight or bias
+    (a global optimizer post-step hook, registered when the first Fp8Linear is built); a skipped step (LossScaler
+    or StepGuard not calling `optimizer.step()`) does not end it;
+  * after `MasterWeights.copy_weights()` (minifloat.amp.master), whose optimizer steps the fp32 masters;
+  * explicitly, `fp8_step(model)`, for layers no optimizer steps (frozen weights, custom update rules) or layers
+    built with `step_on="manual"`.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Iterable
+
+import torch
+from torch import nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+STEP_ON = ("optimizer", "manual")
+
+# id(parameter) -> (weak reference to it, the layers owning it). Keyed by identity: tensors compare elementwise, so
+# they cannot be dictionary keys by value; the weak reference's callback drops the entry with the parameter.
+_OWNERS: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
+_HOOK = None
+
+
+def _owners(p: torch.Tensor) -> weakref.WeakSet:
+    entry = _OWNERS.get(id(p))
+    if entry is None or entry[0]() is not p:
+        key = id(p)
+        entry = (weakref.ref(p, lambda _ref: _OWNERS.pop(key, None)), weakref.WeakSet())
+        _OWNERS[key] = entry
+    return entry[1]
+
+
+def track(layer: nn.Module) -> None:
+    """Let optimizer steps over `layer`'s own parameters end its FP8 step (see module docstring)."""
+    global _HOOK
+    for p in layer.parameters(recurse=False):
+        _owners(p).add(layer)
+    if _HOOK is None:
+        _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
+def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    params_updated(p for group in optimizer.param_groups for p in group["params"])
+
+
+def params_updated(params: Iterable[torch.Tensor]) -> int:
+    """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many."""
+    layers = {}
+    for p in params:
+        entry = _OWNERS.get(id(p))
+        if entry is None or entry[0]() is not p:
+            continue
+        for layer in entry[1]:
+            if layer.step_on == "optimizer" and any(q is p for q in layer.parameters(recurse=False)):
+                layers[id(layer)] = layer
+    for layer in layers.values():
+        layer.fp8_step()
+    return len(layers)
+
+
+def fp8_step(model: nn.Module) -> int:
+    """End the FP8 step of every Fp8Linear in `model` (whatever its `step_on`); returns how many.
+
+    Only for loops where no torch.optim optimizer steps the layers' parameters, or for layers built with
+    `step_on="manual"`; in a plain loop `optimizer.step()` already does this, and calling both advances twice.
+    """
+    layers = [m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")]
+    for layer in layers:
+        layer.fp8_step()
+    return len(layers)
