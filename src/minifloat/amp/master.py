@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from minifloat.fp8 import step as fp8_steps
+
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
@@ -49,6 +51,7 @@ class MasterWeights:
                     raise ValueError(f"params must be floating-point tensors, got {type(p).__name__}")
                 if p.dtype in LOW_PRECISION:
                     m = nn.Parameter(p.detach().float().clone())
+                    fp8_steps.alias(m, p)  # stepping the master ends the FP8 step of p's layer
                     self.pairs.append((p, m))
                     masters.append(m)
                 else:
@@ -124,7 +127,8 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self.master.copy_grads()
-        self.optimizer.step()
+        with fp8_steps.suppressed():  # this step's own post-step hook ends the FP8 step, once
+            self.optimizer.step()
         self.master.copy_weights()
         return loss
 

@@ -9,15 +9,18 @@ When the step ends:
   * automatically, after `optimizer.step()` of any torch.optim optimizer that holds an Fp8Linear's weight or bias
     (a global optimizer post-step hook, registered when the first Fp8Linear is built); a skipped step (LossScaler
     or StepGuard not calling `optimizer.step()`) does not end it;
-  * after `MasterWeights.copy_weights()` (minifloat.amp.master), whose optimizer steps the fp32 masters;
+  * an fp32 master weight (minifloat.amp.master) stands for its low-precision parameter (`alias`), so the
+    optimizer that steps the masters ends the step of the layers owning the parameters;
   * explicitly, `fp8_step(model)`, for layers no optimizer steps (frozen weights, custom update rules) or layers
     built with `step_on="manual"`.
 """
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -28,7 +31,9 @@ STEP_ON = ("optimizer", "manual")
 # id(parameter) -> (weak reference to it, the layers owning it). Keyed by identity: tensors compare elementwise, so
 # they cannot be dictionary keys by value; the weak reference's callback drops the entry with the parameter.
 _OWNERS: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
+_ALIASES: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(stand-in) -> (stand-in, the parameter it stands for)
 _HOOK = None
+_SUPPRESSED = threading.local()
 
 
 def _owners(p: torch.Tensor) -> weakref.WeakSet:
@@ -49,14 +54,39 @@ def track(layer: nn.Module) -> None:
         _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
 
+def alias(stand_in: torch.Tensor, param: torch.Tensor) -> None:
+    """Let an optimizer step over `stand_in` (e.g. an fp32 master copy) count as one over `param`."""
+    key = id(stand_in)
+    _ALIASES[key] = (weakref.ref(stand_in, lambda _ref: _ALIASES.pop(key, None)), weakref.ref(param))
+
+
+@contextlib.contextmanager
+def suppressed() -> Iterator[None]:
+    """Optimizer steps inside the block end no FP8 step (for wrappers whose own step ends it, this thread only)."""
+    prev = getattr(_SUPPRESSED, "on", False)
+    _SUPPRESSED.on = True
+    try:
+        yield
+    finally:
+        _SUPPRESSED.on = prev
+
+
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    params_updated(p for group in optimizer.param_groups for p in group["params"])
+    if not getattr(_SUPPRESSED, "on", False):
+        params_updated(p for group in optimizer.param_groups for p in group["params"])
+
+
+def _resolve(p: torch.Tensor) -> torch.Tensor:
+    entry = _ALIASES.get(id(p))
+    if entry is not None and entry[0]() is p and entry[1]() is not None:
+        return entry[1]()
+    return p
 
 
 def params_updated(params: Iterable[torch.Tensor]) -> int:
     """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many."""
     layers = {}
-    for p in params:
+    for p in map(_resolve, params):
         entry = _OWNERS.get(id(p))
         if entry is None or entry[0]() is not p:
             continue

@@ -1,0 +1,302 @@
+"""The FP8 step contract (minifloat.fp8.step): scaling state advances once per optimizer step.
+
+What must hold, bitwise: activation checkpointing (reentrant and not) changes nothing; K micro-batches leave the same
+scaling state as one batch of the same data; a layer used twice records once per step; evaluation records nothing;
+the plain loop (forward, backward, optimizer.step()) needs no extra call; master-weight optimizers end the step once;
+the weight is cast once per step and the cast is dropped when the weight changes.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.utils.checkpoint as ckpt
+from torch import nn
+
+import minifloat as mf
+from minifloat.amp.master import MasterWeightOptimizer, MasterWeights
+from minifloat.fp8 import telemetry
+from minifloat.fp8.recipes import Role
+from minifloat.numerics.compiling import eager_kernels
+from recipe_cases import RECIPES
+
+RECIPE_IDS = [name for name, _ in RECIPES]
+ALL_RECIPES = pytest.mark.parametrize("recipe", [r for _, r in RECIPES], ids=RECIPE_IDS)
+DIM, HIDDEN, TOKENS = 128, 256, 64
+STEPS = 3
+
+
+@pytest.fixture(autouse=True)
+def _eager():
+    with eager_kernels():  # no compile time in unit tests; compiled kernels are checked in test_compile.py
+        yield
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+
+class MLP(nn.Module):
+    """Three residual blocks, optionally each under activation checkpointing."""
+
+    def __init__(self, checkpoint: str | None = None):
+        super().__init__()
+        self.blocks = nn.ModuleList(Block() for _ in range(3))
+        self.checkpoint = checkpoint
+
+    def forward(self, x):
+        for block in self.blocks:
+            if self.checkpoint is None:
+                x = block(x)
+            else:
+                x = ckpt.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
+        return x
+
+
+def make_model(recipe, seed: int = 0, **kwargs) -> nn.Module:
+    torch.manual_seed(seed)
+    return mf.convert(MLP(**kwargs), recipe=recipe, keep_first_last=False)
+
+
+def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(TOKENS, DIM, generator=g) * (1 + i) for i in range(n)]  # growing: delayed scales must move
+
+
+def loss_of(y: torch.Tensor) -> torch.Tensor:
+    return (y.float() ** 2).sum() * 2.0**-10  # a sum: a batch's gradient is the sum of its micro-batches' exactly
+
+
+def fp8_buffers(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict().items() if ".fp8_state." in k}
+
+
+def assert_bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def train(model: nn.Module, data, *, micro: int = 1, bf16: bool = False) -> nn.Module:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for x in data:
+        for chunk in x.chunk(micro):
+            chunk = chunk.clone().requires_grad_(True)  # reentrant checkpointing needs an input that wants grad
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                y = model(chunk)
+            loss_of(y).backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+# ---------------------------------------------------------------------------------------------------- checkpointing
+
+
+@ALL_RECIPES
+@pytest.mark.parametrize("mode", ["reentrant", "non-reentrant"])
+def test_activation_checkpointing_is_bitwise_neutral(recipe, mode):
+    data = batches(STEPS)
+    plain = train(make_model(recipe), data, bf16=True)
+    checkpointed = train(make_model(recipe, checkpoint=mode), data, bf16=True)
+    assert_bitwise(plain.state_dict(), checkpointed.state_dict())  # weights and scaling state
+
+
+# ---------------------------------------------------------------------------------------------------- micro-batches
+
+
+# K = 1 (the identity) for one recipe; 2 and 4 for every recipe
+MICRO_CASES = [(f"{k}-{name}", k, r) for k in (1, 2, 4) for name, r in RECIPES if k > 1 or name == "delayed"]
+
+
+@pytest.mark.parametrize("micro, recipe", [c[1:] for c in MICRO_CASES], ids=[c[0] for c in MICRO_CASES])
+def test_micro_batches_give_the_scaling_state_of_one_batch(recipe, micro):
+    """From the same weights and scales, a step over K micro-batches ends with the scaling state of one step over
+    the whole batch.
+
+    Weights are re-synchronised before every step: accumulating K gradients sums in another order than one GEMM,
+    so weights agree to rounding only, and this test is about the scaling state. Both runs share step 0, where a
+    delayed role is seeded from the first tensor it meets (the first micro-batch). Delayed scales are fixed for the
+    step, so every amax agrees; recipes with current scales quantize each micro-batch with its own scales, so only
+    what does not depend on that agrees: the weights' amaxes and the first layer's input.
+    """
+    first, *rest = batches(3)
+    whole, split = train(make_model(recipe), [first]), train(make_model(recipe), [first])
+    for x in rest:
+        split.load_state_dict(whole.state_dict())
+        train(whole, [x])
+        train(split, [x], micro=micro)
+        a, b = fp8_buffers(whole), fp8_buffers(split)
+        if recipe.delayed:
+            assert_bitwise(a, b)
+            continue
+        for key in a:
+            if key.endswith("amax_history"):
+                assert torch.equal(a[key][:, 1], b[key][:, 1]), key  # the weight column
+        first_input = "blocks.0.up.fp8_state.amax_history"
+        assert torch.equal(a[first_input][:, 0], b[first_input][:, 0])
+
+
+def test_micro_batches_cast_the_weight_once():
+    model = make_model(mf.DelayedScaling())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = batches(1)[0]
+    with telemetry.capture() as tel:
+        for chunk in x.chunk(4):
+            loss_of(model(chunk)).backward()
+    weight_casts = [r for r in tel.records if r.role == Role.WEIGHT.value]
+    assert len(weight_casts) == len(mf.fp8_layers(model))  # once per layer, not once per micro-batch
+    opt.step()
+    with telemetry.capture() as tel:
+        loss_of(model(x)).backward()
+    assert len([r for r in tel.records if r.role == Role.WEIGHT.value]) == len(mf.fp8_layers(model))  # recast
+
+
+@ALL_RECIPES
+def test_cached_weight_casts_equal_fresh_ones(recipe):
+    data = batches(STEPS)
+    cached = train(make_model(recipe), data, micro=2)
+    fresh = make_model(recipe)
+    for layer in mf.fp8_layers(fresh):
+        layer.cache_weight = False
+    train(fresh, data, micro=2)
+    assert_bitwise(cached.state_dict(), fresh.state_dict())
+
+
+def test_weight_cache_follows_in_place_weight_changes():
+    layer = mf.Fp8Linear(DIM, DIM, recipe=mf.CurrentScaling())
+    x = batches(1)[0]
+    with torch.no_grad():
+        before = layer(x)
+        layer.weight.mul_(2.0)  # no optimizer: only the version counter tells the cache
+        after = layer(x)
+    uncached = copy.deepcopy(layer)
+    uncached.cache_weight = False
+    with torch.no_grad():
+        assert torch.equal(after, uncached(x))
+        assert not torch.equal(before, after)
+
+
+# ---------------------------------------------------------------------------------------------------- reuse, eval
+
+
+class Twice(nn.Module):
+    def __init__(self, recipe):
+        super().__init__()
+        self.layer = mf.Fp8Linear(DIM, DIM, recipe=recipe)
+
+    def forward(self, x):
+        return self.layer(torch.relu(self.layer(x)))
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling()], ids=["delayed", "current"])
+def test_layer_used_twice_records_once_per_step(recipe):
+    torch.manual_seed(0)
+    model = Twice(recipe)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    state = model.layer.fp8_state
+    for step, x in enumerate(batches(STEPS)):
+        first_input = x.abs().max()
+        loss_of(model(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        completed = state.amax_history[1:]
+        assert int((completed[:, 0] > 0).sum()) == step + 1  # one row per optimizer step, not per use
+        assert state.amax_history[-1, 0] >= first_input  # the max over both uses
+        assert (state.amax_history[0] == 0).all()
+
+
+def test_eval_forwards_record_nothing():
+    model = train(make_model(mf.DelayedScaling()), batches(2))
+    before = fp8_buffers(model)
+    x = batches(1, seed=7)[0] * 100  # far outside the recorded range
+    model.eval()
+    model(x)
+    model.train()
+    with torch.no_grad():
+        model(x)
+    assert_bitwise(before, fp8_buffers(model))
+
+
+# ---------------------------------------------------------------------------------------------------- the loop
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(amax_history_len=4), mf.CurrentScaling()],
+                         ids=["delayed", "current"])
+def test_plain_loop_advances_once_per_optimizer_step(recipe):
+    model = make_model(recipe)
+    data = batches(6)
+    train(model, data)
+    for layer in mf.fp8_layers(model):
+        h = layer.fp8_state.amax_history
+        assert (h[0] == 0).all()  # the last step ended
+        assert int((h[1:, 0] > 0).sum()) == min(len(data), h.shape[0] - 1)  # one completed row per step
+        if recipe.delayed:
+            # the TE rule over the history; the input of step 6 grows 6/5 over step 5: scales follow
+            want = [mf.E4M3.max / h[:, 0].max(), mf.E4M3.max / h[:, 1].max(), mf.E5M2.max / h[:, 2].max()]
+            torch.testing.assert_close(layer.fp8_state.scale, torch.stack(want), rtol=2.0**-23, atol=0)
+
+
+def test_a_skipped_optimizer_step_does_not_end_the_fp8_step():
+    model = make_model(mf.DelayedScaling())
+    x1, x2 = batches(2)
+    loss_of(model(x1)).backward()  # a step whose optimizer.step() a loss scaler or guard skipped
+    loss_of(model(x2)).backward()
+    layer = mf.fp8_layers(model)[0]
+    assert layer.fp8_state.amax_history[0, 0] == x2.abs().max()  # both folded into the step in progress
+    assert (layer.fp8_state.amax_history[1:] == 0).all()
+
+
+def test_manual_step_on_and_fp8_step():
+    model = make_model(mf.DelayedScaling())
+    for layer in mf.fp8_layers(model):
+        layer.step_on = "manual"
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_of(model(batches(1)[0])).backward()
+    opt.step()
+    layers = mf.fp8_layers(model)
+    assert all((layer.fp8_state.amax_history[1:] == 0).all() for layer in layers)  # not ended by the optimizer
+    assert mf.fp8_step(model) == len(layers)
+    assert all((layer.fp8_state.amax_history[0] == 0).all() for layer in layers)
+    assert all((layer.fp8_state.amax_history[-1] > 0).all() for layer in layers)
+
+
+def test_an_optimizer_over_other_parameters_ends_nothing():
+    model = make_model(mf.DelayedScaling())
+    other = nn.Parameter(torch.ones(3))
+    other.grad = torch.ones(3)
+    loss_of(model(batches(1)[0])).backward()
+    torch.optim.SGD([other], lr=1.0).step()
+    assert all((layer.fp8_state.amax_history[0] > 0).all() for layer in mf.fp8_layers(model))
+
+
+def _bf16_model():
+    return make_model(mf.DelayedScaling()).bfloat16()
+
+
+@pytest.mark.parametrize("kind", ["MasterWeightOptimizer", "MasterWeights"])
+def test_master_weight_optimizers_end_the_step_once(kind):
+    model = _bf16_model()
+    if kind == "MasterWeightOptimizer":
+        opt = MasterWeightOptimizer(torch.optim.SGD, model, lr=1e-3)
+    else:
+        masters = MasterWeights(model.parameters())
+        opt = torch.optim.SGD(masters.parameters(), lr=1e-3)
+    for step, x in enumerate(batches(STEPS)):
+        loss_of(model(x.bfloat16())).backward()
+        if kind == "MasterWeights":
+            masters.copy_grads()
+        opt.step()
+        if kind == "MasterWeights":
+            masters.copy_weights()
+        opt.zero_grad()
+        model.zero_grad()
+        for layer in mf.fp8_layers(model):
+            assert int((layer.fp8_state.amax_history[1:, 0] > 0).sum()) == step + 1, (kind, step)
