@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minifloat.numerics.formats import E4M3, E5M2
-from minifloat.fp8.gemm import scaled_mm
+from minifloat.fp8.gemm import GemmPath, gemm_path, resolve_backend, scaled_mm
 from minifloat.numerics.quantize import quantize
 
 # fp32 accumulation of K ≈ 300 exact products: rounding errors grow like sqrt(K)·2^-24 of the partial sums (measured
@@ -89,6 +89,61 @@ def test_emulated_matches_float64_of_dequantized(operands, ga, gb, power_of_two,
     assert out.shape == (M, N)
     assert out.dtype == out_dtype
     assert rel_max_error(out, ref, ref_nobias) <= rtol
+
+
+# (name, granularity of a, granularity of b, power_of_two of a, power_of_two of b): one operand's power-of-two scales
+# are folded into it, the other's are applied per K block — each scale must be applied exactly once
+MIXED_FOLDING = [
+    ("tile-pow2-block", "tile", "block", True, False),
+    ("tile-block-pow2", "tile", "block", False, True),
+    ("tile-pow2-tile", "tile", "tile", True, False),
+    ("block-pow2-tile", "block", "tile", True, False),
+    ("mx-tile", "mx", "tile", True, False),
+]
+
+
+@pytest.mark.parametrize("ga, gb, pa, pb", [c[1:] for c in MIXED_FOLDING], ids=[c[0] for c in MIXED_FOLDING])
+@pytest.mark.parametrize("out_dtype, rtol", [c[1:] for c in OUT_DTYPES], ids=[c[0] for c in OUT_DTYPES])
+def test_mixed_folding_matches_float64_of_dequantized(operands, ga, gb, pa, pb, out_dtype, rtol):
+    a, b, bias = operands
+    qa, qb = quantize(a, E4M3, granularity=ga, power_of_two=pa), quantize(b, E5M2, granularity=gb, power_of_two=pb)
+    assert qa.scale_folded != qb.scale_folded
+    ref_nobias = qa.dequantize().double() @ qb.dequantize().double().T
+    ref = ref_nobias + bias.double()
+    out = scaled_mm(qa, qb, out_dtype=out_dtype, bias=bias, backend="emulated")
+    assert rel_max_error(out, ref, ref_nobias) <= rtol
+
+
+# (name, granularity of a, granularity of b, power_of_two, path on a machine without FP8 tensor cores)
+GEMM_PATHS = [
+    ("tensor-tensor", "tensor", "tensor", False, GemmPath.FACTORED),
+    ("row-row", "row", "row", False, GemmPath.FACTORED),
+    ("tensor-row", "tensor", "row", False, GemmPath.FACTORED),
+    ("mx-mx", "mx", "mx", True, GemmPath.FACTORED),  # E8M0 scales fold
+    ("tile-block-pow2", "tile", "block", True, GemmPath.FACTORED),  # power-of-two block scales fold
+    ("tile-block", "tile", "block", False, GemmPath.K_BLOCKS),
+    ("row-tile", "row", "tile", False, GemmPath.K_BLOCKS),
+    ("mx-tile", "mx", "tile", False, GemmPath.K_BLOCKS),
+]
+
+
+@pytest.mark.parametrize("ga, gb, power_of_two, expected", [c[1:] for c in GEMM_PATHS], ids=[c[0] for c in GEMM_PATHS])
+@pytest.mark.parametrize("backend", ["auto", "emulated"])
+def test_gemm_path_without_native_fp8(operands, ga, gb, power_of_two, expected, backend):
+    if torch.cuda.is_available():
+        pytest.skip("on a GPU, auto may pick the native path")
+    a, b, _ = operands
+    qa = quantize(a, E4M3, granularity=ga, power_of_two=power_of_two)
+    qb = quantize(b, E4M3, granularity=gb, power_of_two=power_of_two)
+    assert gemm_path(qa, qb, torch.bfloat16, backend) == expected
+    assert resolve_backend(backend, qa, qb) == "emulated"
+
+
+def test_gemm_path_validates_the_backend(operands):
+    a, b, _ = operands
+    qa, qb = quantize(a, E4M3), quantize(b, E4M3)
+    with pytest.raises(ValueError, match="backend must be one of.*'bogus'"):
+        gemm_path(qa, qb, backend="bogus")
 
 
 @pytest.mark.parametrize("ga, gb, power_of_two", [c[1:] for c in GRANULARITY_PAIRS],

@@ -18,7 +18,8 @@ from hypothesis import strategies as st
 
 from minifloat.numerics.compiling import compile_enabled
 from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, NumberFormat
-from minifloat.numerics.quantize import GRANULARITIES, MX_BLOCK, TILE, Quantized, cast, quantize, scale_from_amax, sqnr_db
+from minifloat.numerics.granularity import GRANULARITIES, MX_BLOCK, TILE
+from minifloat.numerics.quantize import Quantized, cast, quantize, scale_from_amax, sqnr_db
 
 # `minifloat.numerics.quantize` is also the name of the function the package exports, so fetch the module itself
 Q = importlib.import_module("minifloat.numerics.quantize")

@@ -16,9 +16,11 @@ import re
 import pytest
 
 from minifloat.numerics.formats import E4M3, E5M2
+from minifloat.numerics.granularity import Granularity
 from minifloat.fp8.recipes import (
     ROLES,
     BlockScaling,
+    CastSpec,
     CurrentScaling,
     DelayedScaling,
     MXScaling,
@@ -39,6 +41,7 @@ INVALID = [
     ("current-format", CurrentScaling, {"format": "e3m4"}, "format", "e3m4"),
     ("current-granularity-tile", CurrentScaling, {"granularity": "tile"}, "granularity", "tile"),
     ("current-granularity-mx", CurrentScaling, {"granularity": "mx"}, "granularity", "mx"),
+    ("current-granularity-bogus", CurrentScaling, {"granularity": "bogus"}, "granularity", "bogus"),
     ("current-power-of-two-str", CurrentScaling, {"power_of_two": "yes"}, "power_of_two", "yes"),
     ("block-power-of-two-str", BlockScaling, {"power_of_two": "yes"}, "power_of_two", "yes"),
     ("block-power-of-two-int", BlockScaling, {"power_of_two": 1}, "power_of_two", "1"),
@@ -54,6 +57,23 @@ def test_invalid_value_raises_naming_field_and_value(cls, kwargs, field, value):
     message = str(info.value)
     assert field in message
     assert re.search(rf"(?<![\w.-]){re.escape(value)}(?![\w.])", message), message
+
+
+@pytest.mark.parametrize("value", ["tile", "block", "mx", "bogus", Granularity.TILE])
+def test_current_scaling_names_its_allowed_granularities(value):
+    with pytest.raises(ValueError, match=re.escape("granularity must be one of ['tensor', 'row'], got")):
+        CurrentScaling(granularity=value)
+
+
+def test_current_scaling_accepts_members_and_strings_alike():
+    assert CurrentScaling(granularity=Granularity.ROW) == CurrentScaling(granularity="row")
+    assert CurrentScaling(granularity="row").spec(Role.INPUT).granularity is Granularity.ROW
+
+
+def test_cast_spec_wants_a_granularity_member():
+    assert CastSpec(E4M3, Granularity.TILE).granularity is Granularity.TILE
+    with pytest.raises(ValueError, match=r"granularity must be a Granularity.*'tile'"):
+        CastSpec(E4M3, "tile")
 
 
 # (name, recipe) — every constructor option at a valid non-default value
@@ -147,6 +167,7 @@ def test_spec_per_role(recipe, expected, delayed, power_of_two):
     for role in ROLES:
         spec = recipe.spec(role)
         assert (spec.fmt, spec.granularity) == expected[role], role
+        assert isinstance(spec.granularity, Granularity), role
         assert spec.delayed is delayed
         assert spec.power_of_two is power_of_two
 

@@ -27,6 +27,7 @@ import torch
 
 from minifloat.fp8 import telemetry
 from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
+from minifloat.numerics.granularity import Granularity, granularity_info
 from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t, scale_from_amax
 from minifloat.fp8.recipes import Recipe, Role
 from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
@@ -59,6 +60,13 @@ class WeightCache:
         self._entries[kind] = (key, q)
         return q, False
 
+    def peek(self, kind: str, weight: torch.Tensor) -> Quantized | None:
+        """The `kind` cast of this very weight (same version and storage, whatever its options), else None."""
+        entry = self._entries.get(kind)
+        if torch.compiler.is_compiling() or entry is None:
+            return None
+        return entry[1] if entry[0][:4] == (weight._version, weight.data_ptr(), weight.dtype, weight.device) else None
+
     def clear(self) -> None:
         self._entries.clear()
 
@@ -78,9 +86,9 @@ class LayerCaster:
     recording: bool = True
     weights: WeightCache | None = None
 
-    def _native(self, t: torch.Tensor, granularity: str) -> bool:
+    def _native(self, t: torch.Tensor, granularity: Granularity) -> bool:
         return (self.backend != "emulated" and t.is_cuda and native_fp8_available(t.device.index or 0)
-                and granularity in ("tensor", "row"))
+                and granularity_info(granularity).native_gemm)
 
     def cast(self, role: Role, t: torch.Tensor, *, record: bool = True, scale: torch.Tensor | None = None,
              keep_data: bool = False, transposed: bool = False) -> Quantized:
@@ -96,14 +104,14 @@ class LayerCaster:
             return quantize_t(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                               power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, operand_dtype=_OPERAND,
                               keep_data=False)
-        native = self._native(t, "tensor" if scale is not None else spec.granularity)
+        native = self._native(t, Granularity.TENSOR if scale is not None else spec.granularity)
         out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
         if scale is not None:
-            return quantize(t, spec.fmt, granularity="tensor", scale=scale, **out)
+            return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
         if spec.delayed:
             qscale = self.state.delayed_scale(ROLE_INDEX[role], lambda: abs_max(t.detach(), None), spec.fmt,
                                               margin=spec.margin, store=record and self.recording)
-            q = quantize(t, spec.fmt, granularity="tensor", scale=1.0 / qscale, **out)
+            q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, **out)
         else:
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
@@ -138,31 +146,31 @@ class LayerCaster:
 def _transposed(q: Quantized, caster: LayerCaster, role: Role, source: torch.Tensor | None) -> Quantized:
     """q scaled along its other axis: exact transpose when possible, else re-quantized (from `source` if given,
     else from q's own values: a bfloat16 operand for power-of-two scales, which holds them exactly)."""
-    if q.granularity in ("tensor", "block"):
+    if granularity_info(q.granularity).transposes_exactly:
         return q.t()
     if source is None:
         source = operand(q) if q.scale_folded else q.dequantize()
     return caster.cast(role, source, record=False, transposed=True)
 
 
-def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: str,
+def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Granularity,
                     scale: torch.Tensor | None) -> Quantized:
     """Wᵀ quantized along N for dgrad, from the weight parameter (once per FP8 step when the layer caches)."""
     if caster.weights is None:
         return _requantize_weight_t(caster, weight, granularity, scale)
-    # the per-tensor scale is fixed for the step (delayed: until the step ends; current: the weight's own amax,
-    # and the weight is unchanged while its version is), so it needs no place in the key
+    forward = caster.weights.peek("fprop", weight)
+    if forward is not None and granularity_info(granularity).per_tensor:
+        return forward.t()  # the forward's own FP8 weight: what re-quantizing with its scale would give
     options = (caster.recipe, caster.backend, granularity)
     return caster.weights.get("dgrad", weight, options,
                               lambda: _requantize_weight_t(caster, weight, granularity, scale))[0]
 
 
-def _requantize_weight_t(caster: LayerCaster, weight: torch.Tensor, granularity: str,
+def _requantize_weight_t(caster: LayerCaster, weight: torch.Tensor, granularity: Granularity,
                          scale: torch.Tensor | None) -> Quantized:
-    if granularity == "tensor":  # the forward's scale: the same FP8 values as in the forward, transposed
+    if granularity_info(granularity).per_tensor:  # the forward's scale: its FP8 values, transposed
         return caster.cast(Role.WEIGHT, weight, scale=scale, record=False).t()
-    if granularity == "block":  # 128×128 blocks transpose with their scales
-        return caster.cast(Role.WEIGHT, weight, record=False).t()
+    # 128×128 blocks transpose with their scales (quantize_t does that); rows, tiles and MX blocks re-quantize
     return caster.cast(Role.WEIGHT, weight, record=False, transposed=True)
 
 
@@ -175,15 +183,17 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, caster: LayerCaster, compute_dtype: torch.dtype):
-        with torch.autocast(x.device.type, enabled=False):
-            x2 = x.reshape(-1, x.shape[-1])
-            qx = caster.cast(Role.INPUT, x2, keep_data=True)  # saved for backward in FP8
-            qw = caster.cast_weight(weight)
-            # fprop: x @ Wᵀ = y
-            y = scaled_mm(qx, qw, out_dtype=compute_dtype, bias=bias, backend=caster.backend)
+        # No autocast switch is needed in here (nor traceable inside a compiled autograd.Function): every op is
+        # elementwise, a reduction, or a GEMM whose operands already have the dtype autocast would pick.
+        x2 = x.reshape(-1, x.shape[-1])
+        qx = caster.cast(Role.INPUT, x2, keep_data=True)  # saved for backward in FP8
+        qw = caster.cast_weight(weight)
+        # fprop: x @ Wᵀ = y
+        y = scaled_mm(qx, qw, out_dtype=compute_dtype, bias=bias, backend=caster.backend)
         # Saved for backward: the input's FP8 bytes and scales, and the weight parameter itself (no copy: the
         # backward re-quantizes it, identically for per-tensor scales by reusing the forward's scale).
-        ctx.save_for_backward(qx.data, qx.scale, weight, qw.scale if qw.granularity == "tensor" else None)
+        ctx.save_for_backward(qx.data, qx.scale, weight,
+                              qw.scale if granularity_info(qw.granularity).per_tensor else None)
         ctx.meta = (qx.fmt, qx.granularity, qx.scale_folded, qw.granularity)
         ctx.caster, ctx.compute_dtype = caster, compute_dtype
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
@@ -196,20 +206,19 @@ class Fp8LinearFunction(torch.autograd.Function):
         qx = Quantized(xd, xs, xf, xg, scale_folded=xfold)
         caster, out_dtype = ctx.caster, ctx.compute_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
-        with torch.autocast(dy.device.type, enabled=False):
-            qdy = caster.cast(Role.GRAD_OUTPUT, dy2)
+        qdy = caster.cast(Role.GRAD_OUTPUT, dy2)
 
-            # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
-            qwt = _weight_along_n(caster, weight, wg, ws)
-            dx = scaled_mm(qdy, qwt, out_dtype=out_dtype, backend=caster.backend)
+        # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
+        qwt = _weight_along_n(caster, weight, wg, ws)
+        dx = scaled_mm(qdy, qwt, out_dtype=out_dtype, backend=caster.backend)
 
-            # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
-            qdyt = _transposed(qdy, caster, Role.GRAD_OUTPUT, dy2)
-            qxt = _transposed(qx, caster, Role.INPUT, None)
-            dw = scaled_mm(qdyt, qxt, out_dtype=out_dtype, backend=caster.backend)
+        # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
+        qdyt = _transposed(qdy, caster, Role.GRAD_OUTPUT, dy2)
+        qxt = _transposed(qx, caster, Role.INPUT, None)
+        dw = scaled_mm(qdyt, qxt, out_dtype=out_dtype, backend=caster.backend)
 
-            # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)
-            db = dy2.sum(0) if ctx.has_bias else None
+        # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)
+        db = dy2.sum(0) if ctx.has_bias else None
         dx = dx.reshape(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
         return dx, dw, db, None, None
 

@@ -1,13 +1,15 @@
 """Scaled FP8 matrix multiply: out = (a · sa) @ (b · sb)ᵀ with FP8 operands and fp32 accumulation.
 
-Two backends compute the same thing:
+Two backends compute the same thing; `gemm_path` decides which of three paths a product takes:
   * "native": torch._scaled_mm on GPUs with FP8 tensor cores (compute capability 8.9+), for per-tensor and per-row
     scales with K and N multiples of 16, and not E5M2 × E5M2;
-  * "emulated": everywhere else, by the fastest exact route on the host. Every FP8 value (times a power of two) is
-    exactly a bfloat16 value, so a bfloat16 GEMM with fp32 accumulation multiplies FP8 operands exactly. Per-tensor
-    and per-row scales factor out of the sum onto the output; power-of-two block scales (MX, BlockScaling's default)
-    are folded into the bfloat16 operands exactly; other block scales are applied per 128-wide K block to fp32
-    partial sums (DeepSeek-V3's promotion).
+  * "emulated-factored": everywhere else when every scale either factors out of the K-sum (per-tensor, per-row)
+    or is folded into its operand (power-of-two block scales: MX, BlockScaling's default). Every FP8 value (times a
+    power of two) is exactly a bfloat16 value, so one bfloat16 GEMM with fp32 accumulation multiplies the operands
+    exactly and the factored scales are applied to its output;
+  * "emulated-k-blocks": other block scales vary along K, so they are applied per K block to fp32 partial sums
+    (DeepSeek-V3's promotion).
+Which granularity goes where is read from `minifloat.numerics.granularity`'s table.
 
 Output rounding of the emulated backend: for a bfloat16 output the accumulator is rounded to bfloat16 by the GEMM
 and the per-tensor/row scales are applied to that (at most one extra bfloat16 rounding, 2^-8 relative, against the
@@ -17,15 +19,29 @@ one a tensor core makes); for float32 (and float16) outputs the GEMM runs with f
 from __future__ import annotations
 
 import contextlib
+import enum
 import functools
+import math
 import os
 
 import torch
 
 from minifloat.numerics.compiling import maybe_compile
-from minifloat.numerics.quantize import TILE, Quantized, decode
+from minifloat.numerics.granularity import granularity_info
+from minifloat.numerics.quantize import Quantized, decode
 
 BACKENDS = ("auto", "native", "emulated")
+
+
+class GemmPath(str, enum.Enum):
+    """How `scaled_mm` computes a product (see the module docstring)."""
+
+    NATIVE = "native"  # torch._scaled_mm on FP8 tensor cores
+    FACTORED = "emulated-factored"  # one bfloat16 GEMM; tensor/row scales on the output, block scales folded in
+    K_BLOCKS = "emulated-k-blocks"  # one fp32 GEMM per K block, scaled per block and summed in fp32
+
+    def __str__(self) -> str:
+        return self.value
 
 
 def _backend_from_env() -> str:
@@ -44,35 +60,59 @@ def native_fp8_available(device_index: int = 0) -> bool:
 
 
 def native_supports(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16) -> bool:
-    """Whether torch._scaled_mm can run this product."""
+    """Whether torch._scaled_mm can run this product (hardware, dtypes, shapes and the table's `native_gemm`)."""
     if a.data is None or b.data is None:  # operand-only tensors are for the emulated backend
         return False
     if not (a.data.is_cuda and native_fp8_available(a.data.device.index or 0)):
         return False
     if a.data.dim() != 2 or b.data.dim() != 2:
         return False
-    if (a.granularity, b.granularity) not in (("tensor", "tensor"), ("row", "row")):
+    info = granularity_info(a.granularity)
+    if a.granularity != b.granularity or not info.native_gemm:  # cuBLASLt: both per tensor or both row-wise
         return False
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
         return False
-    if a.granularity == "row" and out_dtype != torch.bfloat16:  # cuBLASLt row-wise scaling outputs bf16 only
+    if info.per_row and out_dtype != torch.bfloat16:  # cuBLASLt row-wise scaling outputs bf16 only
         return False
     k, n = a.shape[1], b.shape[0]
     return k % 16 == 0 and n % 16 == 0
 
 
-def resolve_backend(backend: str | None, a: Quantized, b: Quantized,
-                    out_dtype: torch.dtype = torch.bfloat16) -> str:
+def _factors_or_folds(q: Quantized) -> bool:
+    """q's scales leave the K-sum intact: they factor out onto the output, or are folded into the operand."""
+    return granularity_info(q.granularity).factors_out or q.scale_folded
+
+
+def gemm_path(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16,
+              backend: str | None = None) -> GemmPath:
+    """The one decision of how `scaled_mm(a, b, out_dtype=out_dtype, backend=backend)` computes its product.
+
+    Args:
+        a, b: the operands, (M, K) and (N, K).
+        out_dtype: the output dtype (cuBLASLt's row-wise scaling outputs bfloat16 only).
+        backend: "auto" (None: $MINIFLOAT_GEMM_BACKEND, default "auto"), "native" or "emulated".
+    Returns:
+        GemmPath.NATIVE where requested or (for "auto") where `native_supports`; else FACTORED when both operands'
+        scales factor out of the K-sum or are folded in, else K_BLOCKS.
+    Raises:
+        ValueError for an unknown backend, or "native" for a product the native backend cannot run.
+    """
     backend = backend or _backend_from_env()
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "auto":
-        return "native" if native_supports(a, b, out_dtype) else "emulated"
-    if backend == "native" and not native_supports(a, b, out_dtype):
+    if backend != "emulated" and native_supports(a, b, out_dtype):
+        return GemmPath.NATIVE
+    if backend == "native":
         raise ValueError(f"the native backend cannot run this {a.granularity}×{b.granularity} product of shapes "
                          f"{tuple(a.shape)}×{tuple(b.shape)} (needs an SM 8.9+ GPU, FP8 data, tensor or row scales, "
                          f"K and N multiples of 16, not E5M2×E5M2)")
-    return backend
+    return GemmPath.FACTORED if _factors_or_folds(a) and _factors_or_folds(b) else GemmPath.K_BLOCKS
+
+
+def resolve_backend(backend: str | None, a: Quantized, b: Quantized,
+                    out_dtype: torch.dtype = torch.bfloat16) -> str:
+    """The backend `gemm_path` picks for this product: "native" or "emulated"."""
+    return "native" if gemm_path(a, b, out_dtype, backend) == GemmPath.NATIVE else "emulated"
 
 
 def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.float32,
@@ -90,9 +130,12 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
     """
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"scaled_mm needs a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
-    if resolve_backend(backend, a, b, out_dtype) == "native":
+    path = gemm_path(a, b, out_dtype, backend)
+    if path == GemmPath.NATIVE:
         return _native(a, b, out_dtype, bias)
-    return _emulated(a, b, out_dtype, bias)
+    if path == GemmPath.FACTORED:
+        return _emulated_factored(a, b, out_dtype, bias)
+    return _emulated_k_blocks(a, b, out_dtype, bias)
 
 
 # ---------------------------------------------------------------------------------------------------- native
@@ -101,7 +144,7 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
 def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
     # torch._scaled_mm wants A row-major (M, K), B column-major (K, N) and dequantization scales.
     sa, sb = a.scale.float(), b.scale.float()
-    if a.granularity == "row":
+    if granularity_info(a.granularity).per_row:
         sa, sb = sa.reshape(-1, 1), sb.reshape(1, -1)
     bias = None if bias is None else bias.to(out_dtype)
     return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=sa, scale_b=sb, bias=bias,
@@ -139,21 +182,25 @@ def operand(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
 
 
 def _outer_scale(q: Quantized, side: str) -> torch.Tensor | None:
-    """Per-tensor or per-row scale that factors out of the sum, shaped to broadcast over (M, N)."""
-    if q.scale_folded:
+    """The scale that factors out of the K-sum, shaped to broadcast over (M, N); None when there is none to apply
+    (folded into the operand, or varying along K: applied per K block)."""
+    info = granularity_info(q.granularity)
+    if q.scale_folded or not info.factors_out:
         return None
-    if q.granularity == "tensor":
-        return q.scale.float()
-    if q.granularity == "row":
+    if info.per_row:
         return q.scale.float().reshape(-1, 1) if side == "a" else q.scale.float().reshape(1, -1)
-    raise AssertionError("block scales are either folded or handled per K block")
+    return q.scale.float()
 
 
-def _k_block_scales(q: Quantized) -> torch.Tensor:
-    """(rows, ceil(K/128)) scales of a tile- or block-scaled operand."""
-    if q.granularity == "tile":
-        return q.scale.float().reshape(q.shape[0], -1)
-    return q.scale.float().repeat_interleave(TILE, dim=0)[: q.shape[0]]
+def _k_block_scales(q: Quantized) -> tuple[torch.Tensor | None, int]:
+    """((rows, K blocks) scales, K-block width) of an operand whose scales vary along K and are not folded in;
+    (None, 0) for any other operand."""
+    info = granularity_info(q.granularity)
+    if q.scale_folded or info.factors_out:
+        return None, 0
+    rows, cols = info.block
+    s = q.scale.float()
+    return (s.reshape(q.shape[0], -1) if rows == 1 else s.repeat_interleave(rows, dim=0)[: q.shape[0]]), cols
 
 
 @contextlib.contextmanager
@@ -171,56 +218,78 @@ def _fp32_matmul_via_bf16():
         knob.fp32_precision = old
 
 
-def _mm_fp32(x: torch.Tensor, y_t: torch.Tensor) -> torch.Tensor:
-    """x @ y_t in float32 with exact products (operands are bf16 values) and fp32 accumulation."""
+# The two GEMM kernels of the emulated backend are custom ops: opaque to torch.compile, so a compiled model calls the
+# very kernels eager mode calls (and gets the same bits) instead of re-deriving them, which would need host reads
+# (`alpha`) and process-global flags (oneDNN's fp32 precision) inside the graph.
+
+
+@torch.library.custom_op("minifloat::mm_fp32", mutates_args=(), schema="(Tensor x, Tensor y_t) -> Tensor")
+def mm_fp32(x: torch.Tensor, y_t: torch.Tensor) -> torch.Tensor:
+    """x @ y_t in float32 with exact products (operands are bfloat16 values) and fp32 accumulation.
+
+    On CPUs oneDNN may run it on bfloat16 units; on GPUs TF32, if enabled, holds bfloat16 values exactly too.
+    """
     if x.device.type == "cpu":
         with _fp32_matmul_via_bf16():
             return x.float() @ y_t.float()
-    prev = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = False  # TF32 would round the operands' mantissas
-    try:
-        return x.float() @ y_t.float()
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = prev
+    return x.float() @ y_t.float()
 
 
-def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    foldable = all(q.granularity in ("tensor", "row") or q.scale_folded for q in (a, b))
-    if not foldable:
-        return _emulated_k_blocks(a, b, out_dtype, bias)
+@mm_fp32.register_fake
+def _mm_fp32_shape(x, y_t):
+    return x.new_empty((x.shape[0], y_t.shape[1]), dtype=torch.float32)
+
+
+@torch.library.custom_op("minifloat::addmm_bf16", mutates_args=(),
+                         schema="(Tensor a, Tensor b_t, Tensor alpha, Tensor? bias) -> Tensor")
+def addmm_bf16(a: torch.Tensor, b_t: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """bfloat16 alpha · (a @ b_t) + bias with one rounding of the fp32 accumulator (one oneDNN GEMM on CPU).
+
+    `alpha` is a 0-dim tensor read on the host: the CPU holds it already, so the read costs no device sync.
+    """
+    base = (bias.to(torch.bfloat16) if bias is not None
+            else torch.zeros((), dtype=torch.bfloat16, device=a.device).expand(a.shape[0], b_t.shape[1]))
+    # beta=0 ignores the zero-stride placeholder when there is no bias
+    return torch.addmm(base, a, b_t, beta=1.0 if bias is not None else 0.0, alpha=float(alpha))
+
+
+@addmm_bf16.register_fake
+def _addmm_bf16_shape(a, b_t, alpha, bias):
+    return a.new_empty((a.shape[0], b_t.shape[1]), dtype=torch.bfloat16)
+
+
+def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
+                       bias: torch.Tensor | None) -> torch.Tensor:
     A, B = operand(a), operand(b)
     sa, sb = _outer_scale(a, "a"), _outer_scale(b, "b")
     if out_dtype == torch.bfloat16:
         scalar = (sa is None or sa.dim() == 0) and (sb is None or sb.dim() == 0)
         if scalar and A.device.type == "cpu":
-            # one GEMM: alpha scales the fp32 accumulator, bias is added in the epilogue (beta=0 ignores the
-            # zero-stride placeholder when there is no bias)
-            alpha = (1.0 if sa is None else float(sa)) * (1.0 if sb is None else float(sb))
-            base = (bias.to(torch.bfloat16) if bias is not None
-                    else torch.zeros((), dtype=torch.bfloat16).expand(A.shape[0], B.shape[0]))
-            return torch.addmm(base, A, B.t(), beta=1.0 if bias is not None else 0.0, alpha=alpha)
+            # one GEMM: alpha scales the fp32 accumulator, the bias is added before its one rounding
+            one = torch.ones((), dtype=torch.float32, device=A.device)
+            alpha = (one if sa is None else sa) * (one if sb is None else sb)
+            return addmm_bf16(A, B.t(), alpha, bias)
         acc = torch.mm(A, B.t())
     else:
-        acc = _mm_fp32(A, B.t())
+        acc = mm_fp32(A, B.t())
     if sa is None and sb is None and bias is None:
         return acc.to(out_dtype)
     return _epilogue(acc, sa, sb, bias, out_dtype)
 
 
 def _emulated_k_blocks(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None):
-    # DeepSeek-V3 §3.3.2: products of each 128-wide K block are summed in fp32, scaled by that block's scales and
-    # accumulated into an fp32 result ("promotion to CUDA cores").
+    # DeepSeek-V3 §3.3.2: products of each K block (128 wide) are summed in fp32, scaled by that block's scales and
+    # accumulated into an fp32 result ("promotion to CUDA cores"). Scales folded into an operand are already in it.
     A, B = operand(a, torch.float32), operand(b, torch.float32)
-    sa = _k_block_scales(a) if a.granularity in ("tile", "block") else None
-    sb = _k_block_scales(b) if b.granularity in ("tile", "block") else None
+    (sa, wa), (sb, wb) = _k_block_scales(a), _k_block_scales(b)
+    width = math.gcd(wa, wb)  # K blocks this wide lie within one scale block of each operand (gcd(w, 0) = w)
     m, k = A.shape
     out = torch.zeros(m, B.shape[0], dtype=torch.float32, device=A.device)
-    for kb, start in enumerate(range(0, k, TILE)):
-        part = _mm_fp32(A[:, start:start + TILE], B[:, start:start + TILE].t())
+    for start in range(0, k, width):
+        part = mm_fp32(A[:, start:start + width], B[:, start:start + width].t())
         if sa is not None:
-            part = part * sa[:, kb : kb + 1]
+            part = part * sa[:, start // wa : start // wa + 1]
         if sb is not None:
-            part = part * sb[:, kb].reshape(1, -1)
+            part = part * sb[:, start // wb].reshape(1, -1)
         out += part
-    outer = [_outer_scale(q, side) if q.granularity in ("tensor", "row") else None for q, side in ((a, "a"), (b, "b"))]
-    return _epilogue(out, *outer, bias, out_dtype)
+    return _epilogue(out, _outer_scale(a, "a"), _outer_scale(b, "b"), bias, out_dtype)

@@ -12,6 +12,7 @@ import dataclasses
 import enum
 
 from minifloat.numerics.formats import E4M3, E5M2, NumberFormat
+from minifloat.numerics.granularity import Granularity
 
 
 class Role(str, enum.Enum):
@@ -40,14 +41,19 @@ class AmaxCompute(str, enum.Enum):
 
 @dataclasses.dataclass(frozen=True)
 class CastSpec:
-    """How one tensor role is quantized."""
+    """How one tensor role is quantized. `granularity` is a `Granularity` member (recipes convert strings)."""
 
     fmt: NumberFormat
-    granularity: str
+    granularity: Granularity
     delayed: bool = False
     power_of_two: bool = False
     margin: int = 0
     mx_rule: str = "up"
+
+    def __post_init__(self):
+        if not isinstance(self.granularity, Granularity):  # frozen: convert before constructing, not here
+            raise ValueError(f"granularity must be a Granularity, one of {[g.value for g in Granularity]}, "
+                             f"got {self.granularity!r}")
 
 
 def _enum(cls, field: str, value):
@@ -99,7 +105,7 @@ class DelayedScaling:
         return self.amax_history_len
 
     def spec(self, role: Role) -> CastSpec:
-        return CastSpec(_formats(self.format)[role], "tensor", delayed=True, margin=self.margin)
+        return CastSpec(_formats(self.format)[role], Granularity.TENSOR, delayed=True, margin=self.margin)
 
 
 class _JustInTime:
@@ -117,18 +123,19 @@ class CurrentScaling(_JustInTime):
     """
 
     format: Fp8Format | str = Fp8Format.HYBRID
-    granularity: str = "tensor"
+    granularity: Granularity | str = Granularity.TENSOR
     power_of_two: bool = False
+
+    GRANULARITIES = (Granularity.TENSOR, Granularity.ROW)  # scales that factor out of the GEMM's K-sum
 
     def __post_init__(self):
         _enum(Fp8Format, "format", self.format)
-        if self.granularity not in ("tensor", "row"):
-            raise ValueError(f"granularity must be 'tensor' or 'row', got {self.granularity!r}")
+        Granularity.parse(self.granularity, field="granularity", allowed=self.GRANULARITIES)
         if not isinstance(self.power_of_two, bool):
             raise ValueError(f"power_of_two must be a bool, got {self.power_of_two!r}")
 
     def spec(self, role: Role) -> CastSpec:
-        return CastSpec(_formats(self.format)[role], self.granularity, power_of_two=self.power_of_two)
+        return CastSpec(_formats(self.format)[role], Granularity(self.granularity), power_of_two=self.power_of_two)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +154,7 @@ class BlockScaling(_JustInTime):
             raise ValueError(f"power_of_two must be a bool, got {self.power_of_two!r}")
 
     def spec(self, role: Role) -> CastSpec:
-        granularity = "block" if role == Role.WEIGHT else "tile"
+        granularity = Granularity.BLOCK if role == Role.WEIGHT else Granularity.TILE
         return CastSpec(E4M3, granularity, power_of_two=self.power_of_two)
 
 
@@ -171,7 +178,7 @@ class MXScaling(_JustInTime):
             raise ValueError(f"scale_rule must be 'up' or 'floor', got {self.scale_rule!r}")
 
     def spec(self, role: Role) -> CastSpec:
-        return CastSpec(_formats(self.format)[role], "mx", power_of_two=True, mx_rule=self.scale_rule)
+        return CastSpec(_formats(self.format)[role], Granularity.MX, power_of_two=True, mx_rule=self.scale_rule)
 
 
 Recipe = DelayedScaling | CurrentScaling | BlockScaling | MXScaling

@@ -19,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from minifloat.numerics.granularity import granularity_info
 from minifloat.numerics.quantize import Quantized, sqnr_db
 
 _ACTIVE: "Recorder | None" = None
@@ -105,7 +106,7 @@ def observe(layer: str, role: str, source: torch.Tensor, q: Quantized) -> None:
     finite = torch.isfinite(x)
     n_finite = int(finite.sum())
     deq = q.dequantize()
-    scale = q.expanded_scale().expand_as(x) if q.granularity != "tensor" else q.scale
+    scale = q.scale if granularity_info(q.granularity).per_tensor else q.expanded_scale().expand_as(x)
     xf = torch.where(finite, x, torch.zeros_like(x))
     # |x|/scale > max, with slack for the fp32 rounding of scale = amax/max (the amax element itself is not clamped)
     saturated = (xf.abs() > q.fmt.max * scale * (1.0 + _SATURATION_SLACK)).sum().item()

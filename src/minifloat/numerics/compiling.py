@@ -55,7 +55,7 @@ def maybe_compile(fn: F) -> F:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled, broken
-        if broken or not compile_enabled() or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or broken or not compile_enabled():  # inside a compiled graph: inline
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
@@ -73,3 +73,18 @@ def maybe_compile(fn: F) -> F:
 
     wrapper.eager = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+@torch.library.custom_op("minifloat::transposed_copy", mutates_args=(), schema="(Tensor x) -> Tensor")
+def transposed_copy(x: torch.Tensor) -> torch.Tensor:
+    """xᵀ of a 2-D tensor as a contiguous copy, made by an op compiled graphs do not fuse through.
+
+    For re-quantizing a tensor along its other axis inside a compiled graph: inductor (torch 2.13) fuses a row-wise
+    block reduction and a down-the-columns one over the same tensor into one kernel it then fails to lower.
+    """
+    return x.t().contiguous()
+
+
+@transposed_copy.register_fake
+def _transposed_copy_shape(x):
+    return x.new_empty((x.shape[1], x.shape[0]))

@@ -18,12 +18,20 @@ import math
 
 import torch
 
-from minifloat.numerics.compiling import maybe_compile
+from minifloat.numerics.compiling import maybe_compile, transposed_copy
 from minifloat.numerics.formats import E8M0, FORMATS, NumberFormat, Special, get_format
+from minifloat.numerics.granularity import (
+    Granularity,
+    GranularityInfo,
+    blocked_view,
+    expand_scale,
+    from_blocks,
+    granularity_info,
+    pad_to_multiple,
+    scale_shape,
+    to_blocks,
+)
 
-GRANULARITIES = ("tensor", "row", "tile", "block", "mx")
-TILE = 128  # DeepSeek-V3 §3.3: 1×128 activation tiles, 128×128 weight blocks
-MX_BLOCK = 32  # OCP MX v1.0: 32 elements share one E8M0 scale
 MX_RULES = ("up", "floor")
 
 
@@ -185,7 +193,7 @@ class Quantized:
         scale: float32 dequantization multipliers, shaped per granularity — tensor: (); row: (..., 1);
             tile / mx: (..., ceil(K/128)) / (..., ceil(K/32)); block: (..., ceil(M/128), ceil(K/128)).
         fmt: the element format.
-        granularity: "tensor", "row", "tile", "block" or "mx".
+        granularity: a `Granularity` (strings are accepted and converted; it compares equal to its string).
         amax: the absolute maximum of x per scale block (same shape as scale); with an explicit scale, the tensor's
             amax for "tensor" granularity (computed in the same pass) and None otherwise.
         operand: optional bfloat16 copy of the grid values for the emulated GEMM (None unless asked for).
@@ -196,10 +204,13 @@ class Quantized:
     data: torch.Tensor | None
     scale: torch.Tensor
     fmt: NumberFormat
-    granularity: str
+    granularity: Granularity
     amax: torch.Tensor | None = None
     operand: torch.Tensor | None = None
     scale_folded: bool = False
+
+    def __post_init__(self):
+        self.granularity = Granularity.parse(self.granularity)
 
     @property
     def shape(self) -> torch.Size:
@@ -207,7 +218,9 @@ class Quantized:
 
     @property
     def block_size(self) -> int:
-        return MX_BLOCK if self.granularity == "mx" else TILE
+        """Elements along the last dim that share one scale (the whole last dim for tensor and row scales)."""
+        block = granularity_info(self.granularity).block
+        return self.shape[-1] if block is None else block[1]
 
     def expanded_scale(self) -> torch.Tensor:
         """The scale broadcast to data's shape."""
@@ -228,28 +241,24 @@ class Quantized:
                 return self.operand.to(dtype)  # the operand already carries its (power-of-two) scales: exact
             return (self.grid_values() * self.expanded_scale()).to(dtype)
         data = self.data.detach()
-        *lead, m, k = data.shape if data.dim() >= 2 else (1, data.numel())
-        size = self.block_size
-        if self.granularity in ("tensor", "row"):
-            return decode(data, self.scale, dtype)
-        if self.granularity in ("tile", "mx") and k % size == 0 and data.is_contiguous():
-            # broadcast each block's scale instead of materialising a full-size scale tensor
-            out = decode(data.reshape(*lead, m, k // size, size), self.scale.unsqueeze(-1), dtype)
-            return out.reshape(data.shape)
-        if self.granularity == "block" and m % TILE == 0 and k % TILE == 0 and data.is_contiguous():
-            blocks = data.reshape(*lead, m // TILE, TILE, k // TILE, TILE)
-            return decode(blocks, self.scale.unsqueeze(-1).unsqueeze(-3), dtype).reshape(data.shape)
-        return decode(data, self.expanded_scale(), dtype)
+        # broadcast each block's scale instead of materialising a full-size scale tensor where the layout allows
+        view = blocked_view(data, self.scale, self.granularity)
+        if view is None:
+            return decode(data, self.expanded_scale(), dtype)
+        return decode(*view, dtype).reshape(data.shape)
 
     def t(self) -> "Quantized":
-        """Transpose of a 2-D tensor- or block-scaled tensor (exact: its scales transpose with it)."""
-        if len(self.shape) != 2 or self.granularity not in ("tensor", "block"):
-            raise ValueError(f"only 2-D tensor/block granularity transposes exactly, not {self.granularity!r}")
-        scale = self.scale if self.granularity == "tensor" else self.scale.t()
-        operand = None if self.operand is None else self.operand.t()
-        return Quantized(None if self.data is None else self.data.t(), scale, self.fmt, self.granularity,
-                         None if self.amax is None else (self.amax if self.amax.dim() == 0 else self.amax.t()),
-                         operand, self.scale_folded)
+        """Transpose of a 2-D tensor whose scales transpose with it (granularity_info(...).transposes_exactly)."""
+        if len(self.shape) != 2 or not granularity_info(self.granularity).transposes_exactly:
+            exact = [g.value for g in Granularity if granularity_info(g).transposes_exactly]
+            raise ValueError(f"only 2-D tensors of granularity {exact} transpose exactly, not a {len(self.shape)}-D "
+                             f"tensor of granularity '{self.granularity}'")
+
+        def flip(a):  # per-tensor (0-d) scales and amaxes stay as they are
+            return a if a is None or a.dim() < 2 else a.t()
+
+        return Quantized(flip(self.data), flip(self.scale), self.fmt, self.granularity, flip(self.amax),
+                         flip(self.operand), self.scale_folded)
 
     def nbytes(self) -> int:
         """Bytes of data and scales (the optional operand excluded)."""
@@ -257,56 +266,7 @@ class Quantized:
         return data + self.scale.numel() * self.scale.element_size()
 
 
-def expand_scale(scale: torch.Tensor, granularity: str, shape: torch.Size) -> torch.Tensor:
-    if granularity in ("tensor", "row"):
-        return scale
-    k = shape[-1]
-    size = MX_BLOCK if granularity == "mx" else TILE
-    s = scale.repeat_interleave(size, dim=-1)[..., :k]
-    if granularity == "block":
-        s = s.repeat_interleave(TILE, dim=-2)[..., : shape[-2], :]
-    return s
-
-
-def _pad_last(x: torch.Tensor, multiple: int, dim: int = -1) -> torch.Tensor:
-    n = x.shape[dim]
-    pad = (-n) % multiple
-    if pad == 0:
-        return x
-    widths = [0, 0] * (x.dim() - 1 - (dim % x.dim())) + [0, pad]
-    return torch.nn.functional.pad(x, widths)
-
-
-def _blocks(x: torch.Tensor, granularity: str) -> tuple[torch.Tensor, tuple]:
-    """View x as (n_blocks, block_elements) (copying only for ragged edges or 128×128 blocks)."""
-    if granularity == "tensor":
-        return x.reshape(1, -1), ()
-    if granularity == "row":
-        return x.reshape(-1, x.shape[-1]), ()
-    if granularity in ("tile", "mx"):
-        size = TILE if granularity == "tile" else MX_BLOCK
-        xp = _pad_last(x, size)
-        return xp.reshape(-1, size), (xp.shape[-1] // size,)
-    if x.dim() < 2:
-        raise ValueError("granularity 'block' needs a tensor of at least 2 dims")
-    xp = _pad_last(_pad_last(x, TILE, -1), TILE, -2)
-    *lead, m, k = xp.shape
-    mb, kb = m // TILE, k // TILE
-    xb = xp.reshape(*lead, mb, TILE, kb, TILE).transpose(-3, -2)  # (..., MB, KB, 128, 128)
-    return xb.reshape(-1, TILE * TILE), (mb, kb)
-
-
-def _scale_shape(x: torch.Tensor, granularity: str, info: tuple) -> tuple:
-    if granularity == "tensor":
-        return ()
-    if granularity == "row":
-        return (*x.shape[:-1], 1)
-    if granularity in ("tile", "mx"):
-        return (*x.shape[:-1], info[0])
-    return (*x.shape[:-2], *info)
-
-
-def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: str = "tensor",
+def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str = "tensor",
              scale: torch.Tensor | None = None, margin: int = 0, power_of_two: bool = False,
              mx_rule: str = "up", operand_dtype: torch.dtype | None = None, keep_data: bool = True) -> Quantized:
     """Scale `x` per `granularity` and cast it onto `fmt` (saturating, RNE).
@@ -315,7 +275,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: str = "te
         x: floating tensor; "tile"/"mx" blocks run along the last dim, "block" covers the last two dims; ragged
             edges (sizes not multiples of 128 or 32) are zero-padded for the amax and trimmed from the result.
         fmt: element format (E4M3, E5M2, E2M1, ...).
-        granularity: "tensor", "row", "tile" (1×128), "block" (128×128) or "mx" (32, E8M0 scales).
+        granularity: "tensor", "row", "tile" (1×128), "block" (128×128) or "mx" (32, E8M0 scales): a
+            `Granularity` or its string.
         scale: dequantization scale to use instead of one computed from the current amax (delayed scaling).
             Only for "tensor" and "row" granularity.
         margin: scale = fmt.max / amax / 2^margin.
@@ -328,8 +289,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: str = "te
         Quantized with data of x's shape.
     """
     fmt = get_format(fmt)
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    granularity = Granularity.parse(granularity)
+    info = granularity_info(granularity)
     if mx_rule not in MX_RULES:
         raise ValueError(f"mx_rule must be one of {MX_RULES}, got {mx_rule!r}")
     if not x.is_floating_point():
@@ -340,102 +301,97 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: str = "te
         raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
     storage = (fmt.torch_dtype if fmt.torch_dtype is not None else torch.float32) if keep_data else None
 
-    xb, info = _blocks(x.detach(), granularity)
+    xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
     amax = None
     if scale is None:
-        amax = abs_max(xb, None if granularity == "tensor" else -1)
-        qscale, dscale = _scales(amax, fmt, granularity, margin, power_of_two, mx_rule)
+        amax = abs_max(xb, None if info.per_tensor else -1)
+        qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
     else:
-        if granularity not in ("tensor", "row"):
-            raise ValueError(f"an explicit scale is supported for 'tensor' and 'row' granularity, not {granularity!r}")
-        dscale = scale.float().reshape(-1, 1) if granularity == "row" else scale.float().reshape(())
+        if info.block is not None:  # a given scale must not depend on per-block amaxes the caller cannot see
+            allowed = [g.value for g in Granularity if granularity_info(g).block is None]
+            raise ValueError(f"an explicit scale is supported for {allowed} granularity, not '{granularity}'")
+        dscale = scale.float().reshape(-1, 1) if info.per_row else scale.float().reshape(())
         qscale = 1.0 / dscale
-    if granularity == "tensor":
+    if info.per_tensor:
         qscale, dscale = qscale.reshape(()), dscale.reshape(())
         if amax is not None:
             amax = amax.reshape(())
 
-    exact_fold = granularity == "mx" or (power_of_two and granularity in ("tile", "block"))
-    fold = dscale if (exact_fold and operand_dtype is not None) else None
-    want_amax = amax is None and granularity == "tensor" and xb.numel() > 0
+    folded = info.folds(power_of_two)
+    fold = dscale if (folded and operand_dtype is not None) else None
+    want_amax = amax is None and info.per_tensor and xb.numel() > 0
     data, operand, kernel_amax = _cast_kernel_compiled(xb, qscale, fmt.name, storage, operand_dtype, fold,
                                                        want_amax)
     if want_amax:
         amax = kernel_amax
 
-    shape = _scale_shape(x, granularity, info)
-    if granularity != "tensor":
+    if not info.per_tensor:
+        shape = scale_shape(x.shape, granularity)
         dscale = dscale.reshape(shape)
         amax = None if amax is None else amax.reshape(shape)
-    data = None if data is None else _unblock(data, x, granularity, info)
-    operand = None if operand is None else _unblock(operand, x, granularity, info)
-    return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=exact_fold)
+    data = None if data is None else from_blocks(data, x.shape, granularity)
+    operand = None if operand is None else from_blocks(operand, x.shape, granularity)
+    return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded)
 
 
-def _scales(amax: torch.Tensor, fmt: NumberFormat, granularity: str, margin: int, power_of_two: bool,
+def _scales(amax: torch.Tensor, fmt: NumberFormat, info: GranularityInfo, margin: int, power_of_two: bool,
             mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantization multipliers, dequantization scales) from block amaxes."""
-    if granularity == "mx":
+    if info.scale_fmt == E8M0:  # MX: power-of-two scales by the MX rule
         dscale = mx_scale(amax, fmt, rule=mx_rule)
         return 1.0 / dscale, dscale
     qscale = scale_from_amax(amax, fmt, margin=margin, power_of_two=power_of_two)
     return qscale, 1.0 / qscale
 
 
-def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: str, margin: int = 0,
+def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
                power_of_two: bool = False, mx_rule: str = "up", operand_dtype: torch.dtype | None = None,
                keep_data: bool = True) -> Quantized:
     """quantize(x.t(), ...) for a 2-D x, computed on x as it lies in memory: no transposed copy is made.
 
-    "row", "tile" and "mx" blocks of xᵀ run down the columns of x; the returned data and operand are transposed
-    views and the scales follow xᵀ's conventions. The backward GEMMs need their operands scaled along the token axis
-    (DeepSeek-V3's 128×1 tiles), which is this.
+    Scales that transpose exactly (tensor, 128×128 blocks) are computed on x and transposed with it. Row, tile and MX
+    blocks of xᵀ run down the columns of x; the returned data and operand are transposed views and the scales follow
+    xᵀ's conventions. The backward GEMMs need their operands scaled along the token axis (DeepSeek-V3's 128×1
+    tiles), which is this.
     """
     fmt = get_format(fmt)
     if x.dim() != 2:
         raise ValueError(f"quantize_t needs a 2-D tensor, got shape {tuple(x.shape)}")
-    if granularity in ("tensor", "block"):
-        return quantize(x, fmt, granularity=granularity, margin=margin, power_of_two=power_of_two,
-                        operand_dtype=operand_dtype, keep_data=keep_data).t()
-    if granularity not in GRANULARITIES:
-        raise ValueError(f"granularity must be one of {GRANULARITIES}, got {granularity!r}")
+    granularity = Granularity.parse(granularity)
+    info = granularity_info(granularity)
+    options = dict(granularity=granularity, margin=margin, power_of_two=power_of_two, mx_rule=mx_rule,
+                   operand_dtype=operand_dtype, keep_data=keep_data)
+    if info.transposes_exactly:
+        return quantize(x, fmt, **options).t()
+    if info.block is not None and info.block[0] != 1:  # 2-D blocks that do not transpose exactly: copy xᵀ
+        return quantize(x.t(), fmt, **options)
+    if torch.compiler.is_compiling():
+        # the same blocks, amaxes and casts on a materialised xᵀ (see transposed_copy for why)
+        return quantize(transposed_copy(x.detach()), fmt, **options)
     if not keep_data and operand_dtype is None:
         raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
     m, k = x.shape
     x = x.detach()
-    if granularity == "row":
-        view, size = x, m
+    if info.block is None:  # one scale per row of xᵀ, i.e. per column of x
+        view = x
     else:
-        size = TILE if granularity == "tile" else MX_BLOCK
-        view = _pad_last(x, size, dim=-2)
+        size = info.block[1]
+        view = pad_to_multiple(x, size, dim=-2)
         view = view.reshape(view.shape[0] // size, size, k)  # (MB, size, K): blocks down the columns
     amax = abs_max(view, -2) if m else torch.zeros(view.shape[:-2] + (1, k), device=x.device)
-    qscale, dscale = _scales(amax, fmt, granularity, margin, power_of_two, mx_rule)
-    exact_fold = granularity == "mx" or (power_of_two and granularity == "tile")
-    fold = dscale if (exact_fold and operand_dtype is not None) else None
+    qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
+    folded = info.folds(power_of_two)
+    fold = dscale if (folded and operand_dtype is not None) else None
     storage = (fmt.torch_dtype or torch.float32) if keep_data else None
     data, operand, _ = _cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
 
     def back(y):
         return None if y is None else y.reshape(-1, k)[:m].t()
 
-    # scales in xᵀ's convention: row -> (K, 1); tile/mx -> (K, MB)
-    to_t = (lambda a: a.reshape(k, 1)) if granularity == "row" else (lambda a: a.reshape(-1, k).t())
-    return Quantized(back(data), to_t(dscale), fmt, granularity, to_t(amax), back(operand),
-                     scale_folded=exact_fold)
+    def to_t(a):  # scales in xᵀ's convention: (K, 1) per row, (K, MB) per block
+        return a.reshape(k, 1) if info.block is None else a.reshape(-1, k).t()
 
-
-def _unblock(y: torch.Tensor, x: torch.Tensor, granularity: str, info: tuple) -> torch.Tensor:
-    if granularity in ("tensor", "row"):
-        return y.reshape(x.shape)
-    if granularity in ("tile", "mx"):
-        size = TILE if granularity == "tile" else MX_BLOCK
-        y = y.reshape(*x.shape[:-1], info[0] * size)
-        return y[..., : x.shape[-1]] if y.shape[-1] != x.shape[-1] else y
-    mb, kb = info
-    *lead, m, k = x.shape
-    y = y.reshape(*lead, mb, kb, TILE, TILE).transpose(-3, -2).reshape(*lead, mb * TILE, kb * TILE)
-    return y[..., :m, :k]
+    return Quantized(back(data), to_t(dscale), fmt, granularity, to_t(amax), back(operand), scale_folded=folded)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
