@@ -11,6 +11,9 @@ forward + loss, backward, AdamW step, zero_grad. Variants:
     torchao-float8-tensorwise   torchao.float8.convert_to_float8_training(model) (default config: dynamic tensorwise
                                 scaling), the rest as bf16-autocast; eager, as users run it without torch.compile
     torchao-float8-tensorwise-compiled  the same under torch.compile (only with --torchao-compile)
+    <variant>-compiled          with --compile: bf16-autocast and every minifloat variant again, the model wrapped
+                                in torch.compile (inductor, default mode); their saved bytes are not probed (saved-
+                                tensor hooks do not reach into compiled graphs)
 
 The input requires grad, as the activations entering a block in the middle of a network do, so every variant runs
 all three GEMMs (fprop, dgrad, wgrad) of every layer.
@@ -82,6 +85,13 @@ class Variant:
     prepare: Callable[[nn.Module], nn.Module]  # converts the fp32 model in place (or wraps it) for this variant
     autocast: bool  # torch.autocast("cpu", bfloat16) around forward and loss
     note: str = ""
+    compiled: bool = False  # the model runs under torch.compile
+
+
+def _compiled(variant: Variant) -> Variant:
+    prepare = variant.prepare
+    return Variant(f"{variant.name}-compiled", lambda m: torch.compile(prepare(m)), variant.autocast,
+                   note="torch.compile", compiled=True)
 
 
 def _minifloat(recipe) -> Callable[[nn.Module], nn.Module]:
@@ -126,6 +136,8 @@ def all_variants(args: argparse.Namespace) -> tuple[list[Variant], dict[str, str
         Variant("minifloat-block", _minifloat(mf.BlockScaling()), autocast=True),
         Variant("minifloat-mx", _minifloat(mf.MXScaling()), autocast=True),
     ]
+    if args.compile:
+        variants += [_compiled(v) for v in variants if v.name == BASELINE or v.name.startswith("minifloat-")]
     names = ["torchao-float8-tensorwise"] + (["torchao-float8-tensorwise-compiled"] if args.torchao_compile else [])
     to_float8, why_not = _import_torchao_float8()
     if to_float8 is None:
@@ -270,7 +282,7 @@ class Result:
     variant: str
     note: str
     fp8_linears: int
-    saved_bytes: int = 0
+    saved_bytes: int | None = None  # None: not probed (compiled variants)
     peak_rss_delta_bytes: int | None = None
     step_s: list[list[float]] = dataclasses.field(default_factory=list)  # one list of step times per round
 
@@ -293,7 +305,9 @@ def run(variants: list[Variant], args: argparse.Namespace) -> list[Result]:
             warmup = args.warmup if rnd == 0 else 1  # later rounds only re-warm caches
             for _ in range(warmup - (rnd == 0)):
                 trainer.step()
-            if rnd == 0:  # last warm-up step: count saved tensors and peak RSS (untimed)
+            if rnd == 0 and v.compiled:
+                trainer.step()
+            elif rnd == 0:  # last warm-up step: count saved tensors and peak RSS (untimed)
                 counter = SavedTensorCounter(trainer.model.parameters())
                 rss: dict = {}
                 with peak_rss_delta(rss):
@@ -359,8 +373,9 @@ def rows(results: list[Result]) -> list[dict]:
         "step_ms_all": [1e3 * t for rnd in r.step_s for t in rnd],
         "step_ratio_to_bf16_autocast": r.median_ms / base.median_ms,
         "saved_bytes": r.saved_bytes,
-        "saved_mib": r.saved_bytes / MIB,
-        "saved_ratio_to_bf16_autocast": r.saved_bytes / base.saved_bytes if base.saved_bytes else None,
+        "saved_mib": None if r.saved_bytes is None else r.saved_bytes / MIB,
+        "saved_ratio_to_bf16_autocast": (r.saved_bytes / base.saved_bytes
+                                         if r.saved_bytes is not None and base.saved_bytes else None),
         "peak_rss_delta_mib": None if r.peak_rss_delta_bytes is None else r.peak_rss_delta_bytes / MIB,
     } for r in results]
 
@@ -381,11 +396,15 @@ def print_table(table_rows: list[dict], skipped: dict[str, str], args: argparse.
         rss = r["peak_rss_delta_mib"]
         table.add_row(r["variant"] + (f" ({r['note']})" if r["note"] else ""), str(r["fp8_linears"]),
                       f"{r['step_ms_median']:.1f}", f"{r['step_ms_min']:.1f}",
-                      f"{r['step_ratio_to_bf16_autocast']:.2f}", f"{r['saved_mib']:.1f}",
+                      f"{r['step_ratio_to_bf16_autocast']:.2f}", _mib(r["saved_mib"]),
                       _ratio(r["saved_ratio_to_bf16_autocast"]), "-" if rss is None else f"{rss:.0f}")
     stdout.print(table)
     for name, why in skipped.items():
         stdout.print(f"[yellow]skipped {name}: {why}[/yellow]")
+
+
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
 
 
 def _ratio(value: float | None) -> str:
@@ -398,7 +417,7 @@ def markdown(table_rows: list[dict], skipped: dict[str, str], args: argparse.Nam
     for r in table_rows:
         name = r["variant"] + (f" ({r['note']})" if r["note"] else "")
         lines.append(f"| {name} | {r['step_ms_median']:.1f} | {r['step_ratio_to_bf16_autocast']:.2f} | "
-                     f"{r['saved_mib']:.1f} | {_ratio(r['saved_ratio_to_bf16_autocast'])} |")
+                     f"{_mib(r['saved_mib'])} | {_ratio(r['saved_ratio_to_bf16_autocast'])} |")
     lines.append("")
     lines += [f"Skipped {name}: {why}" for name, why in skipped.items()]
     lines += ["", "Command:", "", "```", command_line(), "```", "", "Machine:", ""]
@@ -421,6 +440,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--blocks", type=int, default=3, help="MLP blocks (2 linears each)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: torch's choice)")
+    p.add_argument("--compile", action="store_true",
+                   help="add torch.compile'd twins of bf16-autocast and the minifloat variants")
     p.add_argument("--torchao-compile", action="store_true", help="add torchao-float8-tensorwise under torch.compile")
     p.add_argument("--torchao-max-step-s", type=float, default=60.0,
                    help="skip torchao when its estimated step time (from a torch._scaled_mm probe) exceeds this")

@@ -203,6 +203,13 @@ def _k_block_scales(q: Quantized) -> tuple[torch.Tensor | None, int]:
     return (s.reshape(q.shape[0], -1) if rows == 1 else s.repeat_interleave(rows, dim=0)[: q.shape[0]]), cols
 
 
+def autocast_off(device_type: str):
+    """torch.autocast disabled for `device_type`, where it exists (a no-op elsewhere, e.g. on "meta")."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return contextlib.nullcontext()
+
+
 @contextlib.contextmanager
 def _fp32_matmul_via_bf16():
     """Let oneDNN run fp32 GEMMs on bfloat16 units. Exact here: every operand value is a bfloat16 value."""
@@ -229,10 +236,13 @@ def mm_fp32(x: torch.Tensor, y_t: torch.Tensor) -> torch.Tensor:
 
     On CPUs oneDNN may run it on bfloat16 units; on GPUs TF32, if enabled, holds bfloat16 values exactly too.
     """
-    if x.device.type == "cpu":
-        with _fp32_matmul_via_bf16():
-            return x.float() @ y_t.float()
-    return x.float() @ y_t.float()
+    # autocast off: a custom op's body runs its ops through the dispatcher afresh, where autocast would make this
+    # an fp16/bf16 GEMM
+    with autocast_off(x.device.type):
+        if x.device.type == "cpu":
+            with _fp32_matmul_via_bf16():
+                return x.float() @ y_t.float()
+        return x.float() @ y_t.float()
 
 
 @mm_fp32.register_fake
@@ -250,7 +260,8 @@ def addmm_bf16(a: torch.Tensor, b_t: torch.Tensor, alpha: torch.Tensor, bias: to
     base = (bias.to(torch.bfloat16) if bias is not None
             else torch.zeros((), dtype=torch.bfloat16, device=a.device).expand(a.shape[0], b_t.shape[1]))
     # beta=0 ignores the zero-stride placeholder when there is no bias
-    return torch.addmm(base, a, b_t, beta=1.0 if bias is not None else 0.0, alpha=float(alpha))
+    with autocast_off(a.device.type):
+        return torch.addmm(base, a, b_t, beta=1.0 if bias is not None else 0.0, alpha=float(alpha))
 
 
 @addmm_bf16.register_fake
@@ -278,18 +289,35 @@ def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
 
 
 def _emulated_k_blocks(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None):
-    # DeepSeek-V3 §3.3.2: products of each K block (128 wide) are summed in fp32, scaled by that block's scales and
-    # accumulated into an fp32 result ("promotion to CUDA cores"). Scales folded into an operand are already in it.
     A, B = operand(a, torch.float32), operand(b, torch.float32)
     (sa, wa), (sb, wb) = _k_block_scales(a), _k_block_scales(b)
+    out = k_block_mm(A, B, sa, wa, sb, wb)
+    return _epilogue(out, _outer_scale(a, "a"), _outer_scale(b, "b"), bias, out_dtype)
+
+
+@torch.library.custom_op("minifloat::k_block_mm", mutates_args=(),
+                         schema="(Tensor a, Tensor b, Tensor? sa, int wa, Tensor? sb, int wb) -> Tensor")
+def k_block_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor | None, wa: int, sb: torch.Tensor | None,
+               wb: int) -> torch.Tensor:
+    """Σ over K blocks of (a_blk @ b_blkᵀ) · sa_blk · sb_blk in fp32: DeepSeek-V3 §3.3.2's promotion.
+
+    Products of each K block are summed in fp32, scaled by that block's scales (`sa`: (M, K/wa), `sb`: (N, K/wb);
+    None where the operand's scales are folded in or factor out) and accumulated into an fp32 result ("promotion to
+    CUDA cores"). A custom op, so compiled graphs run this very loop (the same bits) rather than refusing it.
+    """
     width = math.gcd(wa, wb)  # K blocks this wide lie within one scale block of each operand (gcd(w, 0) = w)
-    m, k = A.shape
-    out = torch.zeros(m, B.shape[0], dtype=torch.float32, device=A.device)
-    for start in range(0, k, width):
-        part = mm_fp32(A[:, start:start + width], B[:, start:start + width].t())
+    m, k = a.shape
+    out = torch.zeros(m, b.shape[0], dtype=torch.float32, device=a.device)
+    for start in range(0, k, width):  # (mm_fp32 switches autocast off; the rest is elementwise)
+        part = mm_fp32(a[:, start:start + width], b[:, start:start + width].t())
         if sa is not None:
             part = part * sa[:, start // wa : start // wa + 1]
         if sb is not None:
             part = part * sb[:, start // wb].reshape(1, -1)
         out += part
-    return _epilogue(out, _outer_scale(a, "a"), _outer_scale(b, "b"), bias, out_dtype)
+    return out
+
+
+@k_block_mm.register_fake
+def _k_block_mm_shape(a, b, sa, wa, sb, wb):
+    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
