@@ -56,6 +56,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--throughput-steps", type=int, default=0, metavar="N",
                    help="instead of the convergence runs: train each preset N steps (seed 0), one after another, and "
                         "report the median tokens/s of the steps after the first 5 (compilation), as a ratio to BF16")
+    p.add_argument("--compile", action="store_true",
+                   help="with --throughput-steps: also run every preset under torch.compile (TrainConfig.compile), "
+                        "rows '<preset> compiled', with ratios to BF16 eager and to BF16 compiled")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     p.add_argument("--markdown", default="", help="write the table as Markdown to this path")
     return p.parse_args(argv)
@@ -86,20 +89,28 @@ def table(presets: list[str], seeds: list[int], summaries: dict[int, dict]) -> t
     return rows, agg
 
 
-def throughput(presets: list[str], base: TrainConfig, steps: int, out: pathlib.Path) -> tuple[list[str], dict]:
-    """Median per-step tokens/s of each preset over `steps` steps after WARMUP_STEPS, as Markdown rows and numbers."""
+def throughput(presets: list[str], base: TrainConfig, steps: int, out: pathlib.Path,
+               compiled: bool = False) -> tuple[list[str], dict]:
+    """Median per-step tokens/s of each preset over `steps` steps after WARMUP_STEPS, as Markdown rows and numbers;
+    with `compiled`, each preset also under torch.compile."""
     agg = {}
-    for p in presets:
-        config = dataclasses.replace(base, preset=p, steps=steps, eval_every=steps, eval_batches=1,
-                                     out=str(out / "throughput" / p), checkpoint_every=0)
-        train(config, progress=False)
-        with open(pathlib.Path(config.out) / "log.csv", newline="") as f:
-            rates = [float(r["tokens_per_s"]) for r in csv.DictReader(f)][WARMUP_STEPS:]
-        agg[p] = {"tokens_per_s": statistics.median(rates)}
-    rows = ["| preset | tokens/s | × bf16 |", "|---|---:|---:|"]
-    for p, m in agg.items():
+    for compile_ in (False, True) if compiled else (False,):
+        for p in presets:
+            name = f"{p} compiled" if compile_ else p
+            config = dataclasses.replace(base, preset=p, steps=steps, eval_every=steps, eval_batches=1,
+                                         out=str(out / "throughput" / name.replace(" ", "-")), checkpoint_every=0,
+                                         compile=compile_)
+            train(config, progress=False)
+            with open(pathlib.Path(config.out) / "log.csv", newline="") as f:
+                rates = [float(r["tokens_per_s"]) for r in csv.DictReader(f)][WARMUP_STEPS:]
+            agg[name] = {"tokens_per_s": statistics.median(rates)}
+    rows = ["| preset | tokens/s | × bf16 | × bf16 compiled |", "|---|---:|---:|---:|"]
+    for name, m in agg.items():
         m["vs_bf16"] = m["tokens_per_s"] / agg[BASELINE]["tokens_per_s"]
-        rows.append(f"| {p} | {m['tokens_per_s']:,.0f} | {m['vs_bf16']:.2f} |")
+        same = agg.get(f"{BASELINE} compiled") if name.endswith(" compiled") else None
+        m["vs_bf16_compiled"] = m["tokens_per_s"] / same["tokens_per_s"] if same else None
+        rows.append(f"| {name} | {m['tokens_per_s']:,.0f} | {m['vs_bf16']:.2f} | "
+                    f"{'-' if same is None else format(m['vs_bf16_compiled'], '.2f')} |")
     return rows, agg
 
 
@@ -115,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
     out = pathlib.Path(args.out)
     summaries, started = {}, time.perf_counter()
     if args.throughput_steps:
-        rows, agg = throughput(presets, base, args.throughput_steps, out)
+        rows, agg = throughput(presets, base, args.throughput_steps, out, compiled=args.compile)
         seeds = [base.seed]
     else:
         for seed in seeds:

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import minifloat as mf
-from minifloat.safety.audit import BACKWARD, LOSS, AuditRules, OpRecord, audit, check, find_head
+from minifloat.core.roles import output_head
+from minifloat.safety.audit import BACKWARD, LOSS, AuditRules, OpRecord, audit, check
 from minifloat.safety.preflight import bf16_support, preflight
 from minifloat.numerics.formats import FP16
 
@@ -222,8 +223,8 @@ def test_rules_validation(field, value):
 
 def test_find_head_falls_back_to_last_linear():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
-    assert find_head(model, AuditRules()) == "2"
-    assert find_head(TinyLM(), AuditRules()) == "lm_head"
+    assert output_head(model, names=AuditRules().head_names) == "2"
+    assert output_head(TinyLM(), names=AuditRules().head_names) == "lm_head"
 
 
 # ---------------------------------------------------------------------------------------------------- preflight

@@ -292,7 +292,7 @@ def test_damaged_checkpoint_raises_and_changes_nothing(ckpt_copy, name, damage, 
 MISMATCH_CASES = [
     ("wider", lambda: fp8_llama(SEED, d_model=128), "wte.weight"),
     ("deeper", lambda: fp8_llama(SEED, n_layer=3), "blocks.2.attn_norm.weight"),
-    ("not converted", lambda: Llama(LlamaConfig.preset("tiny")), "blocks.0.attn.k_proj.fp8_state.amax_history"),
+    ("not converted", lambda: Llama(LlamaConfig.preset("tiny")), "blocks.0.attn.o_proj.fp8_state.amax_history"),
     ("longer amax history", lambda: fp8_llama(SEED, mf.DelayedScaling(amax_history_len=8)), "fp8_state.amax_history"),
     ("untied head", lambda: fp8_llama(SEED, tie_embeddings=False), "lm_head.weight"),
     ("bf16", lambda: fp8_llama(SEED).to(torch.bfloat16), "dtype torch.float32 in the checkpoint"),

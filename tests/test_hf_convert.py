@@ -1,6 +1,9 @@
-"""convert() on a Hugging Face transformers model (optional dependency: skipped when transformers is absent).
+"""convert() and PrecisionPolicy on Hugging Face transformers models (optional dependency: skipped when transformers
+is absent).
 
-The model is built from a config (no download): a 2-layer Llama with hidden size 64.
+Models are built from small configs with random weights (no download). `keep_first_last` keeps, by role, the first
+block's attention input projections (q, k and v together) and the output head: lm_head, classifier, a decoder tied
+to the word embedding, or (BertModel, whose pooler sentence embeddings never use) the last encoder projection.
 """
 
 from __future__ import annotations
@@ -9,30 +12,85 @@ import pytest
 import torch
 
 import minifloat as mf
+from minifloat.amp.policy import PrecisionPolicy
+from minifloat.core import roles
+from minifloat.fp8.convert import fp8_plan
 
 transformers = pytest.importorskip("transformers")
 
-# FP8 (E4M3 forward) logits against the high-precision model with the same weights; the first and last linear
-# layers stay in high precision, so the floor sits near E4M3's ~28 dB single-cast SQNR minus accumulated error
+# FP8 (E4M3 forward) logits against the high-precision model with the same weights; the first and last layers stay
+# in high precision, so the floor sits near E4M3's ~28 dB single-cast SQNR minus accumulated error
 LOGITS_SQNR_FLOOR_DB = 15.0
+VOCAB, HIDDEN = 128, 64
 
 
-def tiny_llama():
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                      num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64)
+def bert_config():
+    return transformers.BertConfig(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+                                   intermediate_size=128, max_position_embeddings=64)
+
+
+def llama_config(**overrides):
+    return transformers.LlamaConfig(vocab_size=VOCAB, hidden_size=HIDDEN, intermediate_size=128, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+                                    **overrides)
+
+
+def tiny_llama(**overrides):
     torch.manual_seed(0)
-    return transformers.LlamaForCausalLM(config).eval()
+    return transformers.LlamaForCausalLM(llama_config(**overrides)).eval()
+
+
+BERT_QKV = {f"encoder.layer.0.attention.self.{p}" for p in ("query", "key", "value")}
+LLAMA_QKV = {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"}
+
+# (name, model factory, output head, layers keep_first_last keeps)
+KEPT = [
+    ("bert", lambda: transformers.BertModel(bert_config()),
+     "encoder.layer.1.output.dense", BERT_QKV | {"encoder.layer.1.output.dense"}),
+    ("bert-masked-lm", lambda: transformers.BertForMaskedLM(bert_config()),
+     "cls.predictions.decoder", {f"bert.{n}" for n in BERT_QKV} | {"cls.predictions.decoder"}),
+    ("bert-classifier", lambda: transformers.BertForSequenceClassification(bert_config()),
+     "classifier", {f"bert.{n}" for n in BERT_QKV} | {"classifier"}),
+    ("llama", tiny_llama, "lm_head", LLAMA_QKV | {"lm_head"}),
+    ("llama-tied", lambda: tiny_llama(tie_word_embeddings=True), "lm_head", LLAMA_QKV | {"lm_head"}),
+    ("gpt2-conv1d-ignored", lambda: transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=VOCAB, n_embd=HIDDEN, n_layer=2, n_head=4, n_positions=64)), "lm_head", {"lm_head"}),
+]
+
+
+@pytest.mark.parametrize("name, build, head, kept", KEPT, ids=[c[0] for c in KEPT])
+def test_convert_keeps_first_block_qkv_and_head(name, build, head, kept):
+    model = build()
+    linears = {n for n, _ in roles.named_linears(model)}
+    assert roles.output_head(model) == head
+    assert set(fp8_plan(model).kept) == kept
+    mf.convert(model, recipe=mf.CurrentScaling())
+    assert {m.fp8_name for m in mf.fp8_layers(model)} == linears - kept
+
+
+@pytest.mark.parametrize("name, build, head, kept", KEPT, ids=[c[0] for c in KEPT])
+def test_policy_plans_the_layers_convert_converts(name, build, head, kept):
+    model = build()
+    linears = {n for n, _ in roles.named_linears(model)}
+    kinds = PrecisionPolicy.preset("fp8-current").plan(model)
+    assert {n for n, k in kinds.items() if k == "fp8"} == linears - kept
+    assert [n for n, k in kinds.items() if k == "head"] == [head]
+
+
+def test_policy_recognises_hf_norms():
+    model = tiny_llama()
+    kinds = PrecisionPolicy.preset("bf16").plan(model)
+    norms = {n for n, k in kinds.items() if k == "norm"}  # LlamaRMSNorm is no torch class: a norm by its name
+    assert norms == {"model.norm"} | {f"model.layers.{i}.{n}" for i in range(2)
+                                      for n in ("input_layernorm", "post_attention_layernorm")}
 
 
 def test_convert_llama_trains_and_matches_high_precision():
     ref = tiny_llama()
     model = tiny_llama()
     model.load_state_dict(ref.state_dict())
-    linears = [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)]
     mf.convert(model, recipe=mf.CurrentScaling())
-    converted = {n for n, m in model.named_modules() if isinstance(m, mf.Fp8Linear)}
-    assert converted == set(linears[1:-1])  # first (q_proj of layer 0) and last (lm_head) kept
-    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    ids = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         sqnr = mf.sqnr_db(ref(ids).logits, model(ids).logits)
     assert sqnr >= LOGITS_SQNR_FLOOR_DB

@@ -16,13 +16,8 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.amp.scaler import (
-    LossScaler,
-    SkipReason,
-    StepRecord,
-    _check_and_unscale_,
-    _check_and_unscale_fallback,
-)
+from minifloat.amp.scaler import LossScaler, SkipReason, StepRecord
+from minifloat.amp.unscale import check_and_unscale_, check_and_unscale_fallback
 
 SEED = 0
 INF = float("inf")
@@ -299,9 +294,9 @@ def test_fallback_matches_foreach_kernel(dtype, poison):
     inv = 1.0 / 3.0
     kernel = [g.clone() for g in grads]
     fallback = [g.clone() for g in grads]
-    found_kernel = _check_and_unscale_(kernel, inv)
+    found_kernel = check_and_unscale_(kernel, inv)
     found_fallback = torch.zeros(())
-    _check_and_unscale_fallback(fallback, found_fallback, torch.full((), inv, dtype=torch.float32))
+    check_and_unscale_fallback(fallback, found_fallback, torch.full((), inv, dtype=torch.float32))
     assert found_kernel.item() == found_fallback.item() == float(poison)
     for a, b in zip(kernel, fallback):
         assert torch.equal(a.nan_to_num(), b.nan_to_num())

@@ -1,5 +1,6 @@
 """minifloat: low-precision (FP8 / BF16 / FP16) training for PyTorch that runs anywhere and explains its numerics."""
 
+from minifloat.core.version import __version__
 from minifloat.fp8 import telemetry
 from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, FP32, FORMATS, NumberFormat, get_format
 from minifloat.fp8.gemm import scaled_mm
@@ -17,7 +18,6 @@ from minifloat.fp8.step import fp8_step
 from minifloat.safety.shadow import ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
 
-__version__ = "0.1.0"
 
 __all__ = [
     "E4M3", "E5M2", "E8M0", "E2M1", "BF16", "FP16", "FP32", "FORMATS", "NumberFormat", "get_format",

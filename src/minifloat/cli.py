@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
 import pathlib
 import sys
+from collections.abc import Iterator
 
 from rich.console import Console
 from rich.table import Table
@@ -155,7 +157,8 @@ def cmd_train(args: argparse.Namespace) -> int:
               "fp8_format": args.fp8_format, "fp8_amax_history_len": args.fp8_amax_history_len,
               "fp8_margin": args.fp8_margin, "shadow_every": args.shadow_every,
               "shadow_threshold": args.shadow_threshold, "rollback_after": args.rollback_after,
-              "snapshot_every": args.snapshot_every, "embedding_grad_alpha": args.embedding_grad_alpha}
+              "snapshot_every": args.snapshot_every, "embedding_grad_alpha": args.embedding_grad_alpha,
+              "compile": args.compile or None}
     try:
         if args.nan_steps is not None:
             fields["nan_steps"] = _steps(args.nan_steps)
@@ -318,6 +321,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--embedding-grad-alpha", type=float, default=None, metavar="A",
                     help=f"multiply the gradient into the token embedding's output by A in (0, 1] (GLM-130B: 0.1); "
                          f"1 for off (default {defaults.embedding_grad_alpha})")
+    tr.add_argument("--compile", action="store_true",
+                    help="run the training steps under torch.compile (the first steps compile; results as eager)")
     tr.add_argument("--nan-steps", default=None, metavar="S,S",
                     help="fault injection: comma list of steps whose loss is made NaN, to try the guards (the "
                          "batch numbers, once a rollback skipped batches; default none)")
@@ -352,10 +357,28 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextlib.contextmanager
+def library_logging(verbose: bool) -> Iterator[None]:
+    """The library's log records (the `minifloat` logger) on stderr while a command runs: INFO and up with
+    --verbose, else WARNING and up. The logger is left as found, so main() leaves no global logging setting behind
+    when another program (or a test) calls it."""
+    logger = logging.getLogger("minifloat")
+    handler = logging.StreamHandler()  # stderr
+    handler.setFormatter(logging.Formatter("%(message)s"))
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO if verbose else logging.WARNING)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING, format="%(message)s")
-    return args.func(args)
+    with library_logging(args.verbose):
+        return args.func(args)
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ import math
 
 import torch
 
-from minifloat.amp.islands import autocast_off
+from minifloat.core.autocast import autocast_off
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, fp32: bool = True,

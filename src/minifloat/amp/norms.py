@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifloat.amp.islands import autocast_off
+from minifloat.core.autocast import autocast_off
+from minifloat.core.validate import check_number
 
 _SWAPPED = (nn.LayerNorm, nn.RMSNorm)
 
@@ -28,8 +29,7 @@ def _shape(normalized_shape: int | tuple[int, ...] | list[int] | torch.Size) -> 
 
 
 def _eps(eps: float) -> float:
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"eps must be a non-negative float, got {eps!r}")
+    check_number("eps", eps, low=0.0)
     return float(eps)
 
 

@@ -15,42 +15,33 @@ attention scores·V, embeddings and the output head.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+import types
+from typing import Callable
 
 import torch
 from rich.table import Table
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from minifloat.amp.master import MasterWeightOptimizer
-from minifloat.fp8.convert import MIN_DIM_MULTIPLE, convert
-from minifloat.fp8.modules import Fp8Linear
 from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
+from minifloat.core import roles
+from minifloat.core.autocast import autocast_off
+from minifloat.core.validate import check_bool, check_choice
+from minifloat.fp8.convert import convert, fp8_plan
+from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, Recipe, check_recipe
 from minifloat.fp8.scaling import ScalingState
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-HEAD_NAMES = ("lm_head", "head", "output")  # last name component that marks the output head, in priority order
 ISLAND_ATTR = "minifloat_fp32_island"  # set on a module apply() made an fp32 island; its value is the island's kind
 
-# module types apply() can reach; functional calls inside a forward() are out of its reach (see `describe`)
-_OTHER_NORMS = (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.SyncBatchNorm, nn.GroupNorm,
-                nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
-_NORMS = (LayerNorm, RMSNorm, nn.LayerNorm, nn.RMSNorm) + _OTHER_NORMS
-_EMBEDDINGS = (nn.Embedding, nn.EmbeddingBag)
+# module types apply() can reach beyond the roles of minifloat.core.roles (norms, embeddings, the head); functional
+# calls inside a forward() are out of its reach (see `describe`)
 _SOFTMAX = (nn.Softmax, nn.LogSoftmax)
 _LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-
-
-def _dtype(field: str, value, allowed=FLOAT_DTYPES) -> None:
-    if value not in allowed:
-        raise ValueError(f"{field} must be one of {[str(d) for d in allowed]}, got {value!r}")
-
-
-def _bool(field: str, value) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{field} must be a bool, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,13 +84,12 @@ class PrecisionPolicy:
     reduce_dtype: torch.dtype = torch.float32
 
     def __post_init__(self):
-        _dtype("param_dtype", self.param_dtype)
-        _dtype("compute_dtype", self.compute_dtype)
-        _dtype("reduce_dtype", self.reduce_dtype)
+        for field in ("param_dtype", "compute_dtype", "reduce_dtype"):
+            check_choice(field, getattr(self, field), FLOAT_DTYPES)
         if self.param_dtype != torch.float32 and self.compute_dtype != self.param_dtype:
             raise ValueError(f"compute_dtype must equal param_dtype ({self.param_dtype}) when the parameters are "
                              f"low precision, got {self.compute_dtype!r}")
-        _bool("master_weights", self.master_weights)
+        check_bool("master_weights", self.master_weights)
         if self.master_weights and self.param_dtype == torch.float32:
             raise ValueError("master_weights=True needs param_dtype bfloat16 or float16 (float32 parameters are "
                              f"their own master), got param_dtype={self.param_dtype!r}")
@@ -110,7 +100,7 @@ class PrecisionPolicy:
             check_recipe(self.recipe)
         for field in ("fp32_norms", "fp32_softmax", "fp32_cross_entropy", "fp32_attention", "fp32_embeddings",
                       "fp32_head"):
-            _bool(field, getattr(self, field))
+            check_bool(field, getattr(self, field))
 
     def _updated_dtype(self) -> torch.dtype:
         return torch.float32 if self.master_weights else self.param_dtype
@@ -154,31 +144,26 @@ class PrecisionPolicy:
         """What apply() does to each module, by name: "norm", "embedding", "head", "softmax", "loss" (fp32 islands),
         "fp8" (becomes Fp8Linear), "linear" (stays a linear layer in compute_dtype) — modules it leaves alone are
         absent. See `apply` for `head`."""
-        head_name = _find_head(model, head) if self.fp32_head else None
+        head_name = _resolve_head(model, head) if self.fp32_head else None
         kinds = {}
-        linears = []
         for name, m in model.named_modules():
             if isinstance(m, ScalingState):
                 continue
             if name == head_name:
                 kinds[name] = "head"
-            elif self.fp32_norms and isinstance(m, _NORMS):
+            elif self.fp32_norms and roles.is_norm(m):
                 kinds[name] = "norm"
-            elif self.fp32_embeddings and isinstance(m, _EMBEDDINGS):
+            elif self.fp32_embeddings and roles.is_embedding(m):
                 kinds[name] = "embedding"
             elif self.fp32_softmax and isinstance(m, _SOFTMAX):
                 kinds[name] = "softmax"
             elif self.fp32_cross_entropy and isinstance(m, _LOSSES):
                 kinds[name] = "loss"
             if isinstance(m, nn.Linear):
-                linears.append(name)
                 kinds.setdefault(name, "fp8" if isinstance(m, Fp8Linear) else "linear")
         if self.recipe is not None:
-            # mf.convert's rule: the first and the last nn.Linear stay in high precision, FP8 needs features % 16 == 0
-            for name in linears[1:-1]:
-                m = model.get_submodule(name)
-                if kinds[name] == "linear" and not (m.in_features % MIN_DIM_MULTIPLE or
-                                                    m.out_features % MIN_DIM_MULTIPLE):
+            for name in fp8_plan(model).convert:  # mf.convert's own rule: first and last layers kept, features % 16
+                if kinds[name] == "linear":  # not an island
                     kinds[name] = "fp8"
         return kinds
 
@@ -186,16 +171,19 @@ class PrecisionPolicy:
         """Make `model` (any nn.Module) follow this policy, in place. Call it before building the optimizer.
 
         1. torch.nn.LayerNorm / RMSNorm become minifloat.amp.norms twins (fp32 compute); other norms, the embeddings,
-           the head, nn.Softmax / LogSoftmax and nn.CrossEntropyLoss / NLLLoss become fp32 islands (forward hooks
-           that upcast the inputs, switch autocast off and cast the output back), each as its field says.
+           the head (roles as minifloat.core.roles defines them), nn.Softmax / LogSoftmax and nn.CrossEntropyLoss /
+           NLLLoss become fp32 islands (a wrapped forward that upcasts the inputs, switches autocast off and casts the output
+           back), each as its field says.
         2. Parameters and floating-point buffers of the islands become fp32, all others param_dtype (FP8 scaling
            state stays fp32).
-        3. With a recipe, the eligible nn.Linear layers become Fp8Linear (mf.convert; islands excluded).
+        3. With a recipe, the nn.Linear layers mf.convert would convert (`fp8_plan`: input projections and output
+           head kept, features multiples of 16) become Fp8Linear, islands excluded.
 
         Args:
             model: any nn.Module.
-            head: the output head's module name; "auto" picks the last nn.Linear whose name ends in lm_head, head
-                or output (in that priority), else the last nn.Linear; None means no head.
+            head: the output head's module name; "auto" takes minifloat.core.roles.output_head (a linear named
+                lm_head, classifier, score, head or output, else one tied to an embedding, else the last linear
+                outside a pooler); None means no head.
         Returns:
             The model (a new module if `model` itself is a torch.nn.LayerNorm / RMSNorm).
         """
@@ -219,7 +207,7 @@ class PrecisionPolicy:
         for name in islands:
             m = model.get_submodule(name)
             if not isinstance(m, (LayerNorm, RMSNorm)) and not hasattr(m, ISLAND_ATTR):  # apply() twice: one hook
-                _Fp32Island(out_dtypes.get(kinds[name])).register(m)
+                make_fp32_island(m, out_dtypes.get(kinds[name]))
             setattr(m, ISLAND_ATTR, kinds[name])
         return model
 
@@ -264,52 +252,34 @@ class PrecisionPolicy:
         return table
 
 
-class _Fp32Island:
-    """A forward pre-hook and forward hook pair that run a module in float32 with autocast off.
+ISLAND_OUT_ATTR = "minifloat_fp32_island_out"  # the output dtype of an island (None: its first input's)
 
-    The pre-hook upcasts bf16/fp16 tensor arguments to fp32 and enters `torch.autocast(enabled=False)`; the hook
-    leaves it and casts floating outputs to `out_dtype` (None: the dtype of the first floating input).
+
+def make_fp32_island(module: nn.Module, out_dtype: torch.dtype | None) -> None:
+    """Run `module` in float32 with autocast off: its forward is wrapped (an instance attribute, a bound method, so
+    deepcopy and pickling carry it) to upcast bf16/fp16 tensor arguments, switch autocast off around the class's
+    forward and cast floating outputs to `out_dtype` (None: the dtype of the first floating input).
+
+    One `with` block inside one function, where forward pre/post hooks would have to enter and leave the autocast
+    context in two calls, which torch.compile cannot trace.
     """
+    setattr(module, ISLAND_OUT_ATTR, out_dtype)
+    module.forward = types.MethodType(_island_forward, module)
 
-    def __init__(self, out_dtype: torch.dtype | None):
-        self.out_dtype = out_dtype
-        self._calls: list[tuple[Any, torch.dtype]] = []  # (autocast context, output dtype) per call in flight
 
-    def register(self, module: nn.Module) -> None:
-        module.register_forward_pre_hook(self.pre, with_kwargs=True)
-        module.register_forward_hook(self.post, with_kwargs=True, always_call=True)  # always: leave the context
-
-    def pre(self, module, args, kwargs):
-        tensors = [t for t in _leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-        floats = [t.dtype for t in tensors if t.is_floating_point()]
-        out = self.out_dtype or (floats[0] if floats else torch.float32)
-        ctx = torch.autocast(tensors[0].device.type if tensors else "cpu", enabled=False)
-        ctx.__enter__()
-        self._calls.append((ctx, out))
-        return _cast((args, kwargs), torch.float32)
-
-    def post(self, module, args, kwargs, output):
-        if not self._calls:  # the pre-hook never ran (an earlier hook raised)
-            return None
-        ctx, out = self._calls.pop()
-        ctx.__exit__(None, None, None)
-        return _cast(output, out)
+def _island_forward(module: nn.Module, *args, **kwargs):
+    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    floats = [t.dtype for t in tensors if t.is_floating_point()]
+    out = getattr(module, ISLAND_OUT_ATTR) or (floats[0] if floats else torch.float32)
+    args, kwargs = _cast((args, kwargs), torch.float32)
+    with autocast_off(tensors[0].device.type if tensors else "cpu"):
+        output = type(module).forward(module, *args, **kwargs)
+    return _cast(output, out)
 
 
 def _inside(name: str, islands: set[str]) -> bool:
     """Whether module `name` is an island or inside one (an island's children compute in fp32 too)."""
     return any(name == i or not i or name.startswith(i + ".") for i in islands)
-
-
-def _leaves(obj):
-    if isinstance(obj, (tuple, list)):
-        for o in obj:
-            yield from _leaves(o)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            yield from _leaves(o)
-    else:
-        yield obj
 
 
 def _cast(obj, dtype: torch.dtype):
@@ -323,21 +293,17 @@ def _cast(obj, dtype: torch.dtype):
     return obj
 
 
-def _find_head(model: nn.Module, head: str | None) -> str | None:
+def _resolve_head(model: nn.Module, head: str | None) -> str | None:
+    """apply()'s `head` argument as a module name: "auto" asks minifloat.core.roles.output_head."""
     if head is None:
         return None
-    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    if head != "auto":
-        try:
-            model.get_submodule(head)
-        except AttributeError:
-            raise ValueError(f"head must name a submodule of the model, got {head!r}") from None
-        return head
-    for marker in HEAD_NAMES:
-        marked = [n for n in names if n.rpartition(".")[2] == marker]
-        if marked:
-            return marked[-1]
-    return names[-1] if names else None
+    if head == "auto":
+        return roles.output_head(model)
+    try:
+        model.get_submodule(head)
+    except AttributeError:
+        raise ValueError(f"head must name a submodule of the model, got {head!r}") from None
+    return head
 
 
 PRESETS: dict[str, PrecisionPolicy] = {

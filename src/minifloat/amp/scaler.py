@@ -23,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -31,20 +30,15 @@ from typing import Any
 import torch
 from torch import nn
 
+from minifloat.amp.unscale import check_and_unscale_, grad_values
+from minifloat.core.skip import SkipReason
+from minifloat.core.validate import check_bool, check_int, check_number
 from minifloat.numerics.formats import NumberFormat
 
 log = logging.getLogger("minifloat")
 
 _FP32_MAX = torch.finfo(torch.float32).max
-# Gradient dtypes torch._amp_foreach_non_finite_check_and_unscale_ handles on CPU and CUDA (checked on CPU in
-# tests/test_scaler.py against the fallback); anything else takes `_check_and_unscale_fallback`.
-_KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-_KERNEL_DEVICES = ("cpu", "cuda")
 _MAX_NAMES_LOGGED = 8
-
-
-class SkipReason(str, enum.Enum):
-    NONFINITE_GRAD = "nonfinite_grad"  # same value as guards.SkipReason.NONFINITE_GRAD
 
 
 class _Stage(str, enum.Enum):
@@ -87,12 +81,9 @@ class ScalerConfig:
     max_scale: float = 2.0**24
 
     def __post_init__(self):
-        if not isinstance(self.enabled, bool):
-            raise ValueError(f"enabled must be a bool, got {self.enabled!r}")
+        check_bool("enabled", self.enabled)
         for field in ("init_scale", "min_scale", "max_scale"):
-            value = getattr(self, field)
-            if not _is_real(value) or not 0.0 < value <= _FP32_MAX:
-                raise ValueError(f"{field} must be a finite float in (0, float32 max], got {value!r}")
+            check_number(field, getattr(self, field), low=0.0, high=_FP32_MAX, low_open=True)
         if self.min_scale > self.max_scale:
             raise ValueError(f"min_scale must be <= max_scale ({self.max_scale!r}), got {self.min_scale!r}")
         if not self.min_scale <= self.init_scale <= self.max_scale:
@@ -100,63 +91,15 @@ class ScalerConfig:
                 f"init_scale must lie in [min_scale, max_scale] = [{self.min_scale!r}, {self.max_scale!r}], "
                 f"got {self.init_scale!r}"
             )
-        if not _is_real(self.growth_factor) or not 1.0 < self.growth_factor < math.inf:
-            raise ValueError(f"growth_factor must be a finite float > 1, got {self.growth_factor!r}")
-        if not _is_real(self.backoff_factor) or not 0.0 < self.backoff_factor < 1.0:
-            raise ValueError(f"backoff_factor must be a float in (0, 1), got {self.backoff_factor!r}")
+        check_number("growth_factor", self.growth_factor, low=1.0, low_open=True)
+        check_number("backoff_factor", self.backoff_factor, low=0.0, high=1.0, low_open=True, high_open=True)
         for field in ("growth_interval", "hysteresis"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{field} must be an int >= 1, got {value!r}")
-
-
-def _is_real(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+            check_int(field, getattr(self, field), low=1)
 
 
 def _fp32(x: float) -> float:
     """Round to the nearest float32, as GradScaler's float32 scale tensor does after each multiply."""
     return torch.tensor(x, dtype=torch.float32).item()
-
-
-def _check_and_unscale_fallback(grads: list[torch.Tensor], found_inf: torch.Tensor, inv_scale: torch.Tensor):
-    """Same contract as torch._amp_foreach_non_finite_check_and_unscale_: set found_inf to 1 if any element is
-    inf/NaN, and multiply every gradient in place by inv_scale in float32 (one rounding back to the grad's dtype)."""
-    for g in grads:
-        if not torch.isfinite(g).all():
-            found_inf.fill_(1.0)
-        if inv_scale.item() != 1.0:
-            g.copy_(g.float() * inv_scale)
-
-
-def _check_and_unscale_(grads: list[torch.Tensor], inv_scale: float) -> torch.Tensor:
-    """Unscale `grads` in place (fp32 math) and return a float32 flag on their device: 1.0 if any was non-finite.
-
-    Like GradScaler, fp32(1 / float64(scale)) is the multiplier: a float32 reciprocal can be off by an ulp.
-    """
-    found_inf = torch.zeros((), dtype=torch.float32, device=grads[0].device)
-    inv = torch.full((), inv_scale, dtype=torch.float32, device=grads[0].device)
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = defaultdict(list)
-    for g in grads:
-        by_dtype[g.dtype].append(g)
-    for dtype, group in by_dtype.items():
-        if dtype in _KERNEL_DTYPES and group[0].device.type in _KERNEL_DEVICES:
-            torch._amp_foreach_non_finite_check_and_unscale_(group, found_inf, inv)
-        else:
-            _check_and_unscale_fallback(group, found_inf, inv)
-    return found_inf
-
-
-def _grad_values(param: torch.Tensor) -> torch.Tensor | None:
-    """The gradient tensor to check and unscale (a sparse gradient's values, coalesced first as GradScaler does:
-    duplicate indices of a scaled fp16 gradient may overflow only once summed)."""
-    if param.grad is None:
-        return None
-    if param.grad.is_sparse:
-        if param.grad.dtype == torch.float16:
-            param.grad = param.grad.coalesce()
-        return param.grad._values()
-    return param.grad
 
 
 def _apply(outputs, fn):
@@ -433,10 +376,10 @@ class LossScaler:
         with torch.no_grad():
             for group in optimizer.param_groups:
                 for p in group["params"]:
-                    g = _grad_values(p)
+                    g = grad_values(p)
                     if g is not None:
                         by_device[g.device].append(g)
-            flags = [_check_and_unscale_(grads, inv_scale) for grads in by_device.values()]
+            flags = [check_and_unscale_(grads, inv_scale) for grads in by_device.values()]
         if not flags:
             return torch.zeros((), dtype=torch.float32)
         return sum(f.cpu() for f in flags) if len(flags) > 1 else flags[0]
@@ -446,7 +389,7 @@ class LossScaler:
         names = []
         for g_idx, group in enumerate(optimizer.param_groups):
             for p_idx, p in enumerate(group["params"]):
-                g = _grad_values(p)
+                g = grad_values(p)
                 if g is not None and not torch.isfinite(g).all():
                     names.append(self._names.get(id(p), f"group{g_idx}.param{p_idx}"))
         return tuple(names)

@@ -60,12 +60,13 @@ class WeightCache:
         self._entries[kind] = (key, q)
         return q, False
 
-    def peek(self, kind: str, weight: torch.Tensor) -> Quantized | None:
-        """The `kind` cast of this very weight (same version and storage, whatever its options), else None."""
+    def peek(self, kind: str, weight: torch.Tensor, generation: int) -> Quantized | None:
+        """The `kind` cast of this very weight in this scaling generation (whatever its other options), else None."""
         entry = self._entries.get(kind)
         if torch.compiler.is_compiling() or entry is None:
             return None
-        return entry[1] if entry[0][:4] == (weight._version, weight.data_ptr(), weight.dtype, weight.device) else None
+        same_weight = entry[0][:4] == (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        return entry[1] if same_weight and entry[0][4][-1] == generation else None
 
     def clear(self) -> None:
         self._entries.clear()
@@ -129,7 +130,7 @@ class LayerCaster:
         """The forward's weight cast, made once per FP8 step when the layer caches (its amax recorded each time)."""
         if self.weights is None:
             return self.cast(Role.WEIGHT, weight)
-        q, hit = self.weights.get("fprop", weight, (self.recipe, self.backend, self.recording),
+        q, hit = self.weights.get("fprop", weight, (self.recipe, self.backend, self.recording, self.state.generation),
                                   lambda: self.cast(Role.WEIGHT, weight))
         if hit and self.recording:
             self.state.record(Role.WEIGHT, q.amax)  # a reentrant checkpoint's first recording forward may hit
@@ -158,10 +159,10 @@ def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Gran
     """Wᵀ quantized along N for dgrad, from the weight parameter (once per FP8 step when the layer caches)."""
     if caster.weights is None:
         return _requantize_weight_t(caster, weight, granularity, scale)
-    forward = caster.weights.peek("fprop", weight)
+    forward = caster.weights.peek("fprop", weight, caster.state.generation)
     if forward is not None and granularity_info(granularity).per_tensor:
         return forward.t()  # the forward's own FP8 weight: what re-quantizing with its scale would give
-    options = (caster.recipe, caster.backend, granularity)
+    options = (caster.recipe, caster.backend, granularity, caster.state.generation)
     return caster.weights.get("dgrad", weight, options,
                               lambda: _requantize_weight_t(caster, weight, granularity, scale))[0]
 

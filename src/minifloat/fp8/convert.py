@@ -1,18 +1,60 @@
-"""Which layers run in FP8: `convert(model, ...)` swaps eligible nn.Linear layers for Fp8Linear."""
+"""Which layers run in FP8: `convert(model, ...)` swaps eligible nn.Linear layers for Fp8Linear.
+
+A layer is eligible when it is an nn.Linear (not yet an Fp8Linear), `filter` accepts it, `keep_first_last` does not
+keep it, and its features are multiples of 16 (minifloat.core.roles.fp8_shape_ok). `keep_first_last` keeps the
+layers nearest the data and the output, found by role (minifloat.core.roles), not by module order: the input
+projections (a transformer's first q/k/v projections together, an MLP's first layer) and the output head (lm_head,
+classifier, score, a linear tied to an embedding, else the last linear outside a pooler). `fp8_plan` says what
+`convert` will do; `PrecisionPolicy` plans with it too.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Callable
 
 from torch import nn
 
+from minifloat.core import roles
+from minifloat.core.roles import MIN_DIM_MULTIPLE
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
 
 log = logging.getLogger("minifloat")
 
-MIN_DIM_MULTIPLE = 16  # FP8 tensor cores (torch._scaled_mm) need K and N divisible by 16
+
+@dataclasses.dataclass(frozen=True)
+class Fp8Plan:
+    """What `convert` does to a model's nn.Linear layers, by name, in module order.
+
+    Attributes:
+        convert: layers that become Fp8Linear.
+        kept: layers `keep_first_last` keeps in high precision (input projections and output head).
+        misshapen: layers left in high precision because their features are not multiples of 16.
+    """
+
+    convert: tuple[str, ...]
+    kept: tuple[str, ...]
+    misshapen: tuple[str, ...]
+
+
+def fp8_plan(model: nn.Module, *, filter: Callable[[str, nn.Linear], bool] | None = None,
+             keep_first_last: bool = True) -> Fp8Plan:
+    """What `convert(model, filter=filter, keep_first_last=keep_first_last)` would do, without doing it.
+
+    Layers that are already Fp8Linear, and those `filter` refuses, appear in none of the lists.
+    """
+    first_last = roles.first_and_last(model) if keep_first_last else set()
+    convert_, kept, misshapen = [], [], []
+    for name, lin in roles.named_linears(model):
+        if isinstance(lin, Fp8Linear):
+            continue
+        if name in first_last:
+            kept.append(name)
+        elif filter is None or filter(name, lin):
+            (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
+    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen))
 
 
 def convert(model: nn.Module, *, recipe: Recipe | None = None,
@@ -24,31 +66,29 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
         model: any nn.Module (HF transformers models included).
         recipe: the FP8 recipe (default DelayedScaling()).
         filter: `filter(name, linear) -> bool`; only layers it accepts are converted.
-        keep_first_last: keep the first and the last nn.Linear (in module order) in high precision, as
-            mixed-precision practice advises for the layers nearest the data and the output.
+        keep_first_last: keep the layers nearest the data and the output in high precision, as mixed-precision
+            practice advises: the input projections (all of a transformer's first q/k/v projections, an MLP's
+            first layer) and the output head, recognised by role (see the module docstring).
         backend: GEMM backend for the converted layers.
     Returns:
         The same model. Layers whose in/out features are not multiples of 16 (what FP8 tensor cores accept) stay
         in high precision; one warning lists them.
     """
     recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
-    linears = [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear) and not isinstance(m, Fp8Linear)]
-    kept = {linears[0][0], linears[-1][0]} if (keep_first_last and linears) else set()
-    skipped = []
-    for name, lin in linears:
-        if name in kept or (filter is not None and not filter(name, lin)):
-            continue
-        if lin.in_features % MIN_DIM_MULTIPLE or lin.out_features % MIN_DIM_MULTIPLE:
-            skipped.append(f"{name} ({lin.in_features}->{lin.out_features})")
-            continue
+    plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last)
+    for name in plan.convert:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
+        lin = getattr(parent, child)
         setattr(parent, child, Fp8Linear.from_linear(lin, recipe=recipe, backend=backend, name=name))
-    if skipped:
+    if plan.misshapen:
+        sizes = [f"{n} ({model.get_submodule(n).in_features}->{model.get_submodule(n).out_features})"
+                 for n in plan.misshapen]
         log.warning("minifloat.convert: kept %d layer(s) in high precision, their features are not multiples of "
-                    "%d: %s", len(skipped), MIN_DIM_MULTIPLE, ", ".join(skipped))
+                    "%d: %s", len(sizes), MIN_DIM_MULTIPLE, ", ".join(sizes))
     return model
 
 
 def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
+    """The model's Fp8Linear layers, in module order."""
     return [m for m in model.modules() if isinstance(m, Fp8Linear)]

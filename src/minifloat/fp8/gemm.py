@@ -26,6 +26,7 @@ import os
 
 import torch
 
+from minifloat.core.autocast import autocast_off
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.granularity import granularity_info
 from minifloat.numerics.quantize import Quantized, decode
@@ -201,13 +202,6 @@ def _k_block_scales(q: Quantized) -> tuple[torch.Tensor | None, int]:
     rows, cols = info.block
     s = q.scale.float()
     return (s.reshape(q.shape[0], -1) if rows == 1 else s.repeat_interleave(rows, dim=0)[: q.shape[0]]), cols
-
-
-def autocast_off(device_type: str):
-    """torch.autocast disabled for `device_type`, where it exists (a no-op elsewhere, e.g. on "meta")."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return contextlib.nullcontext()
 
 
 @contextlib.contextmanager

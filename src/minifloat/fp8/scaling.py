@@ -41,9 +41,13 @@ class ScalingState(nn.Module):
         self.register_buffer("nonfinite", torch.zeros(n, dtype=torch.int64, device=device))
         self._warned = False
         self._seeded: list[bool] | None = None  # host mirror of `initialized`, so GPU runs avoid a sync per cast
+        # bumped whenever the scales may change outside a cast (a step's end, a load or restore): casts cached
+        # for the step (the weight's) are only valid for the generation they were made in
+        self.generation = 0
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._seeded = None
+        self.generation += 1
         super()._load_from_state_dict(*args, **kwargs)
 
     def _host_seeded(self) -> list[bool]:
@@ -129,6 +133,7 @@ class ScalingState(nn.Module):
         """The end of an optimizer step: delayed recipes turn the history into new scales (TE rule); the history
         rolls under every recipe, so it always holds the last H steps' amaxes (telemetry, and current statistics
         when a run switches to delayed scaling)."""
+        self.generation += 1
         if recipe.delayed:
             self.resize(recipe.history_len)
             self.update(recipe, {role: recipe.spec(role).fmt for role in ROLES})

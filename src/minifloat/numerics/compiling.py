@@ -59,11 +59,9 @@ def maybe_compile(fn: F) -> F:
             return fn(*args, **kwargs)
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
-            # raising (never lowering) the process-wide limit once is cheaper than a config.patch per call
-            if torch._dynamo.config.recompile_limit < _RECOMPILE_LIMIT:
-                torch._dynamo.config.recompile_limit = _RECOMPILE_LIMIT
         try:
-            with torch.no_grad():
+            # enough recompiles for every (dtype, format, output set, scale shape), scoped to this kernel's calls
+            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
                 return compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the identical eager function
             broken = True

@@ -17,27 +17,34 @@ The questions to ask before a run (FP16 range, native BF16) are `minifloat.safet
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-from typing import Callable, Iterator, Mapping
+from typing import Callable, Mapping
 
 import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from minifloat.numerics.compiling import eager_kernels
-from minifloat.amp.islands import autocast_off
+from minifloat.core.autocast import autocast_off
+from minifloat.core.batch import call_model
+from minifloat.core.roles import EMBEDDING_TYPES, HEAD_NAMES, is_norm_type_name, output_head
+from minifloat.core.snapshot import restoring_buffers
+from minifloat.core.validate import check_bool
 from minifloat.fp8.autograd import Fp8LinearFunction
-from minifloat.fp8.modules import current_autocast, Fp8Linear
+from minifloat.fp8.modules import Fp8Linear, current_autocast
+from minifloat.numerics.compiling import eager_kernels
 
 log = logging.getLogger("minifloat")
 
 ROOT, LOSS, BACKWARD = "(model)", "<loss>", "<backward>"  # pseudo module paths
-_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "_scaled_grouped_mm"})
-_CONVERSIONS = frozenset({"_to_copy", "copy_", "to", "clone", "detach", "view", "t", "expand", "_unsafe_view"})
+# ATen's GEMMs, and the custom-op GEMM kernels of minifloat.fp8.gemm's emulated backend (minifloat::mm_fp32,
+# minifloat::addmm_bf16), which a dispatch mode sees as single ops
+_GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "_scaled_grouped_mm",
+                    "mm_fp32", "addmm_bf16"})
+_CONVERSIONS = frozenset({"_to_copy", "copy_", "to", "clone", "detach", "view", "t", "expand", "_unsafe_view",
+                          "transposed_copy"})
 # fused norm kernels accumulate in their statistics' dtype (mean/rstd are fp32 for bf16 inputs): judge them by the
 # widest floating tensor they touch, forward and backward
 _NORM_KERNELS = frozenset({
@@ -49,6 +56,7 @@ _SOFTMAX_OPS = frozenset({"_softmax", "_log_softmax", "_softmax_backward_data", 
                           "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
                           "cross_entropy_loss"})
 _EMBEDDING_OPS = frozenset({"embedding", "embedding_dense_backward", "_embedding_bag", "embedding_bag"})
+_EMBEDDING_TYPE_NAMES = frozenset(t.__name__ for t in EMBEDDING_TYPES)
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
 _COLLECTIVES = frozenset({"allreduce_", "allreduce_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
                           "all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce_scatter_tensor",
@@ -63,13 +71,14 @@ class AuditRules:
 
     Attributes:
         softmax_fp32: softmax, log_softmax and cross-entropy (nll_loss) run in fp32.
-        norms_fp32: fused layer/RMS/batch/group norm kernels accumulate in fp32, and inside modules whose class name
-            contains "norm" the statistics ops (`norm_stat_ops`) run in fp32 (catches hand-written norms).
+        norms_fp32: fused layer/RMS/batch/group norm kernels accumulate in fp32, and inside norm modules (class
+            names as minifloat.core.roles.is_norm_type_name reads them: ending in "Norm") the statistics ops
+            (`norm_stat_ops`) run in fp32 (catches hand-written norms).
         embedding_not_fp8: embedding lookups (and their backward) never run in FP8.
         collectives_fp32: all-reduce / reduce-scatter (c10d ops) of floating tensors run in fp32.
-        head_not_fp8: the output head's GEMMs never run in FP8. The head is the module whose last name is in
-            `head_names`, else the last nn.Linear in module order.
-        head_names: names that mark the output head.
+        head_not_fp8: the output head's GEMMs never run in FP8. The head is minifloat.core.roles.output_head's,
+            with `head_names` as its names (the one mf.convert and PrecisionPolicy keep in high precision).
+        head_names: own names of an nn.Linear that mark the output head, in priority order.
         norm_stat_ops: ATen ops (overload packet names) that compute a norm's statistics.
     """
 
@@ -78,15 +87,15 @@ class AuditRules:
     embedding_not_fp8: bool = True
     collectives_fp32: bool = True
     head_not_fp8: bool = True
-    head_names: tuple[str, ...] = ("lm_head", "head")
+    head_names: tuple[str, ...] = HEAD_NAMES
     norm_stat_ops: tuple[str, ...] = ("mean", "var", "var_mean", "std", "std_mean", "sum", "rsqrt", "sqrt",
                                       "linalg_vector_norm", "norm")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
-            if f.type == "bool" and not isinstance(value, bool):
-                raise ValueError(f"{f.name} must be a bool, got {value!r}")
+            if f.type == "bool":
+                check_bool(f.name, value)
             if f.type.startswith("tuple") and not (isinstance(value, tuple)
                                                    and all(isinstance(v, str) for v in value)):
                 raise ValueError(f"{f.name} must be a tuple of str, got {value!r}")
@@ -254,16 +263,6 @@ class _Recorder(TorchDispatchMode):
         return out
 
 
-def find_head(model: nn.Module, rules: AuditRules) -> str | None:
-    """The output head's module path: a module named like `rules.head_names`, else the last nn.Linear."""
-    named = [(n, m) for n, m in model.named_modules() if n]
-    for n, _ in reversed(named):
-        if n.rsplit(".", 1)[-1] in rules.head_names:
-            return n
-    linears = [n for n, m in named if isinstance(m, nn.Linear)]
-    return linears[-1] if linears else None
-
-
 def _narrower_than_fp32(precision: str) -> bool:
     if precision == "fp8":
         return True
@@ -282,10 +281,10 @@ def check(records: list[OpRecord], rules: AuditRules, head: str | None = None) -
         low = _narrower_than_fp32(r.precision)
         if rules.softmax_fp32 and name in _SOFTMAX_OPS and low:
             flag("softmax_fp32", f"{name} ran in {r.precision}; softmax / cross-entropy need fp32")
-        if rules.norms_fp32 and low and (name in _NORM_KERNELS or ("norm" in r.module_type.lower()
+        if rules.norms_fp32 and low and (name in _NORM_KERNELS or (is_norm_type_name(r.module_type)
                                                                    and name in stats)):
             flag("norms_fp32", f"{name} in {r.module_type or 'a norm'} ran in {r.precision}; norms need fp32")
-        if rules.embedding_not_fp8 and (name in _EMBEDDING_OPS or r.module_type == "Embedding") and (
+        if rules.embedding_not_fp8 and (name in _EMBEDDING_OPS or r.module_type in _EMBEDDING_TYPE_NAMES) and (
                 r.precision == "fp8" or any(d.startswith("float8") for d in r.in_dtypes + r.out_dtypes)):
             flag("embedding_not_fp8", f"{name} ran in FP8; embeddings stay in high precision")
         if rules.collectives_fp32 and namespace in _COLLECTIVE_NAMESPACES and name in _COLLECTIVES and low:
@@ -294,25 +293,6 @@ def check(records: list[OpRecord], rules: AuditRules, head: str | None = None) -
                 and (r.module == head or r.module.startswith(head + "."))):
             flag("head_not_fp8", f"{name} of the output head {head!r} ran in FP8")
     return out
-
-
-@contextlib.contextmanager
-def restoring_buffers(model: nn.Module) -> Iterator[None]:
-    """Leave buffers (FP8 scaling state, batch-norm statistics) as they were."""
-    names = {n for n, _ in model.named_buffers()}
-    saved = {k: v.detach().clone() for k, v in model.state_dict().items() if k in names}
-    try:
-        yield
-    finally:
-        model.load_state_dict(saved, strict=False)
-
-
-def call_model(model: nn.Module, batch):
-    if isinstance(batch, Mapping):
-        return model(**batch)
-    if isinstance(batch, (tuple, list)):
-        return model(*batch)
-    return model(batch)
 
 
 def _default_loss(output, batch) -> torch.Tensor:
@@ -360,5 +340,5 @@ def audit(model: nn.Module, batch, *, loss_fn: Callable | None = None,
                 log.warning("minifloat.safety.audit: the loss needs no gradient; only the forward was audited")
     finally:
         tracker.remove()
-    head = find_head(model, rules)
+    head = output_head(model, names=rules.head_names)
     return AuditReport(recorder.records, check(recorder.records, rules, head), head)

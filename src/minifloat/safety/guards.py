@@ -39,11 +39,15 @@ import dataclasses
 import enum
 import logging
 import math
-import random
 import statistics
 
 import torch
 from torch import nn
+
+from minifloat.core.rng import rng_state, set_rng_state
+from minifloat.core.skip import SkipReason
+from minifloat.core.snapshot import buffer_snapshot, restore_buffers, state_snapshot
+from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 
 log = logging.getLogger("minifloat")
 
@@ -55,19 +59,7 @@ class Signal(str, enum.Enum):
     GRAD_NORM = "grad_norm"
 
 
-class SkipReason(str, enum.Enum):
-    NONFINITE_LOSS = "nonfinite_loss"
-    NONFINITE_GRAD = "nonfinite_grad"
-    LOSS_SPIKE = "loss_spike"
-    GRAD_NORM_SPIKE = "grad_norm_spike"
-
-
 _SPIKE_REASON = {Signal.LOSS: SkipReason.LOSS_SPIKE, Signal.GRAD_NORM: SkipReason.GRAD_NORM_SPIKE}
-
-
-def _int_at_least(field: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,25 +93,17 @@ class GuardConfig:
     max_rollbacks: int = 8
 
     def __post_init__(self):
-        if not isinstance(self.skip_nonfinite, bool):
-            raise ValueError(f"skip_nonfinite must be a bool, got {self.skip_nonfinite!r}")
+        check_bool("skip_nonfinite", self.skip_nonfinite)
         if not isinstance(self.spike_signals, tuple):
             raise ValueError(f"spike_signals must be a tuple, got {self.spike_signals!r}")
         for s in self.spike_signals:
-            if s not in {m.value for m in Signal}:
-                raise ValueError(f"spike_signals must hold values of {[m.value for m in Signal]}, got {s!r}")
-        sigma = self.spike_sigma
-        if isinstance(sigma, bool) or not isinstance(sigma, (int, float)) or not 0 < sigma < math.inf:
-            raise ValueError(f"spike_sigma must be a finite number > 0, got {sigma!r}")
-        _int_at_least("spike_window", self.spike_window, 2)
-        _int_at_least("spike_warmup", self.spike_warmup, 2)
-        if self.spike_warmup > self.spike_window:
-            raise ValueError(f"spike_warmup must be <= spike_window ({self.spike_window}), got {self.spike_warmup!r}")
-        _int_at_least("spike_max_skips", self.spike_max_skips, 0)
-        _int_at_least("rollback_after", self.rollback_after, 0)
-        _int_at_least("snapshot_every", self.snapshot_every, 1)
-        _int_at_least("rollback_extra_skip", self.rollback_extra_skip, 0)
-        _int_at_least("max_rollbacks", self.max_rollbacks, 1)
+            check_choice("spike_signals", s, [m.value for m in Signal])
+        check_number("spike_sigma", self.spike_sigma, low=0.0, low_open=True)
+        check_int("spike_window", self.spike_window, low=2)
+        check_int("spike_warmup", self.spike_warmup, low=2, high=self.spike_window)
+        for field, low in (("spike_max_skips", 0), ("rollback_after", 0), ("snapshot_every", 1),
+                           ("rollback_extra_skip", 0), ("max_rollbacks", 1)):
+            check_int(field, getattr(self, field), low=low)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -195,30 +179,6 @@ class _Snapshot:
     rng: dict
 
 
-def _rng_state() -> dict:
-    state = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-    except ImportError:
-        np = None
-    if np is not None:
-        state["numpy"] = np.random.get_state()
-    return state
-
-
-def _set_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        torch.cuda.set_rng_state_all(state["cuda"])
-    if "numpy" in state:
-        import numpy as np
-
-        np.random.set_state(state["numpy"])
-
-
 class StepGuard:
     """Non-finite guard, spike guard and rollback for one model and optimizer (see module docstring).
 
@@ -263,15 +223,15 @@ class StepGuard:
         if self.config.rollback_after and data_position is None:
             raise ValueError("data_position is required when rollback is on (rollback_after > 0), got None")
         self._step, self._data_position = step, data_position
-        self._buffers = {name: b.detach().clone() for name, b in self.model.named_buffers()}
+        self._buffers = buffer_snapshot(self.model)
         due = self._snapshot is None or step - self._snapshot.step >= self.config.snapshot_every
         if self.config.rollback_after and self.bad_streak == 0 and due:
             self._snapshot = _Snapshot(
                 step, data_position,
-                model={k: v.detach().clone() for k, v in self.model.state_dict().items()},
+                model=state_snapshot(self.model),
                 optimizer=copy.deepcopy(self.optimizer.state_dict()),
                 stateful={k: copy.deepcopy(s.state_dict()) for k, s in self.stateful.items()},
-                guard=self.state_dict(), rng=_rng_state())
+                guard=self.state_dict(), rng=rng_state())
 
     # ------------------------------------------------------------------------------------------------ check
 
@@ -346,23 +306,13 @@ class StepGuard:
     def _skip(self, params, step: int, reason: SkipReason, values: dict, bad: tuple[str, ...]) -> None:
         for _, p in params:
             p.grad = None
-        self._restore_buffers(self._buffers)
+        restore_buffers(self.model, self._buffers)
         self.bad_streak += 1
         self.num_skipped += 1
         names = ", ".join(bad[:_MAX_NAMES_LOGGED]) + (f" (+{len(bad) - _MAX_NAMES_LOGGED} more)"
                                                       if len(bad) > _MAX_NAMES_LOGGED else "")
         log.warning("minifloat: step %d skipped (%s): loss=%g grad_norm=%g%s", step, reason.value,
                     values[Signal.LOSS], values[Signal.GRAD_NORM], f"; non-finite gradients in {names}" if bad else "")
-
-    def _restore_buffers(self, saved: dict[str, torch.Tensor]) -> None:
-        # persistent buffers go through load_state_dict, so modules that cache state derived from their buffers
-        # (ScalingState's host copy of `initialized`) refresh it; non-persistent ones are copied in place
-        keys = self.model.state_dict().keys()
-        persistent = {k: v for k, v in saved.items() if k in keys}
-        self.model.load_state_dict(persistent, strict=False)
-        for name, b in self.model.named_buffers():
-            if name not in persistent and name in saved:
-                b.copy_(saved[name])
 
     def _rollback(self, position: int) -> RollbackEvent | None:
         snap = self._snapshot
@@ -376,7 +326,7 @@ class StepGuard:
         for k, s in self.stateful.items():
             s.load_state_dict(copy.deepcopy(snap.stateful[k]))
         self.load_state_dict(snap.guard)
-        _set_rng_state(snap.rng)
+        set_rng_state(snap.rng)
         self.num_rollbacks += 1
         resume = position + 1 + self.config.rollback_extra_skip
         event = RollbackEvent(snap.step, resume, resume - snap.data_position)

@@ -16,8 +16,11 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
-from minifloat.safety.audit import ROOT, call_model, restoring_buffers
+from minifloat.core.batch import call_model
+from minifloat.core.snapshot import restoring_buffers
+from minifloat.core.validate import check_number
 from minifloat.numerics.formats import FP16
+from minifloat.safety.audit import ROOT
 
 @dataclasses.dataclass
 class RangeRecord:
@@ -102,8 +105,7 @@ def preflight(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], sampl
     Returns:
         A PreflightReport; `.issues` lists tensors that overflow FP16 or underflow beyond the tolerance.
     """
-    if not 0 <= underflow_tolerance < 1:
-        raise ValueError(f"underflow_tolerance must be in [0, 1), got {underflow_tolerance!r}")
+    check_number("underflow_tolerance", underflow_tolerance, low=0.0, high=1.0, high_open=True)
     is_model = isinstance(model_or_state_dict, nn.Module)
     if sample_batch is not None and not is_model:
         raise ValueError("sample_batch needs a model, got a state dict")

@@ -29,8 +29,11 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from minifloat.safety.audit import call_model, restoring_buffers
-from minifloat.fp8.modules import current_autocast, autocast
+from minifloat.core.batch import call_model
+from minifloat.core.rng import restoring_rng, set_rng_state
+from minifloat.core.snapshot import restoring_buffers
+from minifloat.core.validate import check_choice, check_int, check_number
+from minifloat.fp8.modules import autocast, current_autocast
 
 log = logging.getLogger("minifloat")
 
@@ -65,16 +68,10 @@ class ShadowConfig:
 
     def __post_init__(self):
         for name in ("interval", "patience", "recover_after"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ValueError(f"{name} must be an int >= 1, got {value!r}")
-        if not isinstance(self.threshold, (int, float)) or not (0 < self.threshold < math.inf):
-            raise ValueError(f"threshold must be a finite number > 0, got {self.threshold!r}")
-        if self.grad_cosine_min is not None and not (isinstance(self.grad_cosine_min, (int, float))
-                                                     and -1 <= self.grad_cosine_min <= 1):
-            raise ValueError(f"grad_cosine_min must be None or in [-1, 1], got {self.grad_cosine_min!r}")
-        if self.reference_dtype not in _REFERENCE_DTYPES:
-            raise ValueError(f"reference_dtype must be one of {_REFERENCE_DTYPES}, got {self.reference_dtype!r}")
+            check_int(name, getattr(self, name), low=1)
+        check_number("threshold", self.threshold, low=0.0, low_open=True)
+        check_number("grad_cosine_min", self.grad_cosine_min, low=-1.0, high=1.0, allow_none=True)
+        check_choice("reference_dtype", self.reference_dtype, _REFERENCE_DTYPES)
 
 
 @dataclasses.dataclass
@@ -157,16 +154,12 @@ class ShadowCheck:
         """Compare the FP8 and reference losses (and gradients) of `batch` at the current weights."""
         params = [p for p in model.parameters() if p.requires_grad] or list(model.parameters())
         need_grad = self.config.grad_cosine_min is not None
-        devices = [params[0].device] if params[0].device.type == "cuda" else []
         # grad enabled, as in a training step: Fp8Linear then first turns the recorded amaxes into delayed scales,
-        # so the FP8 pass uses the scales the next FP8 step would use (not the previous step's); buffers are restored
-        with restoring_buffers(model), torch.random.fork_rng(devices=devices), torch.enable_grad():
-            rng = torch.get_rng_state()
-            cuda_rng = torch.cuda.get_rng_state(devices[0]) if devices else None
+        # so the FP8 pass uses the scales the next FP8 step would use (not the previous step's); buffers and RNG
+        # are restored afterwards
+        with restoring_buffers(model), restoring_rng() as start, torch.enable_grad():
             fp8_loss, fp8_grads = self._loss_and_grads(model, loss_fn, batch, True, params)
-            torch.set_rng_state(rng)  # same dropout masks for the reference
-            if cuda_rng is not None:
-                torch.cuda.set_rng_state(cuda_rng, devices[0])
+            set_rng_state(start)  # same dropout masks for the reference
             ref_loss, ref_grads = self._loss_and_grads(model, loss_fn, batch, False, params)
         fp8_v, ref_v = float(fp8_loss), float(ref_loss)
         if not math.isfinite(ref_v):
@@ -185,7 +178,7 @@ class ShadowCheck:
         Args:
             step: the training step (checked when step % interval == 0).
             model: the model; `loss_fn(model_output, batch)` gives the loss, the model is called as in
-                `minifloat.safety.audit.audit` (tensor: model(batch), tuple: model(*batch), mapping: model(**batch)).
+                minifloat.core.batch.call_model (tensor: model(batch), tuple: model(*batch), mapping: model(**batch)).
         Returns:
             The ShadowEvent if this check switched the mode, else None.
         """
@@ -217,11 +210,9 @@ class ShadowCheck:
         if not isinstance(state, dict) or set(state) != {"mode", "streak", "events"}:
             raise ValueError(f"state must be a dict with exactly the keys 'events', 'mode' and 'streak', got "
                              f"{sorted(state) if isinstance(state, dict) else state!r}")
-        if state["mode"] not in {m.value for m in Mode}:
-            raise ValueError(f"mode must be one of {[m.value for m in Mode]}, got {state['mode']!r}")
+        check_choice("mode", state["mode"], [m.value for m in Mode])
         streak = state["streak"]
-        if not isinstance(streak, int) or isinstance(streak, bool) or streak < 0:
-            raise ValueError(f"streak must be an int >= 0, got {streak!r}")
+        check_int("streak", streak, low=0)
         if not isinstance(state["events"], list):
             raise ValueError(f"events must be a list of ShadowEvent dicts, got {state['events']!r}")
         events = [ShadowEvent(**{**e, "check": CheckResult(**e["check"])}) for e in state["events"]]

@@ -16,33 +16,20 @@ and biases (nanoGPT's `configure_optimizers`, and most LLM recipes), decay 0.1 a
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable
 
 import torch
 from torch import nn
 
+from minifloat.core.roles import embedding_param_ids, is_norm
+from minifloat.core.validate import check_bool, check_number
+
 EMBEDDING_GROUP = "embedding"  # name of the embedding parameter group made by `param_groups`
 
 
-def _check_alpha(alpha) -> float:
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 < alpha <= 1.0:
-        raise ValueError(f"alpha must be a number in (0, 1], got {alpha!r}")
+def _check_alpha(field: str, alpha) -> float:
+    check_number(field, alpha, low=0.0, high=1.0, low_open=True)
     return float(alpha)
-
-
-def _check_nonnegative(field: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0.0 or math.isinf(value):
-        raise ValueError(f"{field} must be a finite number >= 0, got {value!r}")
-
-
-def _check_positive(field: str, value, *, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0.0 or math.isinf(value):
-        raise ValueError(f"{field} must be a finite number > 0, got {value!r}")
 
 
 def shrink_embedding_grad(x: torch.Tensor, alpha: float = 0.1) -> torch.Tensor:
@@ -56,7 +43,7 @@ def shrink_embedding_grad(x: torch.Tensor, alpha: float = 0.1) -> torch.Tensor:
     Returns:
         A tensor equal to x whose gradient reaches x multiplied by alpha.
     """
-    alpha = _check_alpha(alpha)
+    alpha = _check_alpha("alpha", alpha)
     if alpha == 1.0:
         return x
     return x * alpha + x.detach() * (1.0 - alpha)
@@ -72,7 +59,7 @@ class ShrinkEmbeddingGrad(nn.Module):
 
     def __init__(self, embedding: nn.Module, alpha: float = 0.1):
         super().__init__()
-        self.alpha = _check_alpha(alpha)
+        self.alpha = _check_alpha("alpha", alpha)
         self.embedding = embedding
 
     def forward(self, *args, **kwargs) -> torch.Tensor:
@@ -94,25 +81,15 @@ def z_loss(logits: torch.Tensor, coeff: float = 1e-4) -> torch.Tensor:
     Returns:
         A float32 scalar.
     """
-    _check_nonnegative("coeff", coeff)
+    check_number("coeff", coeff, low=0.0)
     log_z = torch.logsumexp(logits.float(), dim=-1)  # (...,)
     return coeff * log_z.square().mean()
-
-
-def _embedding_params(model: nn.Module) -> set[int]:
-    return {id(p) for m in model.modules() if isinstance(m, nn.Embedding) for p in m.parameters(recurse=False)}
-
-
-def _is_norm(module: nn.Module) -> bool:
-    norm_types = (nn.LayerNorm, nn.GroupNorm, nn.modules.batchnorm._NormBase, nn.RMSNorm)
-    # custom norms (a reference model's own RMSNorm) are recognised by name
-    return isinstance(module, norm_types) or type(module).__name__.endswith("Norm")
 
 
 def param_groups(model: nn.Module, weight_decay: float = 0.1, *, decay_embeddings: bool = True) -> list[dict]:
     """Parameter groups for torch.optim.AdamW: weight decay on matrices, none on norms and biases.
 
-    Embedding weights (nn.Embedding, and an output layer tied to one) get a group of their own, named
+    Embedding weights (nn.Embedding / nn.EmbeddingBag, and an output layer tied to one) get a group of their own, named
     "embedding", so `clip_grad_norms` can find them in the optimizer. Each group carries a "name" key.
 
     Args:
@@ -122,11 +99,10 @@ def param_groups(model: nn.Module, weight_decay: float = 0.1, *, decay_embedding
     Returns:
         Non-empty groups among "decay", "no_decay", "embedding", in that order.
     """
-    _check_nonnegative("weight_decay", weight_decay)
-    if not isinstance(decay_embeddings, bool):
-        raise ValueError(f"decay_embeddings must be a bool, got {decay_embeddings!r}")
-    embeddings = _embedding_params(model)
-    no_decay = {id(p) for m in model.modules() if _is_norm(m) for p in m.parameters(recurse=False)}
+    check_number("weight_decay", weight_decay, low=0.0)
+    check_bool("decay_embeddings", decay_embeddings)
+    embeddings = embedding_param_ids(model)
+    no_decay = {id(p) for m in model.modules() if is_norm(m) for p in m.parameters(recurse=False)}
     groups: dict[str, list[nn.Parameter]] = {"decay": [], "no_decay": [], EMBEDDING_GROUP: []}
     for name, p in model.named_parameters():  # named_parameters drops tied duplicates
         if not p.requires_grad:
@@ -153,7 +129,7 @@ class GradNorms:
 def _split(params) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(embedding params, the rest) of a model or of a list of param-group dicts."""
     if isinstance(params, nn.Module):
-        embeddings = _embedding_params(params)
+        embeddings = embedding_param_ids(params)
         ps = [p for p in params.parameters()]
         return [p for p in ps if id(p) in embeddings], [p for p in ps if id(p) not in embeddings]
     emb, rest = [], []
@@ -174,15 +150,15 @@ def clip_grad_norms(params: nn.Module | Iterable[dict], max_norm: float = 1.0, *
     """Clip gradients by L2 norm, optionally with a separate limit for the embeddings.
 
     Args:
-        params: a model (embeddings are its nn.Embedding weights) or optimizer param groups (the embeddings are
-            the group named "embedding", as made by `param_groups`).
+        params: a model (embeddings are its nn.Embedding / EmbeddingBag weights) or optimizer param groups (the
+            embeddings are the group named "embedding", as made by `param_groups`).
         max_norm: limit for all gradients, or for the non-embedding ones when embedding_max_norm is given.
         embedding_max_norm: limit for the embedding gradients, clipped on their own; None clips everything jointly.
     Returns:
         GradNorms before clipping.
     """
-    _check_positive("max_norm", max_norm)
-    _check_positive("embedding_max_norm", embedding_max_norm, allow_none=True)
+    check_number("max_norm", max_norm, low=0.0, low_open=True)
+    check_number("embedding_max_norm", embedding_max_norm, low=0.0, low_open=True, allow_none=True)
     emb, rest = _split(params)
     if embedding_max_norm is None:
         emb_norm = nn.utils.get_total_norm([p.grad for p in emb if p.grad is not None])
@@ -215,17 +191,13 @@ class StabilityConfig:
     decay_embeddings: bool = True
 
     def __post_init__(self):
-        try:
-            _check_alpha(self.embedding_grad_alpha)
-        except ValueError:
-            raise ValueError(f"embedding_grad_alpha (alpha) must be a number in (0, 1], "
-                             f"got {self.embedding_grad_alpha!r}") from None
-        _check_nonnegative("z_loss_coeff", self.z_loss_coeff)
-        _check_positive("max_grad_norm", self.max_grad_norm)
-        _check_positive("embedding_max_grad_norm", self.embedding_max_grad_norm, allow_none=True)
-        _check_nonnegative("weight_decay", self.weight_decay)
-        if not isinstance(self.decay_embeddings, bool):
-            raise ValueError(f"decay_embeddings must be a bool, got {self.decay_embeddings!r}")
+        _check_alpha("embedding_grad_alpha", self.embedding_grad_alpha)
+        check_number("z_loss_coeff", self.z_loss_coeff, low=0.0)
+        check_number("max_grad_norm", self.max_grad_norm, low=0.0, low_open=True)
+        check_number("embedding_max_grad_norm", self.embedding_max_grad_norm, low=0.0, low_open=True,
+                     allow_none=True)
+        check_number("weight_decay", self.weight_decay, low=0.0)
+        check_bool("decay_embeddings", self.decay_embeddings)
 
     def shrink_embedding_grad(self, x: torch.Tensor) -> torch.Tensor:
         return shrink_embedding_grad(x, self.embedding_grad_alpha)

@@ -31,7 +31,6 @@ import json
 import logging
 import math
 import os
-import random
 import shutil
 import tempfile
 from collections.abc import Mapping
@@ -41,6 +40,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
+
+from minifloat.core.rng import rng_state, set_rng_state
+from minifloat.core.version import __version__
 
 log = logging.getLogger("minifloat")
 
@@ -153,41 +155,6 @@ def _model_tensor_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     return names
 
 
-# ------------------------------------------------------------------------------------------------------- RNG
-
-
-def _rng_state() -> dict[str, Any]:
-    """Python, torch CPU, CUDA (if available) and numpy (if installed) generator states."""
-    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()  # one uint8 tensor per device
-    try:
-        import numpy as np
-    except ImportError:
-        return state
-    name, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
-    state["numpy"] = (name, keys.tolist(), pos, has_gauss, cached_gaussian)  # keys: (624,) uint32 as ints
-    return state
-
-
-def _set_rng_state(state: Mapping[str, Any]) -> None:
-    random.setstate(state["python"])
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state:
-        if torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(list(state["cuda"]))
-        else:
-            log.warning("minifloat: the checkpoint holds CUDA RNG states but CUDA is not available; not restored")
-    if "numpy" in state:
-        try:
-            import numpy as np
-        except ImportError:
-            log.warning("minifloat: the checkpoint holds a numpy RNG state but numpy is not installed; not restored")
-            return
-        name, keys, pos, has_gauss, cached_gaussian = state["numpy"]
-        np.random.set_state((name, np.array(keys, dtype=np.uint32), pos, has_gauss, cached_gaussian))
-
-
 # ------------------------------------------------------------------------------------------------------ save
 
 
@@ -226,8 +193,6 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         ValueError: a value cannot be stored without pickle (the message names where it is).
         FileExistsError: `directory` exists and is neither a checkpoint nor empty.
     """
-    import minifloat  # here, not at the top: minifloat/__init__ may import this module
-
     directory = Path(directory)
     table = _TensorTable()
     model_keys = {key: table.add(f"model/{key}", t) for key, t in model.state_dict().items()}
@@ -236,7 +201,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         "optimizer_type": type(optimizer).__qualname__ if optimizer is not None else None,
         **{name: _encode(obj.state_dict(), name, table) if obj is not None else None
            for name, obj in zip(_STATEFUL, (scaler, guard, loader))},
-        "rng": _encode(_rng_state(), "rng", table),
+        "rng": _encode(rng_state(), "rng", table),
         "extra": _encode(dict(extra or {}), "extra", table),
     }
     if directory.exists() and not (directory / MANIFEST_FILE).is_file() and any(directory.iterdir()):
@@ -249,7 +214,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         _fsync(tmp / TENSORS_FILE)
         manifest = {
             "format_version": FORMAT_VERSION,
-            "minifloat_version": minifloat.__version__,
+            "minifloat_version": __version__,
             "torch_version": torch.__version__,
             "tensors_file": {"name": TENSORS_FILE, "bytes": (tmp / TENSORS_FILE).stat().st_size,
                              "sha256": _sha256(tmp / TENSORS_FILE)},
@@ -291,10 +256,9 @@ def _move_into_place(tmp: Path, directory: Path) -> None:
 # ------------------------------------------------------------------------------------------------------ load
 
 
-def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
-    """The manifest and the tensors, after checking the format version, the file's size and hash, and that the
-    tensors are the ones the manifest lists."""
-    manifest_path, tensors_path = directory / MANIFEST_FILE, directory / TENSORS_FILE
+def _read_manifest(directory: Path) -> dict:
+    """The manifest, after checking that it is JSON, of this format version and complete."""
+    manifest_path = directory / MANIFEST_FILE
     if not directory.is_dir():
         raise FileNotFoundError(f"checkpoint directory {directory} does not exist")
     try:
@@ -309,6 +273,14 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
                               f"format version {FORMAT_VERSION}")
     if absent := sorted(_REQUIRED - manifest.keys()):
         raise CheckpointError(f"{manifest_path} lacks the entries {absent}")
+    return manifest
+
+
+def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
+    """The manifest and the tensors, after checking the manifest, the tensor file's size and hash, and that the
+    tensors are the ones the manifest lists."""
+    manifest_path, tensors_path = directory / MANIFEST_FILE, directory / TENSORS_FILE
+    manifest = _read_manifest(directory)
     expected = manifest["tensors_file"]
     if not tensors_path.is_file():
         raise CheckpointError(f"{tensors_path} is missing; {directory} is not a complete checkpoint")
@@ -359,6 +331,17 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, saved_type: str | None, s
     if saved != own:
         raise CheckpointError(f"the checkpoint's optimizer has parameter groups of sizes {saved}, the optimizer "
                               f"given has {own}")
+
+
+def checkpoint_extra(directory: str | os.PathLike) -> dict[str, Any]:
+    """The `extra` metadata of a checkpoint, read from its manifest alone: the tensor file is neither loaded nor
+    hash-checked (a quick look, e.g. at the step and config a run reached; `load_checkpoint` checks everything).
+
+    Raises:
+        FileNotFoundError: no such directory.
+        CheckpointError: the manifest is missing, corrupt or of another format version, or `extra` holds tensors.
+    """
+    return _decode(_read_manifest(Path(directory))["extra"], {})
 
 
 def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -415,6 +398,6 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         raise
     model.load_state_dict(model_state)
     if rng is not None:
-        _set_rng_state(rng)
+        set_rng_state(rng)
     log.info("minifloat: loaded checkpoint %s", directory)
     return extra

@@ -25,7 +25,7 @@ import pathlib
 import torch
 
 from minifloat.fp8 import telemetry
-from minifloat.training.checkpoint import _decode, load_checkpoint
+from minifloat.training.checkpoint import MANIFEST_FILE, checkpoint_extra, load_checkpoint
 from minifloat.training.data import ByteCorpus, DataConfig, val_batches
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.amp.policy import PRESETS
@@ -94,11 +94,10 @@ def capture_numerics(config: TrainConfig) -> telemetry.Recorder:
 
 def plot_loss_curves(losses: dict[str, list[float]], path: pathlib.Path, *, title: str) -> None:
     """Top: training loss per step per preset (raw faint, smoothed solid). Bottom: smoothed loss relative to BF16."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # no pyplot: no global backend to switch, no figure registry to close
 
-    fig, (top, bottom) = plt.subplots(2, 1, figsize=(11, 8.5), sharex=True, height_ratios=(3, 2))
+    fig = Figure(figsize=(11, 8.5))
+    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     smooth = {name: _ema(values) for name, values in losses.items()}
     base = smooth[BASELINE]
     for i, (name, values) in enumerate(losses.items()):
@@ -128,15 +127,13 @@ def plot_loss_curves(losses: dict[str, list[float]], path: pathlib.Path, *, titl
     bottom.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
-    plt.close(fig)
 
 
 def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -> None:
     """One heatmap per FP8 preset: rows are layers, columns tensor roles; colour and number are the SQNR (dB) of the
     cast, averaged over the batch's casts; a second line gives the saturated / underflowed fractions when non-zero."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from matplotlib.colors import Normalize
+    from matplotlib.figure import Figure
 
     tables = {}
     for name, rec in numerics.items():
@@ -146,10 +143,11 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
     roles = [r.value for r in ROLES]
     values = [sum(r.sqnr_db for r in recs) / len(recs) for _, cells in tables.values() for recs in cells.values()]
     finite = [v for v in values if math.isfinite(v)] or [0.0]
-    norm = matplotlib.colors.Normalize(vmin=min(finite), vmax=max(finite))
+    norm = Normalize(vmin=min(finite), vmax=max(finite))
     n_layers = max(len(layers) for layers, _ in tables.values())
 
-    fig, axes = plt.subplots(1, len(tables), figsize=(2.2 + 3.6 * len(tables), 1.6 + 0.55 * n_layers), squeeze=False)
+    fig = Figure(figsize=(2.2 + 3.6 * len(tables), 1.6 + 0.55 * n_layers))
+    axes = fig.subplots(1, len(tables), squeeze=False)
     image = None
     for ax, (name, (layers, cells)) in zip(axes[0], tables.items()):
         grid = [[math.nan] * len(roles) for _ in layers]
@@ -172,10 +170,9 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
     axes[0][0].set_ylabel("layer")
     fig.suptitle("FP8 cast numerics after training: SQNR (dB, higher is better) per layer and role, one batch\n"
                  "second line: saturated (sat) / flushed-to-zero (uf) fractions where ≥ 0.05%; layers the policy "
-                 "keeps out of FP8 (first linear, head) are absent", fontsize=10)
+                 "keeps out of FP8 (first q/k/v projections, head) are absent", fontsize=10)
     fig.colorbar(image, ax=axes[0].tolist(), label="SQNR (dB)", fraction=0.03, pad=0.02)
     fig.savefig(path, dpi=120, bbox_inches="tight")
-    plt.close(fig)
 
 
 def finished_result(config: TrainConfig) -> TrainResult | None:
@@ -185,10 +182,10 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     Only the summary's fields are rebuilt: losses, final loss, validation losses, tokens/s (from the per-step
     timings), skipped steps and the shadow check's switches (from the checkpoint's shadow state)."""
     out = pathlib.Path(config.out)
-    manifest = out / CHECKPOINT_DIR / "manifest.json"
+    manifest = out / CHECKPOINT_DIR / MANIFEST_FILE
     if not (manifest.exists() and (out / "log.csv").exists() and (out / "val.csv").exists()):
         return None
-    extra = _decode(json.loads(manifest.read_text()).get("extra", {}), {})  # plain values, no tensors
+    extra = checkpoint_extra(out / CHECKPOINT_DIR)
     if extra.get("step") != config.steps or extra.get("config") != dataclasses.asdict(config):
         return None
     with open(out / "log.csv", newline="") as f:

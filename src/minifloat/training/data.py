@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
+from minifloat.core.validate import check_int, check_number
+
 log = logging.getLogger("minifloat")
 
 DEFAULT_VAL_FRACTION = 0.05
@@ -68,12 +70,8 @@ class DataConfig:
         if self.patterns is not None and (not isinstance(self.patterns, tuple) or not self.patterns
                                           or not all(isinstance(p, str) and p for p in self.patterns)):
             raise ValueError(f"patterns must be a non-empty tuple of glob strings, got {self.patterns!r}")
-        if isinstance(self.val_fraction, bool) or not isinstance(self.val_fraction, (int, float)) \
-                or not 0 < self.val_fraction < 1:
-            raise ValueError(f"val_fraction must be a number in (0, 1), got {self.val_fraction!r}")
-        if self.max_bytes is not None and (isinstance(self.max_bytes, bool) or not isinstance(self.max_bytes, int)
-                                           or self.max_bytes < 2):
-            raise ValueError(f"max_bytes must be an int >= 2 (one byte per split) or None, got {self.max_bytes!r}")
+        check_number("val_fraction", self.val_fraction, low=0.0, high=1.0, low_open=True, high_open=True)
+        check_int("max_bytes", self.max_bytes, low=2, allow_none=True)  # one byte per split at least
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,7 +235,7 @@ class BatchLoader:
             seed: non-negative int.
         """
         for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("seed", seed, 0)):
-            _check_int(name, value, low)
+            check_int(name, value, low=low)
         if tokens.dim() != 1 or tokens.numel() <= seq_len:
             raise ValueError(f"tokens must be a 1-D stream longer than seq_len={seq_len}, got shape "
                              f"{tuple(tokens.shape)}")
@@ -247,7 +245,7 @@ class BatchLoader:
 
     def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Batch number k (does not move the position). Returns (x, y), both (B, T) int64, y[:, t] = x[:, t + 1]."""
-        _check_int("k", k, 0)
+        check_int("k", k, low=0)
         n_starts = self.tokens.numel() - self.seq_len  # a window is seq_len + 1 tokens
         raw = hashlib.shake_256(f"minifloat.data/{self.seed}/{k}".encode()).digest(8 * self.batch_size)
         starts = torch.tensor([v % n_starts for v in struct.unpack(f"<{self.batch_size}Q", raw)])
@@ -264,7 +262,7 @@ class BatchLoader:
 
     def skip(self, n: int) -> None:
         """Move ahead n batches, as if drawing them (rollback uses it to step over the batches of a bad stretch)."""
-        _check_int("n", n, 0)
+        check_int("n", n, low=0)
         self.position += n
 
     def state_dict(self) -> dict[str, int]:
@@ -274,8 +272,8 @@ class BatchLoader:
         """Resume from `state_dict()`; the saved seed replaces this loader's."""
         if set(state) != {"position", "seed"}:
             raise ValueError(f"state must have exactly the keys 'position' and 'seed', got {sorted(state)}")
-        _check_int("position", state["position"], 0)
-        _check_int("seed", state["seed"], 0)
+        check_int("position", state["position"], low=0)
+        check_int("seed", state["seed"], low=0)
         self.position, self.seed = state["position"], state["seed"]
 
 
@@ -291,10 +289,10 @@ def val_batches(tokens: torch.Tensor, *, batch_size: int, seq_len: int,
     Returns:
         an iterator of (x, y), each (b, T) int64 with b <= B.
     """
-    _check_int("batch_size", batch_size, 1)
-    _check_int("seq_len", seq_len, 1)
+    check_int("batch_size", batch_size, low=1)
+    check_int("seq_len", seq_len, low=1)
     if max_batches is not None:
-        _check_int("max_batches", max_batches, 1)
+        check_int("max_batches", max_batches, low=1)
     if tokens.dim() != 1 or tokens.numel() <= seq_len:
         raise ValueError(f"tokens must be a 1-D stream longer than seq_len={seq_len}, got shape {tuple(tokens.shape)}")
     n_windows = (tokens.numel() - 1) // seq_len
@@ -305,11 +303,6 @@ def val_batches(tokens: torch.Tensor, *, batch_size: int, seq_len: int,
         starts = torch.arange(first, min(first + batch_size, n_windows)) * seq_len
         window = tokens[starts[:, None] + offsets].long()  # (b, T + 1)
         yield window[:, :-1], window[:, 1:]
-
-
-def _check_int(name: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
 
 
 def _excluded(name: str, excluded: tuple[str, ...]) -> bool:

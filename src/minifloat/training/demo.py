@@ -13,15 +13,17 @@ import time
 import torch
 from torch import nn
 
-import minifloat as mf
+from minifloat.fp8 import telemetry
+from minifloat.fp8.convert import convert
+from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling
 from minifloat.training.data import ByteCorpus, DataConfig
 
 RECIPES = {
-    "fp8-delayed": mf.DelayedScaling(),
-    "fp8-current": mf.CurrentScaling(),
-    "fp8-current-row": mf.CurrentScaling(granularity="row"),
-    "fp8-block": mf.BlockScaling(),
-    "mxfp8": mf.MXScaling(),
+    "fp8-delayed": DelayedScaling(),
+    "fp8-current": CurrentScaling(),
+    "fp8-current-row": CurrentScaling(granularity="row"),
+    "fp8-block": BlockScaling(),
+    "mxfp8": MXScaling(),
 }
 VARIANTS = ("fp32", "bf16", *RECIPES)
 
@@ -69,12 +71,12 @@ def _batches(data: torch.Tensor, steps: int, batch: int, context: int, seed: int
 
 
 def train_variant(variant: str, data: torch.Tensor, *, steps: int, batch: int, seed: int, lr: float = 2e-3,
-                  progress=None) -> tuple[list[float], float, mf.telemetry.Recorder | None]:
+                  progress=None) -> tuple[list[float], float, telemetry.Recorder | None]:
     """Train one variant; returns (losses, ms per step, telemetry of the last step)."""
     torch.manual_seed(seed)
     model = ByteMLP()
     if variant in RECIPES:
-        mf.convert(model, recipe=RECIPES[variant])
+        convert(model, recipe=RECIPES[variant])
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=variant != "fp32")
     losses, tel = [], None
@@ -84,7 +86,7 @@ def train_variant(variant: str, data: torch.Tensor, *, steps: int, batch: int, s
         if step == warmup:
             t0 = time.perf_counter()
         last = step == steps - 1 and variant in RECIPES
-        with autocast, (mf.telemetry.capture() if last else _null()) as rec:
+        with autocast, (telemetry.capture() if last else _null()) as rec:
             loss = nn.functional.cross_entropy(model(x).float(), y)
             loss.backward()
         opt.step()

@@ -27,16 +27,17 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
-from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
-from minifloat.safety.guards import GuardConfig, StepGuard
-from minifloat.training.model import SIZES, Llama, LlamaConfig
-from minifloat.fp8.modules import autocast
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
-from minifloat.fp8.recipes import DelayedScaling
 from minifloat.amp.scaler import LossScaler
+from minifloat.core.validate import check_bool, check_choice, check_int, check_number
+from minifloat.fp8.modules import autocast
+from minifloat.fp8.recipes import DelayedScaling
+from minifloat.safety.guards import GuardConfig, StepGuard
 from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
+from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
+from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
+from minifloat.training.model import SIZES, Llama, LlamaConfig
 
 log = logging.getLogger("minifloat")
 
@@ -44,17 +45,6 @@ log = logging.getLogger("minifloat")
 LOG_FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "reason", "tokens_per_s", "mode")
 CHECKPOINT_DIR = "ckpt"
 ADAMW_BETAS = (0.9, 0.95)  # nanoGPT / Llama; beta2 = 0.95 reacts faster to the gradient growth of low precision
-
-
-def _int(field: str, value, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ValueError(f"{field} must be an int >= {low}, got {value!r}")
-
-
-def _number(field: str, value, *, positive: bool) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or value < 0 or (positive and value == 0):
-        raise ValueError(f"{field} must be a finite number {'> 0' if positive else '>= 0'}, got {value!r}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,6 +84,7 @@ class TrainConfig:
         embedding_grad_alpha: multiplier of the gradient flowing into the token embedding's output, in (0, 1]
             (GLM-130B's embedding gradient shrink uses 0.1); 1 turns it off. With tied embeddings the lm_head's
             gradient of the shared matrix is not shrunk.
+        compile: run the training forward and backward under torch.compile (evaluation and checks stay eager).
     """
 
     model: str = "tiny"
@@ -124,43 +115,36 @@ class TrainConfig:
     rollback_after: int = 0
     snapshot_every: int = 50
     embedding_grad_alpha: float = 1.0
+    compile: bool = False
 
     def __post_init__(self):
-        if self.model not in SIZES:
-            raise ValueError(f"model must be one of {list(SIZES)}, got {self.model!r}")
-        if self.preset not in PRESETS:
-            raise ValueError(f"preset must be one of {list(PRESETS)}, got {self.preset!r}")
+        check_choice("model", self.model, list(SIZES))
+        check_choice("preset", self.preset, list(PRESETS))
         for field, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("warmup", 0), ("eval_every", 1),
                            ("eval_batches", 1), ("seed", 0), ("checkpoint_every", 0), ("shadow_every", 0),
                            ("rollback_after", 0), ("snapshot_every", 1)):
-            _int(field, getattr(self, field), low)
+            check_int(field, getattr(self, field), low=low)
         if self.seq_len > SIZES[self.model].max_seq_len:
             raise ValueError(f"seq_len must be <= {SIZES[self.model].max_seq_len} (max_seq_len of model "
                              f"{self.model!r}), got {self.seq_len!r}")
-        if self.lr_decay_steps is not None:
-            _int("lr_decay_steps", self.lr_decay_steps, 1)
-        _number("lr", self.lr, positive=True)
-        _number("min_lr", self.min_lr, positive=False)
-        if self.min_lr > self.lr:
-            raise ValueError(f"min_lr must be <= lr ({self.lr}), got {self.min_lr!r}")
-        _number("weight_decay", self.weight_decay, positive=False)
-        _number("grad_clip", self.grad_clip, positive=True)
+        check_int("lr_decay_steps", self.lr_decay_steps, low=1, allow_none=True)
+        check_number("lr", self.lr, low=0.0, low_open=True)
+        check_number("min_lr", self.min_lr, low=0.0, high=self.lr)
+        check_number("weight_decay", self.weight_decay, low=0.0)
+        check_number("grad_clip", self.grad_clip, low=0.0, low_open=True)
         if not isinstance(self.out, str) or not self.out:
             raise ValueError(f"out must be a non-empty path string, got {self.out!r}")
         if self.data is not None and (not isinstance(self.data, str) or not self.data):
             raise ValueError(f"data must be a non-empty path string or None, got {self.data!r}")
-        if self.max_bytes is not None:
-            _int("max_bytes", self.max_bytes, 2)
-        if not isinstance(self.resume, bool):
-            raise ValueError(f"resume must be a bool, got {self.resume!r}")
+        check_int("max_bytes", self.max_bytes, low=2, allow_none=True)
+        check_bool("resume", self.resume)
         if not isinstance(self.nan_steps, tuple):
             raise ValueError(f"nan_steps must be a tuple of step numbers, got {self.nan_steps!r}")
         for s in self.nan_steps:
-            _int("nan_steps", s, 0)
-        _number("shadow_threshold", self.shadow_threshold, positive=True)
-        _number("embedding_grad_alpha", self.embedding_grad_alpha, positive=True)
-        if self.embedding_grad_alpha > 1:
-            raise ValueError(f"embedding_grad_alpha must be in (0, 1] (1 = off), got {self.embedding_grad_alpha!r}")
+            check_int("nan_steps", s, low=0)
+        check_number("shadow_threshold", self.shadow_threshold, low=0.0, low_open=True)
+        check_number("embedding_grad_alpha", self.embedding_grad_alpha, low=0.0, high=1.0, low_open=True)
+        check_bool("compile", self.compile)
         recipe = PRESETS[self.preset].recipe
         if self.shadow_every and recipe is None:
             raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
@@ -333,6 +317,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     losses, val_losses, skipped, shadow_events, rollbacks, level_shifts = [], [], [], [], [], []
     final_loss, train_time = math.nan, 0.0
     fp8 = policy.recipe is not None
+    forward = torch.compile(model) if config.compile else model  # the same parameters and buffers either way
 
     bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
                    TimeRemainingColumn(), disable=not progress)
@@ -353,7 +338,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                     shadow_events.append((step, event.switched_to, event.reason))
             guard.begin_step(step, data_position=data_position)
             with policy.autocast("cpu"), shadow.context(step) as mode:
-                logits, loss = model(x, y)  # (B, T, V), fp32 scalar
+                logits, loss = forward(x, y)  # (B, T, V), fp32 scalar
                 loss = loss + stability.z_loss(logits)
             if data_position in config.nan_steps:
                 loss = loss * math.nan  # fault injection (TrainConfig.nan_steps)

@@ -10,7 +10,8 @@ bounds the attention logits, which low-precision training tends to blow up.
 The precision-sensitive parts are fp32 whatever autocast is in force: the norms (minifloat.amp.norms.RMSNorm), the
 rotary rotation, attention scores / softmax / scores·V (minifloat.amp.attention.attention) and the cross-entropy. Every
 nn.Linear has in/out features that are multiples of 16, so `mf.convert` and `PrecisionPolicy.apply` can turn each
-of them into an FP8 GEMM; the head is named `lm_head`, which they keep in high precision.
+of them into an FP8 GEMM; by role (minifloat.core.roles) they keep the first block's q/k/v projections and the head,
+`lm_head`, in high precision.
 
     model = Llama(LlamaConfig.preset("tiny"))
     logits, loss = model(idx, targets)      # idx, targets: (B, T) int64; logits: (B, T, vocab_size)
@@ -26,19 +27,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from minifloat.amp.attention import attention
-from minifloat.fp8.convert import MIN_DIM_MULTIPLE
 from minifloat.amp.norms import RMSNorm
+from minifloat.core.roles import MIN_DIM_MULTIPLE
+from minifloat.core.validate import check_bool, check_int, check_number
 
 
 def swiglu_hidden(d_model: int) -> int:
     """The default SwiGLU hidden size: 8/3 · d_model (three matrices cost what a 4·d GELU MLP's two do), rounded
     up to a multiple of 16 so the FP8 GEMMs can take it."""
     return MIN_DIM_MULTIPLE * math.ceil(8 * d_model / 3 / MIN_DIM_MULTIPLE)
-
-
-def _positive_int(field: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{field} must be a positive int, got {value!r}")
 
 
 def _multiple_of_16(field: str, value: int) -> None:
@@ -78,9 +75,8 @@ class LlamaConfig:
 
     def __post_init__(self):
         for field in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
-            _positive_int(field, getattr(self, field))
-        if self.d_ff is not None:
-            _positive_int("d_ff", self.d_ff)
+            check_int(field, getattr(self, field), low=1)
+        check_int("d_ff", self.d_ff, low=1, allow_none=True)
         _multiple_of_16("vocab_size", self.vocab_size)
         _multiple_of_16("d_model", self.d_model)
         _multiple_of_16("d_ff", self.ffn_dim)
@@ -89,17 +85,10 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"n_head must leave an even head size for RoPE, got n_head={self.n_head!r} "
                              f"(head size {self.head_dim})")
-        for field in ("rope_theta", "norm_eps"):
-            value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-                raise ValueError(f"{field} must be a finite float, got {value!r}")
-        if self.rope_theta <= 1:
-            raise ValueError(f"rope_theta must be > 1, got {self.rope_theta!r}")
-        if self.norm_eps < 0:
-            raise ValueError(f"norm_eps must be >= 0, got {self.norm_eps!r}")
+        check_number("rope_theta", self.rope_theta, low=1.0, low_open=True)
+        check_number("norm_eps", self.norm_eps, low=0.0)
         for field in ("qk_norm", "tie_embeddings"):
-            if not isinstance(getattr(self, field), bool):
-                raise ValueError(f"{field} must be a bool, got {getattr(self, field)!r}")
+            check_bool(field, getattr(self, field))
 
     @property
     def head_dim(self) -> int:

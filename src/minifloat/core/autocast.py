@@ -1,4 +1,5 @@
-"""Switching torch.autocast off around the fp32 islands, on any device (including "meta", which has no autocast)."""
+"""Switching torch.autocast off, on any device (including "meta", which has no autocast): for the fp32 islands and
+for kernels that must run in the dtype they were given (the emulated FP8 GEMMs)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,121 @@
+"""Module roles: which modules of a model are norms, embeddings, the output head and attention input projections,
+and which linear layers FP8 can take. The precision policy, `mf.convert`, the stability tricks and the audit all ask
+here, so they agree about every model: the reference Llama, plain MLPs and Hugging Face models alike.
+
+* norm: torch's norm classes, or a class whose name ends in "Norm" (LlamaRMSNorm, T5LayerNorm, minifloat's
+  RMSNorm, a hand-written norm; BatchNorm1d-style "Norm1d" too). Names starting with "_" (torch's weight-norm
+  parametrizations) are not norms.
+* embedding: nn.Embedding and nn.EmbeddingBag; a linear layer tied to one shares its weight Parameter.
+* output head (`output_head`), the first rule that finds one: the last nn.Linear named like HEAD_NAMES (the first
+  name in that order that occurs: lm_head, classifier, score, head, output); the last nn.Linear whose weight is an
+  embedding's (a tied head, e.g. BERT's masked-LM decoder); the last nn.Linear outside a pooler (a plain MLP's last
+  layer; BertModel's last encoder projection, since sentence embeddings never use BERT's pooler).
+* attention input projection: an nn.Linear whose own name is one of ATTENTION_INPUT_NAMES (q_proj, key, qkv, ...).
+* input projections (`input_projections`), the "first layer" that mixed-precision practice keeps in high precision:
+  the first nn.Linear (module order) that is neither the head nor in a pooler and, when it is an attention input
+  projection, every attention input projection beside it: q, k and v read the same input, so they are one layer.
+* FP8 shape (`fp8_shape_ok`): in and out features multiples of MIN_DIM_MULTIPLE.
+
+GPT-2's Conv1D is not an nn.Linear and has no role here.
+"""
+
+from __future__ import annotations
+
+import re
+
+from torch import nn
+
+MIN_DIM_MULTIPLE = 16  # FP8 tensor cores (torch._scaled_mm) need K and N divisible by 16
+
+NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d,
+              nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
+EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+HEAD_NAMES = ("lm_head", "classifier", "score", "head", "output")  # in priority order
+POOLER_NAMES = frozenset({"pooler"})
+# own names of the projections that read an attention block's input: separate q / k / v (Llama, BERT, T5,
+# DistilBERT, Meta's Llama, diffusers) and fused ones (Phi, MPT, Falcon / GPT-NeoX, nn.MultiheadAttention-style),
+# DeepSeek's MLA down-projections; compared in lower case
+ATTENTION_INPUT_NAMES = frozenset({
+    "q_proj", "k_proj", "v_proj", "qkv_proj", "kv_proj", "query", "key", "value", "q", "k", "v", "qkv",
+    "wq", "wk", "wv", "wqkv", "to_q", "to_k", "to_v", "q_lin", "k_lin", "v_lin", "c_attn", "query_key_value",
+    "in_proj", "q_a_proj", "kv_a_proj_with_mqa"})
+
+_NORM_NAME = re.compile(r"norm(\d+d)?$", re.IGNORECASE)
+
+
+def is_norm_type_name(name: str) -> bool:
+    """Whether a module class named `name` is a norm by name (see the module docstring)."""
+    return not name.startswith("_") and _NORM_NAME.search(name) is not None
+
+
+def is_norm(module: nn.Module) -> bool:
+    """torch's norm classes (and their subclasses), or a class named like a norm."""
+    return isinstance(module, NORM_TYPES) or is_norm_type_name(type(module).__name__)
+
+
+def is_embedding(module: nn.Module) -> bool:
+    return isinstance(module, EMBEDDING_TYPES)
+
+
+def embedding_param_ids(model: nn.Module) -> set[int]:
+    """ids of the embedding modules' parameters; a head tied to an embedding holds one of them as its weight."""
+    return {id(p) for m in model.modules() if is_embedding(m) for p in m.parameters(recurse=False)}
+
+
+def named_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """(name, module) of every nn.Linear (subclasses such as Fp8Linear included), in module order."""
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def is_attention_input(name: str) -> bool:
+    """Whether the module called `name` is, by its own name, a projection reading an attention block's input."""
+    return name.rpartition(".")[2].lower() in ATTENTION_INPUT_NAMES
+
+
+def in_pooler(name: str) -> bool:
+    return any(part in POOLER_NAMES for part in name.split("."))
+
+
+def output_head(model: nn.Module, *, names: tuple[str, ...] = HEAD_NAMES) -> str | None:
+    """The output head's module name (see the module docstring), or None for a model without nn.Linear.
+
+    Args:
+        model: any nn.Module.
+        names: own names that mark the head, in priority order.
+    """
+    linears = named_linears(model)
+    for marker in names:
+        marked = [n for n, _ in linears if n.rpartition(".")[2] == marker]
+        if marked:
+            return marked[-1]
+    embeddings = embedding_param_ids(model)
+    tied = [n for n, m in linears if id(m.weight) in embeddings]
+    if tied:
+        return tied[-1]
+    outside = [n for n, _ in linears if not in_pooler(n)]
+    return outside[-1] if outside else None
+
+
+def input_projections(model: nn.Module) -> list[str]:
+    """The nn.Linear layers nearest the data, by name (see the module docstring): e.g. the first block's q_proj,
+    k_proj and v_proj in a transformer, the first layer of an MLP."""
+    head = output_head(model)
+    candidates = [n for n, _ in named_linears(model) if n != head and not in_pooler(n)]
+    if not candidates:
+        return []
+    first = candidates[0]
+    if not is_attention_input(first):
+        return [first]
+    parent = first.rpartition(".")[0]
+    return [n for n in candidates if n.rpartition(".")[0] == parent and is_attention_input(n)]
+
+
+def first_and_last(model: nn.Module) -> set[str]:
+    """The nn.Linear layers `keep_first_last` keeps in high precision: the input projections and the output head."""
+    head = output_head(model)
+    return set(input_projections(model)) | ({head} if head is not None else set())
+
+
+def fp8_shape_ok(linear: nn.Linear) -> bool:
+    """Whether FP8 GEMMs can take the layer: in and out features multiples of MIN_DIM_MULTIPLE."""
+    return linear.in_features % MIN_DIM_MULTIPLE == 0 and linear.out_features % MIN_DIM_MULTIPLE == 0

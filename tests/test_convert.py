@@ -1,0 +1,111 @@
+"""Tests for minifloat.fp8.convert: which layers `convert` keeps in high precision (by role, not module order), and
+that PrecisionPolicy and the audit use the same rules.
+
+Hugging Face models are in tests/test_hf_convert.py; convert's filter / recipe / odd-shape cases in test_modules.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+import minifloat as mf
+from minifloat.amp.policy import PrecisionPolicy
+from minifloat.core import roles
+from minifloat.fp8.convert import fp8_plan
+from minifloat.safety.audit import audit
+from minifloat.training.demo import ByteMLP
+from minifloat.training.model import Llama, LlamaConfig
+
+LLAMA_KEPT = {"blocks.0.attn.q_proj", "blocks.0.attn.k_proj", "blocks.0.attn.v_proj", "lm_head"}
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+class Attention(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q = nn.Linear(d, d)
+
+    def forward(self, x):  # (B, T, C)
+        probs = (self.q(x) @ x.transpose(-1, -2)).float().softmax(-1)  # (B, T, T), softmax in fp32
+        return probs.to(x.dtype) @ x
+
+
+class TinyLM(nn.Module):
+    """No block stack: embedding, one attention with a single projection, an MLP layer, the head."""
+
+    def __init__(self, vocab=64, d=32):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.attn = Attention(d)
+        self.mlp = nn.Linear(d, d)
+        self.lm_head = nn.Linear(d, vocab)
+
+    def forward(self, idx):
+        h = self.emb(idx)
+        h = h + self.attn(h)
+        return self.lm_head(h + self.mlp(h))
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
+                         nn.Linear(48, 16))
+
+
+# (name, model factory, names keep_first_last keeps in high precision)
+KEPT = [
+    ("reference-llama", lambda: Llama(LlamaConfig.preset("tiny")), LLAMA_KEPT),
+    ("reference-llama-untied", lambda: Llama(LlamaConfig.preset("tiny", tie_embeddings=False)), LLAMA_KEPT),
+    ("mlp", mlp, {"0", "6"}),
+    ("byte-mlp", ByteMLP, {"mlp.0", "mlp.6"}),
+    ("tiny-lm", TinyLM, {"attn.q", "lm_head"}),
+]
+
+
+def linear_names(model: nn.Module) -> set[str]:
+    return {n for n, _ in roles.named_linears(model)}
+
+
+@pytest.mark.parametrize("name, build, kept", KEPT, ids=[c[0] for c in KEPT])
+def test_convert_keeps_input_projections_and_head(name, build, kept):
+    model = build()
+    plan = fp8_plan(model)
+    assert set(plan.kept) == kept and not plan.misshapen
+    mf.convert(model, recipe=mf.CurrentScaling())
+    converted = {m.fp8_name for m in mf.fp8_layers(model)}
+    assert converted == linear_names(model) - kept == set(plan.convert)
+
+
+@pytest.mark.parametrize("name, build, kept", KEPT, ids=[c[0] for c in KEPT])
+def test_policy_plans_what_convert_does(name, build, kept):
+    policy = PrecisionPolicy.preset("fp8-current")
+    model = build()
+    planned = {n for n, kind in policy.plan(model).items() if kind == "fp8"}
+    assert planned == linear_names(model) - kept
+    policy.apply(model)
+    assert {m.fp8_name for m in mf.fp8_layers(model)} == planned
+    head = roles.output_head(model)
+    assert getattr(model.get_submodule(head), "minifloat_fp32_island") == "head"
+
+
+def test_convert_twice_keeps_the_same_layers():
+    model = mf.convert(Llama(LlamaConfig.preset("tiny")), recipe=mf.CurrentScaling())
+    before = {m.fp8_name for m in mf.fp8_layers(model)}
+    mf.convert(model, recipe=mf.CurrentScaling())
+    assert {m.fp8_name for m in mf.fp8_layers(model)} == before
+    assert fp8_plan(model).convert == ()
+
+
+def test_audit_head_is_the_head_convert_keeps():
+    model = mf.convert(TinyLM(), recipe=mf.CurrentScaling())
+    idx = torch.randint(0, 64, (2, 8))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = audit(model, idx)
+    assert report.head == roles.output_head(model) == "lm_head"
+    assert report.ok, report.violations
+    assert {r.module for r in report.records if r.precision == "fp8"} == {"mlp"}

@@ -1,0 +1,164 @@
+"""Tests for minifloat.core.roles: norms, embeddings, the output head and the input projections, recognised by role.
+
+Hugging Face models are in tests/test_hf_convert.py (transformers is optional).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from minifloat.amp.norms import LayerNorm, RMSNorm
+from minifloat.core import roles
+from minifloat.training.demo import ByteMLP
+from minifloat.training.model import Llama, LlamaConfig
+
+D = 32
+
+
+@pytest.fixture(autouse=True)
+def seed():
+    torch.manual_seed(0)
+
+
+class ManualNorm(nn.Module):
+    def forward(self, x):
+        return x / x.square().mean(-1, keepdim=True).add(1e-6).sqrt()
+
+
+class OddlyNamedLayerNorm(nn.LayerNorm):  # a subclass keeps its parent's role whatever its name
+    pass
+
+
+class _WeightNorm(nn.Module):  # torch's weight-norm parametrization is named like this: not an activation norm
+    pass
+
+
+class NormalizedAttention(nn.Module):  # "norm" inside a name does not make a norm
+    pass
+
+
+# (name, module, is a norm)
+NORMS = [
+    ("layer-norm", nn.LayerNorm(D), True),
+    ("rms-norm", nn.RMSNorm(D), True),
+    ("batch-norm-1d", nn.BatchNorm1d(D), True),
+    ("group-norm", nn.GroupNorm(4, D), True),
+    ("instance-norm-2d", nn.InstanceNorm2d(D), True),
+    ("minifloat-rms-norm", RMSNorm(D), True),
+    ("minifloat-layer-norm", LayerNorm(D), True),
+    ("hand-written", ManualNorm(), True),
+    ("subclass", OddlyNamedLayerNorm(D), True),
+    ("weight-norm-parametrization", _WeightNorm(), False),
+    ("norm-in-the-middle", NormalizedAttention(), False),
+    ("linear", nn.Linear(D, D), False),
+]
+
+
+@pytest.mark.parametrize("name, module, expected", NORMS, ids=[c[0] for c in NORMS])
+def test_is_norm(name, module, expected):
+    assert roles.is_norm(module) == expected
+
+
+def test_embeddings_and_tied_weights():
+    model = nn.ModuleDict({"wte": nn.Embedding(64, D), "bag": nn.EmbeddingBag(64, D), "out": nn.Linear(D, 64)})
+    model["out"].weight = model["wte"].weight
+    assert roles.is_embedding(model["wte"]) and roles.is_embedding(model["bag"])
+    assert not roles.is_embedding(model["out"])
+    assert roles.embedding_param_ids(model) == {id(model["wte"].weight), id(model["bag"].weight)}
+
+
+class HeadFirst(nn.Module):
+    """Registers its head before its layers: module order is not execution order."""
+
+    def __init__(self):
+        super().__init__()
+        self.lm_head = nn.Linear(D, 64)
+        self.inp = nn.Linear(D, D)
+        self.mid = nn.Linear(D, D)
+
+
+class TiedDecoder(nn.Module):
+    """BERT-style masked-LM head: a transform, then a decoder tied to the word embedding (no head-like name)."""
+
+    def __init__(self):
+        super().__init__()
+        self.words = nn.Embedding(64, D)
+        self.layer = nn.ModuleDict({"query": nn.Linear(D, D), "key": nn.Linear(D, D), "value": nn.Linear(D, D),
+                                    "dense": nn.Linear(D, D)})
+        self.transform = nn.Linear(D, D)
+        self.decoder = nn.Linear(D, 64)
+        self.decoder.weight = self.words.weight
+
+
+class WithPooler(nn.Module):
+    """BertModel's shape: blocks, then a pooler that sentence embeddings never use."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.ModuleDict({"q": nn.Linear(D, D), "k": nn.Linear(D, D), "v": nn.Linear(D, D),
+                                                   "out": nn.Linear(D, D)}) for _ in range(2))
+        self.pooler = nn.ModuleDict({"dense": nn.Linear(D, D)})
+
+
+class FusedQKV(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.ModuleDict({"qkv": nn.Linear(D, 3 * D), "proj": nn.Linear(D, D)})
+                                    for _ in range(2))
+        self.head = nn.Linear(D, 10)
+
+
+def mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+
+
+def llama(**overrides) -> Llama:
+    return Llama(LlamaConfig.preset("tiny", **overrides))
+
+
+LLAMA_QKV = {"blocks.0.attn.q_proj", "blocks.0.attn.k_proj", "blocks.0.attn.v_proj"}
+
+# (name, model factory, output head, input projections)
+ROLE_CASES = [
+    ("reference-llama", llama, "lm_head", LLAMA_QKV),
+    ("reference-llama-untied", lambda: llama(tie_embeddings=False), "lm_head", LLAMA_QKV),
+    ("reference-llama-one-block", lambda: llama(n_layer=1), "lm_head", LLAMA_QKV),
+    ("mlp", mlp, "4", {"0"}),
+    ("byte-mlp", ByteMLP, "mlp.6", {"mlp.0"}),
+    ("head-registered-first", HeadFirst, "lm_head", {"inp"}),
+    ("tied-decoder", TiedDecoder, "decoder", {"layer.query", "layer.key", "layer.value"}),
+    ("pooler-not-the-head", WithPooler, "blocks.1.out", {"blocks.0.q", "blocks.0.k", "blocks.0.v"}),
+    ("fused-qkv", FusedQKV, "head", {"layers.0.qkv"}),
+    ("single-linear", lambda: nn.Sequential(nn.Linear(D, D)), "0", set()),
+    ("no-linear", lambda: nn.Sequential(nn.ReLU()), None, set()),
+]
+
+
+@pytest.mark.parametrize("name, build, head, first", ROLE_CASES, ids=[c[0] for c in ROLE_CASES])
+def test_head_and_input_projections(name, build, head, first):
+    model = build()
+    assert roles.output_head(model) == head
+    assert set(roles.input_projections(model)) == first
+    assert roles.first_and_last(model) == first | ({head} if head is not None else set())
+
+
+def test_head_names_in_priority_order():
+    model = nn.ModuleDict({"head": nn.Linear(D, D), "lm_head": nn.Linear(D, 64), "output": nn.Linear(64, 64)})
+    assert roles.output_head(model) == "lm_head"
+    assert roles.output_head(model, names=("output", "lm_head")) == "output"
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("blocks.0.attn.q_proj", True), ("encoder.layer.0.attention.self.key", True), ("h.0.attn.c_attn", True),
+    ("layers.0.self_attention.query_key_value", True), ("blocks.0.attn.o_proj", False),
+    ("encoder.layer.0.attention.output.dense", False), ("blocks.0.mlp.up_proj", False), ("lm_head", False),
+])
+def test_is_attention_input(name, expected):
+    assert roles.is_attention_input(name) == expected
+
+
+@pytest.mark.parametrize("features, ok", [((16, 32), True), ((32, 48), True), ((10, 32), False), ((32, 30), False)])
+def test_fp8_shape_ok(features, ok):
+    assert roles.fp8_shape_ok(nn.Linear(*features)) == ok
