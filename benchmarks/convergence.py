@@ -1,8 +1,8 @@
 """FP8 vs BF16 convergence of the reference Llama on the Python standard library, over one or more seeds.
 
-For each seed this runs `minifloat.training.compare.compare` (every preset trains the same model, on the same data, from the
-same initial weights) into OUT/seed<N>/ (summary.json, loss_curves.png, numerics_heatmap.png), then prints and
-writes a table of the final validation loss's relative difference to BF16 per preset: per seed, the mean over seeds,
+For each seed this runs `minifloat.training.compare.compare` (every preset trains the same model, on the same
+data, from the same initial weights) into OUT/seed<N>/ (summary.json, loss_curves.png, numerics_heatmap.png),
+then prints and writes a table of the final validation loss's relative difference to BF16 per preset: per seed, the mean over seeds,
 and whether the mean meets a 1% band and DeepSeek-V3's 0.25% (arXiv:2412.19437 §3.3), with tokens/s per preset
 (FP8 here is emulated on the CPU, so tokens/s measures the emulation, not FP8 hardware).
 

@@ -1,5 +1,5 @@
-"""Tests for minifloat.training.checkpoint: bitwise resume of an FP8 Llama, tied weights, corrupt and mismatched checkpoints
-(which must change nothing), atomic saves, and loading without pickle.
+"""Tests for minifloat.training.checkpoint: bitwise resume of an FP8 Llama, tied weights, corrupt and mismatched
+checkpoints (which must change nothing), atomic saves, and loading without pickle.
 
 One module-scoped run trains a tiny FP8 Llama (DelayedScaling, AdamW with two parameter groups, an enabled
 LossScaler whose scale grows during the run, a StepGuard, a BatchLoader), saves a checkpoint and trains on; the

@@ -11,6 +11,8 @@ tolerance: there the fp32 islands' own fusions reorder fp32 sums.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 import torch._dynamo
@@ -136,3 +138,16 @@ def test_compiled_policy_llama_matches_eager(preset):
     assert scales
     for key, a, b in scales:
         torch.testing.assert_close(b, a, rtol=LLAMA_SCALE_RTOL, atol=0, msg=key)
+
+
+def test_train_with_compile_follows_eager(tmp_path):
+    """`minifloat train --compile` (TrainConfig.compile): the compiled trainer's losses follow eager's."""
+    from minifloat.training.loop import TrainConfig, train
+
+    base = TrainConfig(model="tiny", preset="fp8-delayed", steps=4, batch_size=4, seq_len=32, eval_every=4,
+                       eval_batches=1, checkpoint_every=0, max_bytes=200_000, seed=0)
+    eager = train(dataclasses.replace(base, out=str(tmp_path / "eager")), progress=False)
+    compiled = train(dataclasses.replace(base, out=str(tmp_path / "compiled"), compile=True), progress=False)
+    assert len(compiled.losses) == 4 and not compiled.skipped
+    for e, c in zip(eager.losses, compiled.losses):
+        assert c == pytest.approx(e, rel=LLAMA_LOSS_RTOL)

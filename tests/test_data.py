@@ -273,7 +273,7 @@ def test_batches_are_shifted_windows_with_shapes_and_dtypes():
 
 
 # Window starts of batch 0, seed 0, on RAMP (B=4, T=8: 192 starts), computed independently of the loader as
-# [int.from_bytes(d[i:i + 8], "little") % 192 for i in (0, 8, 16, 24)], d = shake_256(b"minifloat.training.data/0/0").digest(32).
+# [int.from_bytes(d[i:i + 8], "little") % 192 for i in (0, 8, 16, 24)], d = shake_256(b"minifloat.data/0/0").digest(32).
 GOLDEN_STARTS = [106, 144, 134, 117]
 
 

@@ -172,8 +172,8 @@ class PrecisionPolicy:
 
         1. torch.nn.LayerNorm / RMSNorm become minifloat.amp.norms twins (fp32 compute); other norms, the embeddings,
            the head (roles as minifloat.core.roles defines them), nn.Softmax / LogSoftmax and nn.CrossEntropyLoss /
-           NLLLoss become fp32 islands (a wrapped forward that upcasts the inputs, switches autocast off and casts the output
-           back), each as its field says.
+           NLLLoss become fp32 islands (a wrapped forward that upcasts the inputs, switches autocast off and casts
+           the output back), each as its field says.
         2. Parameters and floating-point buffers of the islands become fp32, all others param_dtype (FP8 scaling
            state stays fp32).
         3. With a recipe, the nn.Linear layers mf.convert would convert (`fp8_plan`: input projections and output

@@ -15,7 +15,8 @@ backward — with the forward's own scale for per-tensor recipes, so dgrad sees 
 Output precision: each GEMM returns the compute dtype (torch.autocast's dtype inside an autocast region, else the
 input's dtype); gradients are returned in the dtype of the tensor they belong to. Under bfloat16 autocast the
 weight gradient is therefore produced in bfloat16 and widened to the parameter dtype, as bfloat16 autocast and
-torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 rounding of the operands it comes from (2^-3/2^-4).
+torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 rounding of the operands it comes from
+(2^-3/2^-4).
 """
 
 from __future__ import annotations

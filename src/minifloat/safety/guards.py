@@ -26,7 +26,8 @@ Spike rule (OLMo-core's SkipStepOptimizer): a value v of a watched signal (loss,
 v > mean + k·σ over a rolling window of the last accepted values, once the window holds `spike_warmup` values;
 skipped values never enter the window. A sustained rise is not a spike: when a watched value stays above the band
 for `spike_max_skips` steps in a row, the next such step is applied and the windows restart from the streak's values
-(a level shift, logged), instead of skipping every step from then on. Rollback (PaLM, arXiv 2204.02311 §5.1): after `rollback_after` consecutive
+(a level shift, logged), instead of skipping every step from then on. Rollback (PaLM, arXiv 2204.02311 §5.1):
+after `rollback_after` consecutive
 skipped steps, restore the last in-memory snapshot and continue with the data after the last bad batch, so the
 batches between the snapshot and the streak's end are not replayed.
 """

@@ -1,7 +1,8 @@
 """Real data, no downloads: a byte-level corpus of text files, split by file, with deterministic, resumable batches.
 
 By default the corpus is the Python standard library's own source files, present on every machine;
-`DataConfig(path=…)` points it at any folder of text files instead. Each file goes to train or validation by a hash of its relative path,
+`DataConfig(path=…)` points it at any folder of text files instead. Each file goes to train or validation by a hash
+of its relative path,
 so adding a file never moves another. The tokens are the files' bytes (256 values, no tokenizer), concatenated per
 split in path order.
 

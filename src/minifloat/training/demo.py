@@ -29,7 +29,7 @@ VARIANTS = ("fp32", "bf16", *RECIPES)
 
 
 def stdlib_bytes(limit: int = 2_000_000) -> torch.Tensor:
-    """The training split of the standard-library corpus (minifloat.training.data), capped at `limit` bytes, as int64."""
+    """The standard-library corpus's training split (minifloat.training.data), capped at `limit` bytes, as int64."""
     return ByteCorpus.load(DataConfig(max_bytes=limit)).train.long()
 
 

@@ -74,7 +74,8 @@ class TrainConfig:
         nan_steps: fault injection for testing the guards: the loss on these batches is multiplied by NaN, so their
             gradients are NaN too. Batch k is step k's until a rollback skips batches (so a rolled-back run does not
             meet the same poison again). Leave empty outside tests.
-        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.safety.shadow) every N steps, falling back to BF16 after
+        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.safety.shadow) every N steps, falling back to
+            BF16 after
             ShadowConfig().patience unhealthy checks in a row and returning to FP8 after recover_after healthy ones;
             0 turns it off. Needs a preset with an FP8 recipe.
         shadow_threshold: largest healthy relative loss difference |L_fp8 - L_bf16| / |L_bf16| of a check.
