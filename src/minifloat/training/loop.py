@@ -31,7 +31,6 @@ from minifloat.amp.policy import PRESETS, PrecisionPolicy
 from minifloat.amp.scaler import LossScaler
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.fp8.modules import autocast
-from minifloat.fp8.recipes import DelayedScaling
 from minifloat.safety.guards import GuardConfig, StepGuard
 from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
@@ -151,7 +150,7 @@ class TrainConfig:
             raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
                              f"use an fp8 preset or shadow_every=0, got shadow_every={self.shadow_every!r}")
         for field in ("fp8_format", "fp8_amax_history_len", "fp8_margin"):
-            if getattr(self, field) is not None and not isinstance(recipe, DelayedScaling):
+            if getattr(self, field) is not None and not (recipe is not None and recipe.delayed):
                 raise ValueError(f"{field} overrides a DelayedScaling recipe, but preset {self.preset!r} has "
                                  f"{type(recipe).__name__ if recipe else 'no FP8 recipe'}; use fp8-delayed")
         self.policy()  # DelayedScaling validates the overridden values
