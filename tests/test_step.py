@@ -113,10 +113,11 @@ def test_activation_checkpointing_is_bitwise_neutral(recipe, mode):
 
 
 # K = 1 (the identity) for one recipe; 2 and 4 for every recipe
-MICRO_CASES = [(f"{k}-{name}", k, r) for k in (1, 2, 4) for name, r in RECIPES if k > 1 or name == "delayed"]
+MICRO_CASES = [pytest.param(k, r, id=f"{k}-{name}") for k in (1, 2, 4) for name, r in RECIPES
+               if k > 1 or name == "delayed"]
 
 
-@pytest.mark.parametrize("micro, recipe", [c[1:] for c in MICRO_CASES], ids=[c[0] for c in MICRO_CASES])
+@pytest.mark.parametrize("micro, recipe", MICRO_CASES)
 def test_micro_batches_give_the_scaling_state_of_one_batch(recipe, micro):
     """From the same weights and scales, a step over K micro-batches ends with the scaling state of one step over
     the whole batch.
