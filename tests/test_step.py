@@ -278,6 +278,17 @@ def test_an_optimizer_over_other_parameters_ends_nothing():
     assert all((layer.fp8_state.amax_history[0] > 0).all() for layer in mf.fp8_layers(model))
 
 
+def test_deep_copies_and_replaced_parameters_still_step():
+    model = copy.deepcopy(make_model(mf.DelayedScaling()))  # no __init__ runs for the copy's layers
+    layer = mf.fp8_layers(model)[0]
+    layer.weight = nn.Parameter(layer.weight.detach().clone())  # a new Parameter after construction
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    loss_of(model(batches(1)[0])).backward()
+    opt.step()
+    assert all((m.fp8_state.amax_history[0] == 0).all() and (m.fp8_state.amax_history[-1] > 0).all()
+               for m in mf.fp8_layers(model))
+
+
 def _bf16_model():
     return make_model(mf.DelayedScaling()).bfloat16()
 

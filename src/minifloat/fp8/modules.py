@@ -121,6 +121,10 @@ class Fp8Linear(nn.Linear):
         fp8_steps.track(new)
         return new
 
+    def __setstate__(self, state) -> None:  # deepcopy and unpickling build no new layer through __init__
+        super().__setstate__(state)
+        fp8_steps.track(self)
+
     def fp8_step(self) -> None:
         """End this layer's FP8 step: new delayed scales from the amax history, history rolled, weight casts
         dropped. Called for you after optimizer steps (see minifloat.fp8.step)."""

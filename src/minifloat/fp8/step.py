@@ -28,28 +28,19 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 STEP_ON = ("optimizer", "manual")
 
-# id(parameter) -> (weak reference to it, the layers owning it). Keyed by identity: tensors compare elementwise, so
-# they cannot be dictionary keys by value; the weak reference's callback drops the entry with the parameter.
-_OWNERS: dict[int, tuple[weakref.ref, weakref.WeakSet]] = {}
+# Every live automatically stepped layer. Ownership is read from each layer's parameters when an optimizer steps, so
+# a parameter replaced after construction (assignment, load_state_dict(assign=True)) still counts.
+_LAYERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _ALIASES: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(stand-in) -> (stand-in, the parameter it stands for)
 _HOOK = None
 _SUPPRESSED = threading.local()
 
 
-def _owners(p: torch.Tensor) -> weakref.WeakSet:
-    entry = _OWNERS.get(id(p))
-    if entry is None or entry[0]() is not p:
-        key = id(p)
-        entry = (weakref.ref(p, lambda _ref: _OWNERS.pop(key, None)), weakref.WeakSet())
-        _OWNERS[key] = entry
-    return entry[1]
-
-
 def track(layer: nn.Module) -> None:
-    """Let optimizer steps over `layer`'s own parameters end its FP8 step (see module docstring)."""
+    """Let optimizer steps over `layer`'s own parameters end its FP8 step (see module docstring). Fp8Linear calls it
+    when built and when unpickled or deep-copied."""
     global _HOOK
-    for p in layer.parameters(recurse=False):
-        _owners(p).add(layer)
+    _LAYERS.add(layer)
     if _HOOK is None:
         _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
 
@@ -85,15 +76,10 @@ def _resolve(p: torch.Tensor) -> torch.Tensor:
 
 def params_updated(params: Iterable[torch.Tensor]) -> int:
     """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many."""
-    layers = {}
-    for p in map(_resolve, params):
-        entry = _OWNERS.get(id(p))
-        if entry is None or entry[0]() is not p:
-            continue
-        for layer in entry[1]:
-            if layer.step_on == "optimizer" and any(q is p for q in layer.parameters(recurse=False)):
-                layers[id(layer)] = layer
-    for layer in layers.values():
+    updated = {id(p): p for p in map(_resolve, params)}
+    layers = [layer for layer in list(_LAYERS) if layer.step_on == "optimizer"
+              and any(updated.get(id(q)) is q for q in layer.parameters(recurse=False))]
+    for layer in layers:
         layer.fp8_step()
     return len(layers)
 
