@@ -131,8 +131,8 @@ class LayerCaster:
         """The forward's weight cast, made once per FP8 step when the layer caches (its amax recorded each time)."""
         if self.weights is None:
             return self.cast(Role.WEIGHT, weight)
-        q, hit = self.weights.get("fprop", weight, (self.recipe, self.backend, self.recording, self.state.generation),
-                                  lambda: self.cast(Role.WEIGHT, weight))
+        options = (self.recipe, self.backend, self.recording, self.state.generation)  # generation last: see peek
+        q, hit = self.weights.get("fprop", weight, options, lambda: self.cast(Role.WEIGHT, weight))
         if hit and self.recording:
             self.state.record(Role.WEIGHT, q.amax)  # a reentrant checkpoint's first recording forward may hit
         return q
