@@ -19,6 +19,7 @@ from minifloat.fp8.scaling import ScalingState
 
 log = logging.getLogger("minifloat")
 
+
 @dataclasses.dataclass(frozen=True)
 class _AutocastState:
     recipe: Recipe | None = None
@@ -39,7 +40,8 @@ def autocast(*, recipe: Recipe | None = None, enabled: bool = True, calibrating:
     """Switch FP8 on or off, or change its recipe, for the Fp8Linear layers run inside the block.
 
     Args:
-        recipe: overrides each layer's own recipe (None keeps them).
+        recipe: overrides each layer's own recipe for its casts (None keeps them); the end of the FP8 step still
+            follows the layer's own recipe (delayed scales update only for layers built with DelayedScaling).
         enabled: False runs every Fp8Linear in high precision (as nn.Linear, under any torch.autocast in force).
         calibrating: run in high precision but record amax statistics of inputs, weights and output gradients,
             so that FP8 scales are current when FP8 is switched (back) on.
