@@ -925,3 +925,17 @@ def test_quantize_is_deterministic(gen):
         assert torch.equal(bits(a.data), bits(b.data))  # strictly: NaN sign bits too
         assert torch.equal(bits(a.operand), bits(b.operand))
         assert torch.equal(a.scale, b.scale)
+
+
+def test_given_amax_is_returned_with_an_explicit_tensor_scale():
+    x = torch.randn(64, 48)
+    scale = torch.tensor(0.01)
+    own = Q.quantize(x, E4M3, scale=scale)
+    given = Q.quantize(x, E4M3, scale=scale, amax=x.abs().max())
+    assert torch.equal(own.data.float(), given.data.float()) and torch.equal(own.amax, given.amax)
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"granularity": "row", "scale": torch.ones(64, 1)}], ids=["no-scale", "row"])
+def test_given_amax_needs_an_explicit_tensor_scale(kwargs):
+    with pytest.raises(ValueError, match="amax"):
+        Q.quantize(torch.randn(64, 48), E4M3, amax=torch.tensor(1.0), **kwargs)

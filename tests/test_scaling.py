@@ -167,11 +167,12 @@ def test_nonfinite_amax_is_not_recorded(amax, caplog):
 def test_nonfinite_amax_never_seeds_a_scale(amax):
     state = ScalingState(2)
     state.record(Role.INPUT, torch.tensor(amax))
-    used = state.delayed_scale(0, lambda: torch.tensor(amax), E4M3)
+    used, seen = state.delayed_scale(0, lambda: torch.tensor(amax), E4M3)
+    assert not math.isfinite(seen.item())  # the amax it took, returned for the cast to record
     assert used.item() == 1.0  # scale_from_amax's fallback for this cast
     assert state.scale[0].item() == 1.0
     assert not state.initialized[0]  # left unseeded, to seed from the next finite amax
-    assert state.delayed_scale(0, lambda: torch.tensor(4.0), E4M3).item() == 112.0
+    assert state.delayed_scale(0, lambda: torch.tensor(4.0), E4M3)[0].item() == 112.0
     assert state.initialized[0]
     assert state.nonfinite[0].item() == 1
     assert state.amax_history[0, 0].item() == 0.0
@@ -187,15 +188,15 @@ def test_nonfinite_element_anywhere_in_amax_tensor_is_caught():
 def test_delayed_scale_seeds_once():
     state = ScalingState(2)
     assert state.scale_for(Role.INPUT) is None
-    assert state.delayed_scale(0, lambda: torch.tensor(4.0), E4M3).item() == 112.0  # 448 / 4
+    assert state.delayed_scale(0, lambda: torch.tensor(4.0), E4M3)[0].item() == 112.0  # 448 / 4
     assert state.scale_for(Role.INPUT).item() == 112.0
-    assert state.delayed_scale(0, lambda: torch.tensor(8.0), E4M3).item() == 112.0  # already seeded: stored scale
+    assert state.delayed_scale(0, lambda: torch.tensor(8.0), E4M3)[0].item() == 112.0  # already seeded: stored scale
     assert state.initialized.tolist() == [True, False, False]
 
 
 def test_delayed_scale_without_store_leaves_state_alone():
     state = ScalingState(2)
-    assert state.delayed_scale(1, lambda: torch.tensor(4.0), E4M3, store=False).item() == 112.0
+    assert state.delayed_scale(1, lambda: torch.tensor(4.0), E4M3, store=False)[0].item() == 112.0
     assert state.initialized.tolist() == [False, False, False]
     assert state.scale.tolist() == [1.0, 1.0, 1.0]
 

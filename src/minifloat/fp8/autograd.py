@@ -111,9 +111,9 @@ class LayerCaster:
         if scale is not None:
             return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
         if spec.delayed:
-            qscale = self.state.delayed_scale(ROLE_INDEX[role], lambda: abs_max(t.detach(), None), spec.fmt,
-                                              margin=spec.margin, store=record and self.recording)
-            q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, **out)
+            qscale, amax = self.state.delayed_scale(ROLE_INDEX[role], lambda: abs_max(t.detach(), None), spec.fmt,
+                                                    margin=spec.margin, store=record and self.recording)
+            q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax, **out)
         else:
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)

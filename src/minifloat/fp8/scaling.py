@@ -85,7 +85,7 @@ class ScalingState(nn.Module):
 
     @torch.no_grad()
     def delayed_scale(self, col: int, amax: Callable[[], torch.Tensor], fmt, *, margin: int = 0,
-                      store: bool = True) -> torch.Tensor:
+                      store: bool = True) -> tuple[torch.Tensor, torch.Tensor | None]:
         """The quantization multiplier a delayed cast of column `col` uses this step.
 
         Once seeded it is the stored scale. Before, it is `seed()` (the tensor's current scale, so step 0 neither
@@ -93,22 +93,22 @@ class ScalingState(nn.Module):
         activation-checkpoint recompute, a reused layer) then quantizes with exactly that multiplier.
         Under torch.compile the choice is a `torch.where` on the `initialized` buffer (no host sync, no guard on
         Python state); eagerly a host mirror of `initialized` skips the extra amax pass once seeded. Both pick the
-        same value.
+        same value. Returns (the multiplier, the amax it computed or None), so the cast need not take it again.
         """
         compiling = torch.compiler.is_compiling()
         if not compiling and self._host_seeded()[col]:
-            return self.scale[col]
+            return self.scale[col], None
         now = amax().float().reshape(())
         finite = torch.isfinite(now)  # a NaN/inf step 0 leaves the role unseeded, to seed on the next cast
         fresh = scale_from_amax(now, fmt, margin=margin)
         qscale = torch.where(self.initialized[col], self.scale[col], fresh)
         if not store:
-            return qscale
+            return qscale, now
         self.scale[col] = torch.where(~self.initialized[col] & finite, fresh, self.scale[col])
         self.initialized[col] = self.initialized[col] | finite
         if not compiling:
             self._host_seeded()[col] = bool(self.initialized[col])  # one host sync, until the role is seeded
-        return qscale
+        return qscale, now
 
     @torch.no_grad()
     def record(self, role: Role, amax: torch.Tensor) -> None:

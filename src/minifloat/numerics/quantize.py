@@ -268,7 +268,8 @@ class Quantized:
 
 def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str = "tensor",
              scale: torch.Tensor | None = None, margin: int = 0, power_of_two: bool = False,
-             mx_rule: str = "up", operand_dtype: torch.dtype | None = None, keep_data: bool = True) -> Quantized:
+             mx_rule: str = "up", operand_dtype: torch.dtype | None = None, keep_data: bool = True,
+             amax: torch.Tensor | None = None) -> Quantized:
     """Scale `x` per `granularity` and cast it onto `fmt` (saturating, RNE).
 
     Args:
@@ -285,6 +286,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         operand_dtype: if set, also return `operand`, the grid values in this dtype with power-of-two block scales
             folded in, for the emulated GEMM.
         keep_data: False skips writing `data` (only with operand_dtype): for operands used once and not saved.
+        amax: x's absolute maximum when the caller has it already (with an explicit per-tensor `scale` only): it is
+            returned as the result's amax instead of being computed again in the cast's pass.
     Returns:
         Quantized with data of x's shape.
     """
@@ -302,7 +305,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     storage = (fmt.torch_dtype if fmt.torch_dtype is not None else torch.float32) if keep_data else None
 
     xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
-    amax = None
+    if amax is not None and (scale is None or not info.per_tensor):
+        raise ValueError("a given amax goes with an explicit per-tensor scale")
     if scale is None:
         amax = abs_max(xb, None if info.per_tensor else -1)
         qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
