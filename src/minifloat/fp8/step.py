@@ -18,13 +18,14 @@ When the step ends:
 from __future__ import annotations
 
 import contextlib
-import threading
 import weakref
 from typing import Iterable, Iterator
 
 import torch
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from minifloat.core.switch import ThreadSwitch
 
 STEP_ON = ("optimizer", "manual")
 
@@ -33,7 +34,7 @@ STEP_ON = ("optimizer", "manual")
 _LAYERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _ALIASES: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(stand-in) -> (stand-in, the parameter it stands for)
 _HOOK = None
-_SUPPRESSED = threading.local()
+_SUPPRESSED = ThreadSwitch()
 
 
 def track(layer: nn.Module) -> None:
@@ -54,16 +55,12 @@ def alias(stand_in: torch.Tensor, param: torch.Tensor) -> None:
 @contextlib.contextmanager
 def suppressed() -> Iterator[None]:
     """Optimizer steps inside the block end no FP8 step (for wrappers whose own step ends it, this thread only)."""
-    prev = getattr(_SUPPRESSED, "on", False)
-    _SUPPRESSED.on = True
-    try:
+    with _SUPPRESSED.on():
         yield
-    finally:
-        _SUPPRESSED.on = prev
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    if not getattr(_SUPPRESSED, "on", False):
+    if not _SUPPRESSED:
         params_updated(p for group in optimizer.param_groups for p in group["params"])
 
 

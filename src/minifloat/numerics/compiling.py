@@ -12,10 +12,11 @@ import contextlib
 import functools
 import logging
 import os
-import threading
 from typing import Callable, Iterator, TypeVar
 
 import torch
+
+from minifloat.core.switch import ThreadSwitch
 
 log = logging.getLogger("minifloat")
 F = TypeVar("F", bound=Callable)
@@ -23,7 +24,7 @@ F = TypeVar("F", bound=Callable)
 _RECOMPILE_LIMIT = 64
 
 
-_EAGER = threading.local()  # set by eager_kernels() for the calling thread only
+_EAGER = ThreadSwitch()  # on inside eager_kernels(), for the calling thread only
 
 
 @functools.cache
@@ -32,19 +33,15 @@ def _env_allows_compile() -> bool:
 
 
 def compile_enabled() -> bool:
-    return _env_allows_compile() and not getattr(_EAGER, "on", False)
+    return _env_allows_compile() and not _EAGER
 
 
 @contextlib.contextmanager
 def eager_kernels() -> Iterator[None]:
     """Run minifloat's kernels eagerly inside the block (this thread only): under a dispatch mode, which dynamo
     cannot trace, and in unit tests that should not pay compile time. Results are the same either way."""
-    prev = getattr(_EAGER, "on", False)
-    _EAGER.on = True
-    try:
+    with _EAGER.on():
         yield
-    finally:
-        _EAGER.on = prev
 
 
 def maybe_compile(fn: F) -> F:
