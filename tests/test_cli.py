@@ -12,7 +12,7 @@ import sys
 import pytest
 from rich.console import Console
 
-from minifloat import cli
+from minifloat.cli import common
 from minifloat.cli import main
 from minifloat.numerics.formats import FORMATS
 
@@ -26,7 +26,7 @@ TRAIN = ["train", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--
 def console(monkeypatch) -> Console:
     """The CLI's rich console, recording and wide."""
     wide = Console(width=WIDE, record=True)
-    monkeypatch.setattr(cli, "console", wide)
+    monkeypatch.setattr(common, "console", wide)
     return wide
 
 

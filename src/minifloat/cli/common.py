@@ -1,0 +1,23 @@
+"""What every `minifloat` command shares: the console it prints on and its one-line errors."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.markup import escape
+
+console = Console()
+ERR = Console(stderr=True)
+
+
+class CliError(Exception):
+    """A user error: main() prints its message as one line (the traceback only with --debug) and exits with
+    `status` (2 for a bad option or input, as argparse does)."""
+
+    def __init__(self, message: str, status: int = 2):
+        super().__init__(message)
+        self.status = status
+
+
+def error(message: str) -> None:
+    """Print `message` as the command's one error line (on stderr, as argparse does)."""
+    ERR.print(f"[red]minifloat: error:[/red] {escape(message)}", soft_wrap=True, highlight=False)

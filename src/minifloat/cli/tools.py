@@ -1,0 +1,161 @@
+"""`minifloat formats`, `minifloat demo` and `minifloat audit`."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from rich.table import Table
+
+from minifloat.cli import common
+
+AUDIT_BYTES = 100_000  # corpus bytes the audited batch is drawn from
+AUDIT_SEQ_LEN = 64  # bytes per sequence of the audited Llama batch (TrainConfig's default seq_len)
+
+
+def cmd_formats(args: argparse.Namespace) -> int:
+    """Print the number-format table (every limit derived from the bit layout)."""
+    from minifloat.numerics.formats import FORMATS
+
+    rows = [f.describe() for f in FORMATS.values()]
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    t = Table(title="minifloat number formats")
+    for col in ("name", "bits", "E", "M", "bias", "max", "min normal", "min subnormal", "inf", "NaN", "torch dtype"):
+        t.add_column(col, justify="right" if col not in ("name", "torch dtype") else "left")
+    for r in rows:
+        t.add_row(r["name"], str(r["bits"]), str(r["exponent_bits"]), str(r["mantissa_bits"]), str(r["bias"]),
+                  f"{r['max']:.6g}", f"{r['min_normal']:.6g}", f"{r['min_subnormal']:.6g}",
+                  "yes" if r["has_inf"] else "no", "yes" if r["has_nan"] else "no", r["torch_dtype"] or "-")
+    common.console.print(t)
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    """Train one small byte-level MLP LM under fp32, bf16 and every FP8 recipe; print a comparison table."""
+    from rich.progress import Progress
+
+    from minifloat.training.demo import VARIANTS, run_demo
+
+    variants = args.variants.split(",") if args.variants else list(VARIANTS)
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        common.console.print(f"[red]unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
+        return 2
+    with Progress(console=common.console, transient=True) as bar:
+        task = bar.add_task("training", total=args.steps * len(variants))
+        results, curves = run_demo(steps=args.steps, batch=args.batch, seed=args.seed, variants=variants,
+                                   progress=lambda: bar.advance(task))
+    t = Table(title=f"byte-level MLP on Python stdlib sources, {args.steps} steps, batch {args.batch}, "
+                    f"seed {args.seed}")
+    t.add_column("variant", no_wrap=True)
+    for col in ("final loss", "vs bf16", "ms/step", "min SQNR dB", "max saturated"):
+        t.add_column(col, justify="right")
+    for r in results:
+        t.add_row(r.variant, f"{r.final_loss:.4f}", f"{r.rel_diff_vs_bf16:+.2%}", f"{r.ms_per_step:.1f}",
+                  "-" if r.min_sqnr_db != r.min_sqnr_db else f"{r.min_sqnr_db:.1f}",
+                  "-" if r.max_saturated != r.max_saturated else f"{r.max_saturated:.2%}")
+    common.console.print(t)
+    common.console.print("final loss = mean of the last 20 steps' training loss; SQNR and saturation over every FP8 cast "
+                  "of the last step (see minifloat.fp8.telemetry).")
+    if args.out:
+        out = pathlib.Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "demo.json").write_text(json.dumps({"results": [r.__dict__ for r in results], "curves": curves},
+                                                  indent=1))
+        common.console.print(f"wrote {out / 'demo.json'}")
+    return 0
+
+
+def cmd_audit(args: argparse.Namespace) -> int:
+    """Run one forward+backward of a model under a precision policy, recording the dtype every op ran in; flag
+    violations of the policy (softmax or a norm below fp32, an FP8 embedding or head, a low-precision all-reduce).
+    Exits with status 1 when there are violations (or, with --preflight, pre-flight issues)."""
+    import torch
+
+    from minifloat.safety.audit import audit
+    from minifloat.safety.preflight import preflight
+    from minifloat.training.demo import ByteMLP, stdlib_bytes
+    from minifloat.amp.policy import PRESETS, PrecisionPolicy
+
+    if args.preset not in PRESETS:
+        common.console.print(f"[red]unknown preset {args.preset!r}; choose from {sorted(PRESETS)}")
+        return 2
+    policy = PrecisionPolicy.preset(args.preset)
+    torch.manual_seed(args.seed)
+    if args.model == "byte-mlp":
+        model = policy.apply(ByteMLP())
+        data = stdlib_bytes(AUDIT_BYTES)
+        g = torch.Generator().manual_seed(args.seed)
+        start = torch.randint(0, data.numel() - model.context - 1, (args.batch,), generator=g)
+        window = data[start[:, None] + torch.arange(model.context + 1)]
+        inputs, targets = window[:, :-1], window[:, -1]
+
+        def loss_fn(logits, _inputs):
+            return torch.nn.functional.cross_entropy(logits.float(), targets)
+    else:  # the reference Llama: model(x, y) -> (logits, loss)
+        from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig
+        from minifloat.training.model import Llama, LlamaConfig
+
+        config = LlamaConfig.preset(args.model)
+        model = policy.apply(Llama(config))
+        corpus = ByteCorpus.load(DataConfig(max_bytes=AUDIT_BYTES))
+        seq_len = min(AUDIT_SEQ_LEN, config.max_seq_len)
+        inputs = next(BatchLoader(corpus.train, batch_size=args.batch, seq_len=seq_len, seed=args.seed))  # (x, y)
+
+        def loss_fn(output, _batch):
+            return output[1]  # the model's fp32 cross-entropy
+
+    with policy.autocast("cpu"):
+        report = audit(model, inputs, loss_fn=loss_fn)
+    common.console.print(policy.describe(model))
+    common.console.print(report.table(full=args.full))
+    for v in report.violations:
+        common.console.print(f"[red]violation[/red] {v.rule}: {v.module} ({v.phase}) {v.op} in {v.precision} — {v.detail}")
+    common.console.print("audit passed: no policy violations" if report.ok else
+                  f"[red]audit failed: {len(report.violations)} violation(s)")
+    status = 0 if report.ok else 1
+    if args.preflight:
+        pre = preflight(model, inputs)
+        common.console.print(pre.table())
+        status = status or (0 if pre.fp16_safe else 1)
+    if args.json:
+        pathlib.Path(args.json).write_text(report.to_json())
+        common.console.print(f"wrote {args.json}")
+    return status
+
+
+
+def add_parsers(sub) -> None:
+    f = sub.add_parser("formats", help="print the number-format table", description=cmd_formats.__doc__)
+    f.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    f.set_defaults(func=cmd_formats)
+
+    d = sub.add_parser("demo", help="FP8 vs BF16 vs FP32 on a small byte-level MLP (minutes on 2 CPU cores)",
+                       description=cmd_demo.__doc__)
+    d.add_argument("--steps", type=int, default=300, help="training steps per variant (default 300)")
+    d.add_argument("--batch", type=int, default=256, help="sequences per batch (default 256)")
+    d.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default 0)")
+    d.add_argument("--variants", default="", help="comma list of variants (default: all)")
+    d.add_argument("--out", default="", help="folder to write demo.json with results and loss curves")
+    d.set_defaults(func=cmd_demo)
+
+    a = sub.add_parser("audit", help="record the dtype every op of a model runs in and flag policy violations",
+                       description=cmd_audit.__doc__)
+    from minifloat.training.model import SIZES
+
+    a.add_argument("--model", default="byte-mlp", choices=["byte-mlp", *SIZES],
+                   help=f"model to audit: byte-mlp (the demo's model) or a reference Llama size ({', '.join(SIZES)}) "
+                        f"on a batch of {AUDIT_SEQ_LEN}-byte sequences (default byte-mlp)")
+    a.add_argument("--preset", default="fp8-delayed",
+                   help="precision policy preset: fp32, bf16, fp16, fp8-delayed (default), fp8-current, fp8-block, "
+                        "mxfp8")
+    a.add_argument("--batch", type=int, default=32, help="sequences in the audited batch (default 32)")
+    a.add_argument("--seed", type=int, default=0, help="seed for weights and batch (default 0)")
+    a.add_argument("--preflight", action="store_true",
+                   help="also check FP16 overflow/underflow of weights and activations, and native BF16 support")
+    a.add_argument("--full", action="store_true", help="list every recorded op, not only the summary rows")
+    a.add_argument("--json", default="", help="write every recorded op and violation as JSON to this path")
+    a.set_defaults(func=cmd_audit)
