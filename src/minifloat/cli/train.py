@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import signal
 
 from rich.table import Table
 
@@ -18,42 +19,66 @@ def _steps(text: str) -> tuple[int, ...]:
         raise ValueError(f"nan_steps must be a comma list of step numbers, e.g. 5,9, got {text!r}") from None
 
 
+# TrainConfig fields set by flags of the same name (--batch-size -> batch_size); None = not given
+FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "warmup", "lr_decay_steps",
+               "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
+               "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
+               "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile")
+# fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
+NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
+
+
+def train_config(args: argparse.Namespace):
+    """The TrainConfig the flags ask for. With --resume, flags not given take the checkpoint's values, so
+    `minifloat train --out DIR --resume --steps 800` continues the run as it was set up."""
+    from minifloat.training.checkpoint import checkpoint_extra
+    from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig
+
+    fields = {name: getattr(args, name) for name in FLAG_FIELDS if getattr(args, name) is not None}
+    if args.nan_steps is not None:
+        fields["nan_steps"] = _steps(args.nan_steps)
+    if args.lr is not None:  # --lr alone moves the floor with it (min_lr = lr / 10, nanoGPT's rule of thumb)
+        fields["min_lr"] = args.lr / 10
+    if args.resume:
+        ckpt = pathlib.Path(fields.get("out", TrainConfig.out)) / CHECKPOINT_DIR
+        if ckpt.is_dir():  # else train() says there is no checkpoint
+            saved = checkpoint_extra(ckpt).get("config") or {}
+            inherited = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                         if k in TrainConfig.__dataclass_fields__ and k not in NOT_INHERITED}
+            fields = {**inherited, **fields}
+    return TrainConfig(**fields)
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     """Train the reference Llama on the byte corpus (the Python standard library's sources, or --data) under a
-    precision preset: warm-up + cosine LR, AdamW, loss scaling, non-finite and spike guards, evaluation, checkpoints.
-    Optional safety nets: --shadow-every (check FP8 against BF16 every N steps and fall back to BF16 while FP8 is
-    off), --rollback-after (after N skipped steps in a row, return to the last snapshot and continue past the bad
-    batches), --embedding-grad-alpha (GLM-130B's embedding gradient shrink); --nan-steps injects NaN losses to try
-    the guards. Writes OUT/log.csv (one row per step; the mode column says fp8 or bf16), OUT/val.csv, OUT/ckpt and,
-    if tensorboard is installed, TensorBoard logs. Exits with status 2 on an invalid option."""
-    from minifloat.training.loop import TrainConfig, train
+    precision preset on a CPU or GPU (--device): warm-up + cosine LR, AdamW, gradient accumulation (--grad-accum),
+    loss scaling, non-finite and spike guards, evaluation, checkpoints. Optional safety nets: --shadow-every (check
+    FP8 against BF16 every N steps and fall back to BF16 while FP8 is off), --rollback-after (after N skipped steps
+    in a row, return to the last snapshot and continue past the bad batches), --embedding-grad-alpha (GLM-130B's
+    embedding gradient shrink); --nan-steps injects NaN losses to try the guards. Writes OUT/log.csv (one row per
+    step; the mode column says fp8 or bf16), OUT/val.csv, OUT/ckpt, OUT/run.json and, if tensorboard is installed,
+    OUT/tensorboard. A folder that holds a run is refused unless --resume (continue it: flags not given keep the
+    checkpoint's values, the lr schedule continues) or --overwrite (replace it). SIGTERM / Ctrl-C stop after the
+    current step with a checkpoint (exit status 128 + the signal's number). Exits with status 2 on an invalid
+    option or input."""
+    from minifloat.training.loop import train
 
-    fields = {"model": args.model, "preset": args.preset, "steps": args.steps, "batch_size": args.batch_size,
-              "seq_len": args.seq_len, "lr": args.lr, "warmup": args.warmup, "seed": args.seed, "data": args.data,
-              "max_bytes": args.max_bytes, "out": args.out, "eval_every": args.eval_every,
-              "eval_batches": args.eval_batches, "checkpoint_every": args.checkpoint_every, "resume": args.resume,
-              "fp8_format": args.fp8_format, "fp8_amax_history_len": args.fp8_amax_history_len,
-              "fp8_margin": args.fp8_margin, "shadow_every": args.shadow_every,
-              "shadow_threshold": args.shadow_threshold, "rollback_after": args.rollback_after,
-              "snapshot_every": args.snapshot_every, "embedding_grad_alpha": args.embedding_grad_alpha,
-              "compile": args.compile or None}
-    try:
-        if args.nan_steps is not None:
-            fields["nan_steps"] = _steps(args.nan_steps)
-        # --lr alone moves the floor with it (min_lr = lr / 10, nanoGPT's rule of thumb)
-        config = TrainConfig(**{k: v for k, v in fields.items() if v is not None},
-                             **({"min_lr": args.lr / 10} if args.lr is not None else {}))
-    except ValueError as err:
-        common.console.print(f"[red]invalid option: {err}")
-        return 2
+    config = train_config(args)
     result = train(config)
-    t = Table(title=f"{config.model} · {config.preset} · steps {result.first_step}..{config.steps}")
+    if result.stopped_by:
+        common.console.print(f"stopped by {result.stopped_by} at step {result.last_step}/{config.steps}; checkpoint "
+                             f"in {pathlib.Path(config.out) / 'ckpt'}; continue with --resume")
+        return 128 + getattr(signal, result.stopped_by).value
+    t = Table(title=f"{config.model} · {config.preset} · steps {result.first_step}..{config.steps} · "
+                    f"{result.device}")
     t.add_column("metric")
     t.add_column("value", justify="right")
     t.add_row("first loss", f"{result.losses[0]:.4f}" if result.losses else "-")
     t.add_row("final train loss", f"{result.final_loss:.4f}")
     t.add_row("final val loss", f"{result.val_losses[-1][1]:.4f}" if result.val_losses else "-")
-    t.add_row("tokens/s", f"{result.tokens_per_s:,.0f}")
+    t.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" + (f" (first {result.warmup_steps} steps left out)"
+                                                            if result.warmup_steps else ""))
+    t.add_row("MFU (vs dense BF16 peak)", f"{result.mfu:.1%}" if result.mfu is not None else "- (no GPU peak known)")
     t.add_row("skipped steps", ", ".join(f"{s} ({r})" for s, r in result.skipped) or "none")
     t.add_row("shadow switches", (", ".join(f"{s} (to {to})" for s, to, _ in result.shadow_events) or "none")
               if config.shadow_every else "off")
@@ -64,7 +89,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     t.add_row("outputs", str(pathlib.Path(config.out)))
     common.console.print(t)
     return 0
-
 
 
 def add_parser(sub) -> None:
@@ -97,7 +121,20 @@ def add_parser(sub) -> None:
                     help=f"validation batches per pass (default {defaults.eval_batches})")
     tr.add_argument("--checkpoint-every", type=int, default=None,
                     help=f"steps between checkpoints into OUT/ckpt, 0 for none (default {defaults.checkpoint_every})")
-    tr.add_argument("--resume", action="store_true", default=None, help="continue from OUT/ckpt")
+    tr.add_argument("--resume", action="store_true", default=None,
+                    help="continue the run in OUT from OUT/ckpt; flags not given keep the checkpoint's values, and "
+                         "--steps must go beyond its step")
+    tr.add_argument("--overwrite", action="store_true", default=None,
+                    help="replace the run in OUT (only the files a run writes there are removed)")
+    tr.add_argument("--device", default=None,
+                    help=f"auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N "
+                         f"(default {defaults.device})")
+    tr.add_argument("--grad-accum", type=int, default=None, metavar="K",
+                    help=f"micro-batches of --batch-size per optimizer step; FP8 scales advance once per step "
+                         f"(default {defaults.grad_accum})")
+    tr.add_argument("--lr-decay-steps", type=int, default=None, metavar="N",
+                    help="step at which the cosine decay reaches its floor (default: --steps; on --resume the "
+                         "checkpoint's, and a new value re-plans the rest of the decay from the current lr)")
     tr.add_argument("--fp8-format", default=None, choices=["hybrid", "e4m3"],
                     help="FP8 formats of the delayed recipe: hybrid (E4M3 forward, E5M2 gradients) or e4m3 "
                          "(needs a preset with delayed scaling, fp8-delayed)")
@@ -121,7 +158,7 @@ def add_parser(sub) -> None:
     tr.add_argument("--embedding-grad-alpha", type=float, default=None, metavar="A",
                     help=f"multiply the gradient into the token embedding's output by A in (0, 1] (GLM-130B: 0.1); "
                          f"1 for off (default {defaults.embedding_grad_alpha})")
-    tr.add_argument("--compile", action="store_true",
+    tr.add_argument("--compile", action="store_true", default=None,
                     help="run the training steps under torch.compile (the first steps compile; results as eager)")
     tr.add_argument("--nan-steps", default=None, metavar="S,S",
                     help="fault injection: comma list of steps whose loss is made NaN, to try the guards (the "

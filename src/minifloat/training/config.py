@@ -1,0 +1,193 @@
+"""TrainConfig: one training run of the reference Llama, validated as a whole when built."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.core.validate import check_bool, check_choice, check_int, check_number
+from minifloat.safety.shadow import ShadowConfig
+from minifloat.training.model import SIZES
+
+DEVICE_PATTERN = re.compile(r"auto|cpu|meta|cuda(:\d+)?")  # TrainConfig.device
+# fields a resumed run must share with its checkpoint, and what a change would do (TrainConfig.check_resume)
+RESUME_FIXED = (
+    ("batch_size", "changes the tokens per step and the batches the run sees from here"),
+    ("seq_len", "changes the tokens per step and the batches the run sees from here"),
+    ("grad_accum", "changes the tokens per step and the batches the run sees from here"),
+    ("seed", "changes the order of the batches"),
+    ("fp8_format", "changes the FP8 formats the scaling state was built for"),
+    ("fp8_amax_history_len", "changes the shape of the FP8 amax histories"),
+    ("fp8_margin", "changes the FP8 scales"),
+    ("lr", "changes the learning-rate schedule"),
+    ("min_lr", "changes the learning-rate schedule"),
+    ("warmup", "changes the learning-rate schedule"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """One training run.
+
+    Args:
+        model: model size, a key of minifloat.training.model.SIZES ("tiny", "small", "10m", "100m").
+        preset: precision preset, a key of minifloat.amp.policy.PRESETS ("bf16", "fp8-delayed", ...).
+        steps: optimizer steps to run up to (a resumed run continues from the checkpoint's step to this).
+        batch_size, seq_len: B and T of each (micro-)batch; seq_len <= the model's max_seq_len.
+        grad_accum: micro-batches per optimizer step (gradient accumulation): each step trains on grad_accum ×
+            batch_size sequences, and the FP8 scales advance once per step, not per micro-batch.
+        lr, min_lr: peak learning rate and the floor of the cosine decay (min_lr <= lr).
+        warmup: steps of linear warm-up.
+        lr_decay_steps: step at which the cosine reaches min_lr; None means `steps` (nanoGPT's lr_decay_iters).
+            Set it when a run is cut short on purpose and resumed later, so both halves follow one schedule. On
+            resume, None keeps the checkpoint's schedule (an extended run stays at min_lr past the old decay end);
+            a value different from the checkpoint's re-plans the decay from the lr reached down to min_lr at that
+            step, never upwards (minifloat.training.schedule).
+        weight_decay: AdamW decay of matrices and embeddings (none on norms).
+        grad_clip: gradient L2 norm limit.
+        eval_every: steps between validation passes (one more at the end); eval_batches: batches per pass.
+        seed: seeds the weights and the batch order.
+        out: output folder (log.csv, val.csv, ckpt/, run.json, tensorboard/). A folder that holds a run is refused
+            unless `resume` or `overwrite` is set (minifloat.training.rundir).
+        data: folder of text files; None for the Python standard library's sources.
+        max_bytes: cap on the corpus bytes (train + val); None for no cap.
+        checkpoint_every: steps between checkpoints into out/ckpt (one more at the end); 0 for none.
+        resume: continue from out/ckpt. The checkpoint's model, preset, batch_size, seq_len, grad_accum and seed
+            must be this config's (anything else would not continue the same run), and steps must exceed its step.
+        overwrite: replace the run in `out`: the files a run writes there are removed first, nothing else.
+        device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:N", or "meta" (shapes only, for
+            tests: it cannot train). Autocast and the FP8 GEMM backend follow the device (native FP8 GEMMs on
+            GPUs that have them).
+        fp8_format, fp8_amax_history_len, fp8_margin: override the preset's DelayedScaling recipe (Megatron-LM's
+            --fp8-format / --fp8-amax-history-len / --fp8-margin); None keeps the preset's value.
+        nan_steps: fault injection for testing the guards: the loss of these batch groups is multiplied by NaN, so
+            their gradients are NaN too. Group k (the grad_accum micro-batches k·grad_accum, ...) is step k's until a
+            rollback skips batches (so a rolled-back run does not meet the same poison again). Leave empty outside
+            tests.
+        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.safety.shadow) every N steps, falling back to
+            BF16 after
+            ShadowConfig().patience unhealthy checks in a row and returning to FP8 after recover_after healthy ones;
+            0 turns it off. Needs a preset with an FP8 recipe.
+        shadow_threshold: largest healthy relative loss difference |L_fp8 - L_bf16| / |L_bf16| of a check.
+        rollback_after: skipped steps in a row that roll the run back to the last in-memory snapshot and on past
+            the bad batches (PaLM, minifloat.safety.guards); 0 turns rollback off.
+        snapshot_every: steps between rollback snapshots (used when rollback_after > 0).
+        embedding_grad_alpha: multiplier of the gradient flowing into the token embedding's output, in (0, 1]
+            (GLM-130B's embedding gradient shrink uses 0.1); 1 turns it off. With tied embeddings the lm_head's
+            gradient of the shared matrix is not shrunk.
+        compile: run the training forward and backward under torch.compile (evaluation and checks stay eager).
+    """
+
+    model: str = "tiny"
+    preset: str = "bf16"
+    steps: int = 200
+    batch_size: int = 16
+    seq_len: int = 64
+    lr: float = 1e-3  # nanoGPT's baby-GPT value; docs/benchmarks.md shows FP8 tracking BF16 less closely at 3e-3
+    min_lr: float = 1e-4
+    warmup: int = 20
+    lr_decay_steps: int | None = None
+    weight_decay: float = 0.1
+    grad_clip: float = 1.0
+    eval_every: int = 50
+    eval_batches: int = 8
+    seed: int = 0
+    out: str = "runs/train"
+    data: str | None = None
+    max_bytes: int | None = 2_000_000
+    checkpoint_every: int = 100
+    resume: bool = False
+    fp8_format: str | None = None
+    fp8_amax_history_len: int | None = None
+    fp8_margin: int | None = None
+    nan_steps: tuple[int, ...] = ()
+    shadow_every: int = 0
+    shadow_threshold: float = ShadowConfig().threshold
+    rollback_after: int = 0
+    snapshot_every: int = 50
+    embedding_grad_alpha: float = 1.0
+    compile: bool = False
+    grad_accum: int = 1
+    overwrite: bool = False
+    device: str = "auto"
+
+    def __post_init__(self):
+        check_choice("model", self.model, list(SIZES))
+        check_choice("preset", self.preset, list(PRESETS))
+        for field, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("warmup", 0), ("eval_every", 1),
+                           ("eval_batches", 1), ("seed", 0), ("checkpoint_every", 0), ("shadow_every", 0),
+                           ("rollback_after", 0), ("snapshot_every", 1), ("grad_accum", 1)):
+            check_int(field, getattr(self, field), low=low)
+        if self.seq_len > SIZES[self.model].max_seq_len:
+            raise ValueError(f"seq_len must be <= {SIZES[self.model].max_seq_len} (max_seq_len of model "
+                             f"{self.model!r}), got {self.seq_len!r}")
+        check_int("lr_decay_steps", self.lr_decay_steps, low=1, allow_none=True)
+        check_number("lr", self.lr, low=0.0, low_open=True)
+        check_number("min_lr", self.min_lr, low=0.0, high=self.lr)
+        check_number("weight_decay", self.weight_decay, low=0.0)
+        check_number("grad_clip", self.grad_clip, low=0.0, low_open=True)
+        if not isinstance(self.out, str) or not self.out:
+            raise ValueError(f"out must be a non-empty path string, got {self.out!r}")
+        if self.data is not None and (not isinstance(self.data, str) or not self.data):
+            raise ValueError(f"data must be a non-empty path string or None, got {self.data!r}")
+        check_int("max_bytes", self.max_bytes, low=2, allow_none=True)
+        check_bool("resume", self.resume)
+        check_bool("overwrite", self.overwrite)
+        if self.resume and self.overwrite:
+            raise ValueError("resume continues the run in out and overwrite replaces it: choose one")
+        if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
+            raise ValueError(f"device must be auto, cpu, cuda, cuda:N or meta, got {self.device!r}")
+        if not isinstance(self.nan_steps, tuple):
+            raise ValueError(f"nan_steps must be a tuple of step numbers, got {self.nan_steps!r}")
+        for s in self.nan_steps:
+            check_int("nan_steps", s, low=0)
+        check_number("shadow_threshold", self.shadow_threshold, low=0.0, low_open=True)
+        check_number("embedding_grad_alpha", self.embedding_grad_alpha, low=0.0, high=1.0, low_open=True)
+        check_bool("compile", self.compile)
+        recipe = PRESETS[self.preset].recipe
+        if self.shadow_every and recipe is None:
+            raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
+                             f"use an fp8 preset or shadow_every=0, got shadow_every={self.shadow_every!r}")
+        for field in ("fp8_format", "fp8_amax_history_len", "fp8_margin"):
+            if getattr(self, field) is not None and not (recipe is not None and recipe.delayed):
+                raise ValueError(f"{field} overrides a DelayedScaling recipe, but preset {self.preset!r} has "
+                                 f"{type(recipe).__name__ if recipe else 'no FP8 recipe'}; use fp8-delayed")
+        self.policy()  # DelayedScaling validates the overridden values
+
+    def policy(self) -> PrecisionPolicy:
+        """The preset's policy with the fp8_* overrides applied to its DelayedScaling recipe."""
+        policy = PrecisionPolicy.preset(self.preset)
+        overrides = {name: value for name, value in (("format", self.fp8_format), ("margin", self.fp8_margin),
+                                                     ("amax_history_len", self.fp8_amax_history_len))
+                     if value is not None}
+        if not overrides:
+            return policy
+        try:
+            recipe = dataclasses.replace(policy.recipe, **overrides)
+        except ValueError as err:
+            raise ValueError(f"fp8_{str(err)}") from None  # DelayedScaling names its field: "margin must be ..."
+        return dataclasses.replace(policy, recipe=recipe)
+
+    def check_resume(self, saved: dict | None, saved_step: int | None, *, where) -> None:
+        """Raise ValueError unless resuming the checkpoint at `where` (its config `saved`, reached at `saved_step`)
+        under this config continues the same run: one line naming the difference and the flag that fixes it."""
+        if not isinstance(saved, dict) or not isinstance(saved_step, int):
+            raise ValueError(f"the checkpoint at {where} records no training config or step (not written by "
+                             f"`minifloat train`); start a new run in another --out")
+        if saved.get("model") != self.model:
+            raise ValueError(f"the checkpoint at {where} is a {saved.get('model')} model, this run asks for "
+                             f"{self.model}: resume with --model {saved.get('model')}, or start a new run elsewhere")
+        if saved.get("preset") != self.preset:
+            raise ValueError(f"the checkpoint at {where} was trained with preset {saved.get('preset')}, this run asks "
+                             f"for {self.preset}: resume with --preset {saved.get('preset')}, or start a new run "
+                             f"elsewhere")
+        for field, consequence in RESUME_FIXED:
+            if field in saved and saved[field] != getattr(self, field):
+                flag = "--" + field.replace("_", "-")
+                raise ValueError(f"the checkpoint at {where} was trained with {flag} {saved[field]}, this run asks for "
+                                 f"{getattr(self, field)}: that {consequence}, so it would not continue the same run; "
+                                 f"resume with {flag} {saved[field]}, or start a new run elsewhere")
+        if self.steps <= saved_step:
+            raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
+                             f"--steps above {saved_step} to train on")

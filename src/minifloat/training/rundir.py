@@ -1,0 +1,135 @@
+"""A run's folder: what a run writes there, the rule that no run is replaced by accident, logs that survive a kill,
+and a clean stop on SIGTERM / SIGINT.
+
+    prepare_run_dir(out, resume=False, overwrite=False)   # refuses a folder holding a run
+    with CsvLog(out / "log.csv", FIELDS, keep_before=None) as log: log.write(row)   # flushed every row
+    with GracefulStop() as stop: ... if stop.signal: save and return
+
+A run writes only RUN_ITEMS in its folder, so `overwrite` removes exactly those and leaves every other file alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import os
+import pathlib
+import shutil
+import signal
+import tempfile
+import threading
+
+CHECKPOINT_DIR = "ckpt"
+TENSORBOARD_DIR = "tensorboard"
+RUN_FILE = "run.json"
+# everything a run writes into its folder
+RUN_ITEMS = ("log.csv", "val.csv", CHECKPOINT_DIR, TENSORBOARD_DIR, RUN_FILE)
+
+
+class RunExistsError(FileExistsError):
+    """The output folder already holds a run and neither resume nor overwrite was asked for."""
+
+
+def run_items(out: pathlib.Path) -> list[str]:
+    """The RUN_ITEMS present in `out`."""
+    return [name for name in RUN_ITEMS if (out / name).exists()]
+
+
+def prepare_run_dir(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None:
+    """Make `out` ready for a run.
+
+    A folder holding a run (any of RUN_ITEMS) is refused unless `resume` (the run continues: nothing is removed
+    here) or `overwrite` (the RUN_ITEMS are removed; other files stay). A new or unrelated folder is used as is.
+
+    Raises:
+        RunExistsError: `out` holds a run and neither flag is set.
+        NotADirectoryError: `out` is a file.
+        FileNotFoundError: `resume` but `out` holds no checkpoint.
+    """
+    if out.exists() and not out.is_dir():
+        raise NotADirectoryError(f"--out {out} is a file, not a folder; choose a folder for the run")
+    found = run_items(out) if out.is_dir() else []
+    if resume:
+        if not (out / CHECKPOINT_DIR).is_dir():
+            raise FileNotFoundError(f"--resume: there is no checkpoint at {out / CHECKPOINT_DIR}; start the run "
+                                    f"without --resume, or point --out at the run to continue")
+        return
+    if found and not overwrite:
+        raise RunExistsError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
+                             f"--overwrite to replace it, or choose another --out")
+    for name in found:
+        path = out / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
+    out.mkdir(parents=True, exist_ok=True)
+
+
+class CsvLog:
+    """A CSV log flushed after every row, so a killed run leaves every row it wrote.
+
+    Args:
+        path: the file.
+        fields: its columns.
+        keep_before: None writes a new file; on resume, the rows of the existing file whose "step" is below this
+            are kept (rows a stopped run wrote after its last checkpoint are dropped: the resumed run writes them
+            again). The kept rows are written to a temporary file that replaces `path` in one rename, so a kill
+            during the rewrite loses nothing.
+    """
+
+    def __init__(self, path: pathlib.Path, fields: tuple[str, ...], *, keep_before: int | None = None):
+        kept = []
+        if keep_before is not None and path.is_file():
+            with open(path, newline="") as f:
+                kept = [row for row in csv.DictReader(f) if row.get("step", "").isdigit()
+                        and int(row["step"]) < keep_before]
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        with os.fdopen(fd, "w", newline="") as f:
+            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+            writer.writeheader()
+            writer.writerows(kept)
+        os.replace(tmp, path)
+        self._file = open(path, "a", newline="")
+        self._writer = csv.DictWriter(self._file, fieldnames=fields)
+
+    def write(self, row: dict) -> None:
+        self._writer.writerow(row)
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> CsvLog:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class GracefulStop:
+    """While active, SIGTERM and SIGINT do not kill the process: they set `signal` (its name, e.g. "SIGTERM"), and
+    the loop stops at the end of the current step, writes a checkpoint and returns. A second signal acts as it
+    would without this (SIGINT raises KeyboardInterrupt, SIGTERM terminates), so a stuck run can still be stopped.
+    Installed only in the main thread (Python delivers signals there); elsewhere it does nothing."""
+
+    SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+    def __init__(self):
+        self.signal: str | None = None
+        self._previous: dict[int, object] = {}
+
+    def _handle(self, signum, _frame) -> None:
+        self.signal = signal.Signals(signum).name
+        for sig, handler in self._previous.items():  # the next signal acts as usual
+            signal.signal(sig, handler)
+
+    def __enter__(self) -> GracefulStop:
+        if threading.current_thread() is threading.main_thread():
+            for sig in self.SIGNALS:
+                self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
