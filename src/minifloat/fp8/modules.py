@@ -67,7 +67,8 @@ def current_autocast() -> _AutocastState:
 
 
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    if torch.is_autocast_enabled(x.device.type):
+    """The dtype torch.autocast computes x's device's matmuls in, or x's dtype (no autocast there: also meta)."""
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
         return torch.get_autocast_dtype(x.device.type)
     return x.dtype
 
