@@ -244,9 +244,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """
     out = pathlib.Path(config.out)
     device = resolve_device(config.device)
+    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))  # bad input fails first
     prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
     ckpt_dir = out / CHECKPOINT_DIR
-    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
     run = build(config, device)
     model, optimizer, scaler, guard, shadow = run.model, run.optimizer, run.scaler, run.guard, run.shadow
