@@ -69,6 +69,11 @@ def main(argv: list[str] | None = None) -> int:
             status = err.status if isinstance(err, common.CliError) else 2
             common.error(one_line(err))
             return status
+        except KeyboardInterrupt:  # Ctrl-C outside a training loop (which stops cleanly on its own), or twice
+            if args.debug:
+                raise
+            common.error("interrupted")
+            return 130
         except Exception as err:  # a bug, not the user's: one line and the way to the traceback
             if args.debug:
                 raise
