@@ -273,7 +273,7 @@ def test_device_names_are_checked(tmp_path):
             TrainConfig(out=str(tmp_path), device=bad)
 
 
-@pytest.mark.parametrize("preset", ["bf16", "fp16", "fp8-current", "fp8-block", "mxfp8"])
+@pytest.mark.parametrize("preset", ["bf16", "fp16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8"])
 def test_a_run_builds_and_steps_on_the_meta_device(preset):
     """Every parameter, buffer and gradient lands on the run's device; the step's tensors stay there."""
     config = _config(preset=preset, out="unused", device="meta")

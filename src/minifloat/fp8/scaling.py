@@ -5,7 +5,8 @@ Each FP8 layer owns one `ScalingState` with a column per tensor role (input, wei
     amax_history  (H, 3) float32   row 0 collects this step's amax; rows 1.. are earlier steps
     scale         (3,)   float32   quantization multiplier (stored value = x · scale), Transformer Engine's "scale"
     initialized   (3,)   bool      whether the role has been seeded with a scale yet
-    nonfinite     (3,)   int64     how many casts met a NaN/inf amax (the scale was kept, the user warned)
+    nonfinite     (3,)   int64     how many casts met a NaN/inf amax (the scale was kept, the user warned);
+                                   `NonfiniteWatch` reads its rise over a step (StepGuard skips such a step)
 
 All are plain tensors in `state_dict` (no pickled objects) and restore exactly. Row 0 of every layer's history is
 what data-parallel ranks must agree on: `reduce_amax` concatenates those rows of all layers and reduces them with
@@ -15,6 +16,7 @@ one all-reduce (MAX).
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Callable
 
 import torch
@@ -52,6 +54,8 @@ class ScalingState(nn.Module):
 
     def _host_seeded(self) -> list[bool]:
         if self._seeded is None:
+            if self.initialized.is_meta:  # shapes only: nothing to seed from, the stored scale stands in
+                return [True] * self.initialized.numel()
             self._seeded = [bool(v) for v in self.initialized.tolist()]
         return self._seeded
 
@@ -166,6 +170,53 @@ class ScalingState(nn.Module):
 
 def scaling_states(model: nn.Module) -> list[ScalingState]:
     return [m for m in model.modules() if isinstance(m, ScalingState)]
+
+
+class NonfiniteWatch:
+    """Which FP8 casts of a model met NaN/inf operands since `mark()`, read from the layers' `nonfinite` counters.
+
+    A saturating cast turns +inf into +fmt.max, so the layer's output, the loss and the gradients may all stay finite:
+    the counters are then the only trace of the bad operand. `rises()` stays on the device (no host synchronisation);
+    the caller converts it to numbers once, typically together with the loss.
+
+        watch = NonfiniteWatch(model)
+        watch.mark()                                   # before the step's first forward
+        ...                                            # forwards and backwards
+        counts = watch.rises().flatten().tolist()      # casts per (layer, role) since mark()
+        watch.operands(counts)                         # (("blocks.0.mlp.up", Role.INPUT), ...)
+
+    A cast run twice (activation-checkpoint recompute, a weight cast reused by a later micro-batch) counts twice.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self._layers: list[tuple[str, ScalingState]] = []  # (name of the module owning the state, the state)
+        self._before: torch.Tensor | None = None
+
+    def mark(self) -> None:
+        """Count from now on. The layers are looked up here, so a model converted after construction is seen."""
+        self._layers = [(name.rpartition(".")[0], m) for name, m in self.model.named_modules()
+                        if isinstance(m, ScalingState)]
+        self._before = self._counts()
+
+    def _counts(self) -> torch.Tensor:
+        if not self._layers:
+            return torch.zeros(0, len(ROLES), dtype=torch.int64)
+        device = self._layers[0][1].nonfinite.device
+        return torch.stack([s.nonfinite.to(device) for _, s in self._layers])  # (layers, roles)
+
+    def rises(self) -> torch.Tensor:
+        """(layers, roles) int64 on the first layer's device: casts that met NaN/inf since `mark()`."""
+        if self._before is None:
+            raise RuntimeError("NonfiniteWatch.rises called before mark")
+        return self._counts() - self._before
+
+    def operands(self, counts: Sequence[float]) -> tuple[tuple[str, Role], ...]:
+        """(layer name, role) of every positive entry of `counts`, `rises()` flattened on the host, in module order
+        (the model itself is named "")."""
+        n = len(ROLES)
+        return tuple((name, role) for i, (name, _) in enumerate(self._layers) for j, role in enumerate(ROLES)
+                     if counts[i * n + j] > 0)
 
 
 @torch.no_grad()

@@ -1,4 +1,4 @@
-"""Step guards: skip a step whose loss or gradients are non-finite or spike, and roll back after a bad streak.
+"""Step guards: skip a step that met a non-finite value or spikes, and roll back after a bad streak.
 
 One object, bound to the model and optimizer, keeps a plain training loop readable:
 
@@ -16,11 +16,16 @@ One object, bound to the model and optimizer, keeps a plain training loop readab
         optimizer.zero_grad(set_to_none=True)
         step, data_position = report.next_step, report.next_data_position   # a rollback moves both
 
+Non-finite steps: a step is skipped when its loss or total gradient norm is NaN/inf, or when one of its FP8 casts (an
+Fp8Linear's input, weight or output gradient) met NaN/inf: FP8 casts saturate (+inf becomes +448 in E4M3), so the loss
+and the gradients may stay finite, and only the layers' `nonfinite` counters, read against their value at
+`begin_step` (minifloat.fp8.scaling.NonfiniteWatch), show it. `nonfinite_reason` names the first of these to go bad.
+
 What a skip guarantees: parameters, optimizer state and module buffers are bitwise what they were at `begin_step`.
-Buffers need the snapshot because FP8 layers roll their amax history and count non-finite amaxes during the forward
-and backward of the bad step, before any gradient can be inspected. Gradients are set to None, so even an
-unconditional `optimizer.step()` leaves every parameter and its optimizer state alone (torch optimizers skip
-parameters without a gradient).
+Buffers need the snapshot because FP8 layers record amaxes into their history (seeding delayed scales on step 0) and
+count non-finite amaxes during the forward and backward of the bad step, before any gradient can be inspected.
+Gradients are set to None, so even an unconditional `optimizer.step()` leaves every parameter and its optimizer state
+alone (torch optimizers skip parameters without a gradient).
 
 Spike rule (OLMo-core's SkipStepOptimizer): a value v of a watched signal (loss, gradient norm) is a spike if
 v > mean + k·σ over a rolling window of the last accepted values, once the window holds `spike_warmup` values;
@@ -49,6 +54,8 @@ from minifloat.core.rng import rng_state, set_rng_state
 from minifloat.core.skip import SkipReason
 from minifloat.core.snapshot import buffer_snapshot, restore_buffers, state_snapshot
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
+from minifloat.fp8.recipes import Role
+from minifloat.fp8.scaling import NonfiniteWatch
 
 log = logging.getLogger("minifloat")
 
@@ -68,7 +75,7 @@ class GuardConfig:
     """What a StepGuard checks, and when it rolls back.
 
     Args:
-        skip_nonfinite: skip steps whose loss or gradients hold NaN/inf.
+        skip_nonfinite: skip steps whose loss or gradients hold NaN/inf, or in which an FP8 cast met NaN/inf.
         spike_signals: signals watched for spikes, a tuple of "loss", "grad_norm"; () turns the spike guard off.
         spike_sigma: k, a spike lies more than k standard deviations above the window mean (> 0).
         spike_window: number of accepted values in the rolling window (>= 2).
@@ -129,6 +136,8 @@ class StepReport:
         reason: why it was skipped, else None.
         loss, grad_norm: the step's loss and total gradient L2 norm (before any clipping).
         bad_params: names of parameters with non-finite gradients.
+        nonfinite_operands: (layer name, role) of each FP8 cast operand that held NaN/inf in a step skipped as
+            non-finite (whatever the reason: the loss can be NaN because an FP8 input was).
         rollback: the rollback this step triggered, else None.
         level_shift: the step spiked after `spike_max_skips` spike skips in a row, so it was applied and the spike
             windows restarted (see GuardConfig.spike_max_skips).
@@ -142,10 +151,40 @@ class StepReport:
     loss: float
     grad_norm: float
     bad_params: tuple[str, ...] = ()
+    nonfinite_operands: tuple[tuple[str, Role], ...] = ()
     rollback: RollbackEvent | None = None
     level_shift: bool = False
     next_step: int = 0
     next_data_position: int | None = None
+
+
+def nonfinite_reason(loss: float, grad_norm: float, operands: tuple[tuple[str, Role], ...]) -> SkipReason | None:
+    """Why a step is non-finite: the first place that held NaN/inf, in the order the step computes them.
+
+    An FP8 forward operand (input, weight) comes before the loss; in backward an FP8 output gradient comes before the
+    parameter gradients, since its cast saturates an inf and the bias gradient summed from it is the symptom.
+
+    Args:
+        loss, grad_norm: the step's loss and total gradient norm.
+        operands: (layer, role) of the FP8 casts that met NaN/inf (NonfiniteWatch.operands).
+    Returns:
+        The SkipReason, or None for a finite step.
+    """
+    if any(role != Role.GRAD_OUTPUT for _, role in operands):
+        return SkipReason.NONFINITE_FP8_OPERAND
+    if not math.isfinite(loss):
+        return SkipReason.NONFINITE_LOSS
+    if operands:
+        return SkipReason.NONFINITE_FP8_OPERAND
+    if not math.isfinite(grad_norm):
+        return SkipReason.NONFINITE_GRAD
+    return None
+
+
+def _listed(names: list[str]) -> str:
+    """At most _MAX_NAMES_LOGGED names, comma-separated, with a count of the rest."""
+    more = len(names) - _MAX_NAMES_LOGGED
+    return ", ".join(names[:_MAX_NAMES_LOGGED]) + (f" (+{more} more)" if more > 0 else "")
 
 
 class SpikeDetector:
@@ -209,13 +248,14 @@ class StepGuard:
         self._step: int | None = None
         self._data_position: int | None = None
         self._buffers: dict[str, torch.Tensor] = {}
+        self._fp8_nonfinite = NonfiniteWatch(model)
         self._snapshot: _Snapshot | None = None
 
     # ------------------------------------------------------------------------------------------------ begin
 
     def begin_step(self, step: int, *, data_position: int | None = None) -> None:
-        """Call before the forward: snapshots the model's buffers and, every `snapshot_every` steps outside a bad
-        streak, the whole training state for rollback.
+        """Call before the forward: snapshots the model's buffers (the FP8 non-finite counters with them) and, every
+        `snapshot_every` steps outside a bad streak, the whole training state for rollback.
 
         Args:
             step: the training step about to run.
@@ -225,6 +265,7 @@ class StepGuard:
             raise ValueError("data_position is required when rollback is on (rollback_after > 0), got None")
         self._step, self._data_position = step, data_position
         self._buffers = buffer_snapshot(self.model)
+        self._fp8_nonfinite.mark()
         due = self._snapshot is None or step - self._snapshot.step >= self.config.snapshot_every
         if self.config.rollback_after and self.bad_streak == 0 and due:
             self._snapshot = _Snapshot(
@@ -248,7 +289,7 @@ class StepGuard:
 
         On a skip the gradients are set to None, the buffers restored to their `begin_step` values and a warning
         logged; after `rollback_after` skips in a row the last snapshot is restored (see StepReport.rollback).
-        One host synchronisation per call (the loss and the gradient norm).
+        One host synchronisation per call (the loss, the gradient norm and the FP8 non-finite counters).
 
         Args:
             loss: the step's loss (with gradient accumulation, e.g. the mean over micro-batches).
@@ -262,13 +303,17 @@ class StepGuard:
         params = self._params()
         grads = [p.grad for _, p in params if p.grad is not None]
         grad_norm = nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        loss_v, norm_v = torch.stack([loss.detach().float().reshape(()), grad_norm.float().to(loss.device)]).tolist()
+        loss_v, norm_v, *counts = torch.cat([
+            loss.detach().float().reshape(1), grad_norm.float().to(loss.device).reshape(1),
+            self._fp8_nonfinite.rises().flatten().to(loss.device, torch.float32)]).tolist()
         values = {Signal.LOSS: loss_v, Signal.GRAD_NORM: norm_v}
 
-        reason, bad = None, ()
-        if self.config.skip_nonfinite and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
+        reason, bad, operands = None, (), ()
+        if self.config.skip_nonfinite:
+            operands = self._fp8_nonfinite.operands(counts)
+            reason = nonfinite_reason(loss_v, norm_v, operands)
+        if reason is not None and not (math.isfinite(loss_v) and math.isfinite(norm_v)):
             bad = tuple(n for n, p in params if p.grad is not None and not torch.isfinite(p.grad).all())
-            reason = SkipReason.NONFINITE_LOSS if not math.isfinite(loss_v) else SkipReason.NONFINITE_GRAD
         if reason is None:
             spiking = [s for s, d in self.detectors.items() if d.is_spike(values[s])]
             reason = _SPIKE_REASON[spiking[0]] if spiking else None
@@ -296,24 +341,25 @@ class StepGuard:
 
         self.spike_streak = self.spike_streak + [values] if reason in _SPIKE_REASON.values() else []
 
-        self._skip(params, step, reason, values, bad)
+        self._skip(params, step, reason, values, bad, operands)
         rollback = None
         if self.config.rollback_after and self.bad_streak >= self.config.rollback_after:
             rollback = self._rollback(position)
-        return StepReport(step, position, True, reason, loss_v, norm_v, bad, rollback,
+        return StepReport(step, position, True, reason, loss_v, norm_v, bad, operands, rollback,
                           next_step=rollback.restored_step if rollback else step + 1,
                           next_data_position=rollback.resume_data_position if rollback else nxt(position))
 
-    def _skip(self, params, step: int, reason: SkipReason, values: dict, bad: tuple[str, ...]) -> None:
+    def _skip(self, params, step: int, reason: SkipReason, values: dict, bad: tuple[str, ...],
+              operands: tuple[tuple[str, Role], ...]) -> None:
         for _, p in params:
             p.grad = None
         restore_buffers(self.model, self._buffers)
         self.bad_streak += 1
         self.num_skipped += 1
-        names = ", ".join(bad[:_MAX_NAMES_LOGGED]) + (f" (+{len(bad) - _MAX_NAMES_LOGGED} more)"
-                                                      if len(bad) > _MAX_NAMES_LOGGED else "")
+        details = {"FP8 operands": [f"{layer} ({role.value})" for layer, role in operands], "gradients": list(bad)}
+        where = "".join(f"; non-finite {what} in {_listed(names)}" for what, names in details.items() if names)
         log.warning("minifloat: step %d skipped (%s): loss=%g grad_norm=%g%s", step, reason.value,
-                    values[Signal.LOSS], values[Signal.GRAD_NORM], f"; non-finite gradients in {names}" if bad else "")
+                    values[Signal.LOSS], values[Signal.GRAD_NORM], where)
 
     def _rollback(self, position: int) -> RollbackEvent | None:
         snap = self._snapshot
