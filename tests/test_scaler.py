@@ -438,3 +438,36 @@ def test_update_new_scale_sets_and_validates():
     assert scaler.get_scale() == 256.0
     with pytest.raises(ValueError, match="new_scale"):
         scaler.update(new_scale=0.5)
+
+
+class _InfGradient(torch.autograd.Function):
+    """Identity forward; backward puts +inf into the first element of the incoming gradient (an fp16 overflow)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        grad.view(-1)[0] = float("inf")
+        return grad
+
+
+@pytest.mark.parametrize("given_model, backs_off", [(True, True), (False, False)])
+def test_an_overflow_saturated_by_an_fp8_backward_cast_backs_off_the_scale(given_model, backs_off):
+    """An inf output gradient entering an Fp8Linear's backward is saturated to E5M2's max, so the weight gradient
+    stays finite; a scaler given the model still sees the overflow (skips, backs off), one without it cannot."""
+    torch.manual_seed(0)
+    layer = mf.Fp8Linear(32, 32, bias=False, recipe=mf.CurrentScaling())
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    scaler = LossScaler(init_scale=1024.0, model=layer if given_model else None)
+    before = layer.weight.detach().clone()
+    loss = _InfGradient.apply(layer(torch.randn(4, 32))).float().sum()
+    scaler.scale(loss).backward()
+    assert torch.isfinite(layer.weight.grad).all()  # the saturating cast hid the inf from the gradient
+    record = scaler.step(opt)
+    scaler.update()
+    assert record.stepped is not backs_off
+    assert scaler.get_scale() == (512.0 if backs_off else 1024.0)
+    assert torch.equal(layer.weight.detach(), before) is backs_off

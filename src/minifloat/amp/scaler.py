@@ -5,6 +5,8 @@ by a scale S before `backward()` shifts every gradient up by S (chain rule), out
 gradients are divided by S again before the optimizer sees them. S is chosen dynamically:
 
     overflow (any inf/NaN gradient)   skip the optimizer step; after `hysteresis` such steps S <- S * backoff_factor
+                                      (with `model` given, an FP8 backward cast that met inf/NaN counts too: it
+                                      saturates, so the gradients it feeds stay finite)
     growth_interval finite steps      S <- S * growth_factor
 
 With hysteresis=1 this is exactly torch.amp.GradScaler's rule (scale kept in float32, same update order), so
@@ -33,6 +35,8 @@ from torch import nn
 from minifloat.amp.unscale import check_and_unscale_, grad_values
 from minifloat.core.skip import SkipReason
 from minifloat.core.validate import check_bool, check_int, check_number
+from minifloat.fp8.recipes import Role
+from minifloat.fp8.scaling import ROLE_INDEX, NonfiniteWatch
 from minifloat.numerics.formats import NumberFormat
 
 log = logging.getLogger("minifloat")
@@ -137,7 +141,8 @@ class LossScaler:
             as GradScaler does.
         min_scale, max_scale: bounds on the scale (GradScaler has none; the defaults are only reached after 16
             consecutive back-offs or 8 growths from the default init_scale).
-        model: names parameters in records (from `model.named_parameters()`).
+        model: names parameters in records (from `model.named_parameters()`), and lets the scaler see FP8
+            backward casts of the model that met inf/NaN (an overflow the saturating cast hides from the gradients).
         param_names: {name: parameter} for parameters of no `model` (e.g. `dict(model.named_parameters())`).
             Parameters of neither are named "group{g}.param{i}" after their place in the optimizer.
     """
@@ -171,6 +176,8 @@ class LossScaler:
         for name, p in named:
             self._names.setdefault(id(p), name)
         self._opt_states: dict[int, dict[str, Any]] = defaultdict(self._fresh_state)
+        self._fp8_watch = NonfiniteWatch(model) if model is not None else None  # overflows in FP8 backward casts
+        self._watching = False  # marked at this iteration's first scale()
 
     @staticmethod
     def _fresh_state() -> dict[str, Any]:
@@ -215,6 +222,9 @@ class LossScaler:
         """
         if not self.config.enabled:
             return outputs
+        if self._fp8_watch is not None and not self._watching:
+            self._fp8_watch.mark()
+            self._watching = True
         return _apply(outputs, lambda t: t * torch.full((), self._scale, dtype=torch.float32, device=t.device))
 
     def unscale_(self, optimizer: torch.optim.Optimizer) -> None:
@@ -317,6 +327,7 @@ class LossScaler:
                     self._hysteresis_tracker = self.config.hysteresis
                     self._scale = self._clamp(self._scale * self.config.growth_factor)
         self._opt_states = defaultdict(self._fresh_state)
+        self._watching = False
 
     def state_dict(self) -> dict[str, Any]:
         """Scale, trackers and options as plain Python numbers; GradScaler's five keys plus four of ours.
@@ -380,6 +391,8 @@ class LossScaler:
                     if g is not None:
                         by_device[g.device].append(g)
             flags = [check_and_unscale_(grads, inv_scale) for grads in by_device.values()]
+            if self._watching:  # an output gradient that overflowed into an FP8 cast (saturated there)
+                flags.append((self._fp8_watch.rises()[:, ROLE_INDEX[Role.GRAD_OUTPUT]] > 0).any().float())
         if not flags:
             return torch.zeros((), dtype=torch.float32)
         return sum(f.cpu() for f in flags) if len(flags) > 1 else flags[0]
