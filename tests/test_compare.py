@@ -1,17 +1,23 @@
 """compare(): one tiny run per preset, summary.json and the two figures; the `minifloat compare` command."""
 
+import io
 import json
 import math
 
 import pytest
+from rich.console import Console
 
 from minifloat.cli import main
-from minifloat.training.compare import _command, _summarize, compare
+from minifloat.cli.compare import COLUMNS, summary_table, table_note
+from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, ZERO_LABEL,
+                                        ZOOM_FRACTION, _command, _summarize, compare, loss_curves_figure)
 from minifloat.training.loop import TrainConfig, TrainResult
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
-METRICS = ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "tokens_per_s", "skipped_steps", "fallbacks")
+METRICS = ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "tokens_per_s", "warmup_steps_excluded",
+           "skipped_steps", "fallbacks")
+TERMINAL_COLUMNS = 100  # issue 9: the compare table fits a 100-column terminal
 TINY = dict(model="tiny", steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1, max_bytes=200_000)
 
 
@@ -93,9 +99,11 @@ def test_reuse_rebuilds_finished_runs_without_training(summary, monkeypatch):
     monkeypatch.setattr(compare_module, "train", no_training)
     again = compare(["fp8-current"], base=TrainConfig(**TINY, seed=0), out=out, progress=False, reuse=True)
     for name, m in s["presets"].items():
-        for key in ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "skipped_steps", "fallbacks"):
+        for key in ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "warmup_steps_excluded",
+                    "skipped_steps", "fallbacks"):
             assert again["presets"][name][key] == m[key], (name, key)
-        # tokens/s comes back from the per-step timings of log.csv: the same up to their rounding in the file
+        # tokens/s comes back from the per-step timings of log.csv, the same warm-up steps left out: the same up to
+        # their rounding in the file
         assert again["presets"][name]["tokens_per_s"] == pytest.approx(m["tokens_per_s"], rel=1e-6)
 
 
@@ -126,3 +134,136 @@ def test_reuse_keeps_the_shadow_fallbacks_with_their_reasons(tmp_path, monkeypat
     again = compare(["fp8-current"], base=base, out=tmp_path, progress=False, reuse=True)
     assert again["presets"] == first["presets"] | {
         p: {**m, "tokens_per_s": again["presets"][p]["tokens_per_s"]} for p, m in first["presets"].items()}
+
+
+def test_summary_reports_the_warmup_steps_left_out_of_tokens_per_s(summary):
+    from minifloat.training.loop import warmup_steps
+
+    _, s = summary
+    expected = warmup_steps(TrainConfig(**TINY), TINY["steps"])
+    assert expected > 0  # the tiny runs are long enough to leave the warm-up out
+    assert {m["warmup_steps_excluded"] for m in s["presets"].values()} == {expected}
+
+
+# --- the printed table -------------------------------------------------------------------------------------------
+
+def fake_summary(*, warmup: int, shadow_every: int = 0) -> dict:
+    """A summary of the default presets with the widest numbers a run prints (a GPU's tok/s, two-digit counts)."""
+    presets = {name: {"final_train_loss": 12.3456 + i, "final_val_loss": 12.4567 + i,
+                      "rel_diff_vs_bf16": -0.1234 * i if i else 0.0, "tokens_per_s": 12_345_678.9 * (i + 1),
+                      "warmup_steps_excluded": warmup, "skipped_steps": 10 + i, "fallbacks": 20 + i}
+               for i, name in enumerate(DEFAULT_PRESETS)}
+    return {"config": {"model": "100m", "steps": 100_000, "batch_size": 64, "seq_len": 2048, "seed": 12345,
+                       "shadow_every": shadow_every}, "presets": presets}
+
+
+def render(summary: dict) -> list[str]:
+    """The table and its note as `minifloat compare` prints them, in a 100-column terminal."""
+    console = Console(width=TERMINAL_COLUMNS, record=True, file=io.StringIO())
+    console.print(summary_table(summary))
+    for line in table_note(summary):
+        console.print(line, highlight=False)
+    return console.export_text().splitlines()
+
+
+@pytest.mark.parametrize("shadow_every", [0, 5])
+def test_table_fits_100_columns_without_wrapping_a_cell(shadow_every):
+    s = fake_summary(warmup=3, shadow_every=shadow_every)
+    lines = render(s)
+    assert max(len(line) for line in lines) <= TERMINAL_COLUMNS
+    assert sum(all(h in line for h in COLUMNS) for line in lines) == 1  # every header whole, on one line
+    for name, m in s["presets"].items():
+        cells = [name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}", f"{m['rel_diff_vs_bf16']:+.2%}",
+                 f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"])]
+        # the row is one line, every number whole
+        assert sum(all(c in line for c in cells) for line in lines) == 1, name
+    for note in table_note(s):
+        assert note in lines  # a note line is never wrapped either
+
+
+def fallback_cells(summary: dict) -> dict[str, str]:
+    """preset -> its fallbacks cell, the last column of the rendered table's body rows."""
+    rows = [line.split("│")[1:-1] for line in render(summary) if line.startswith("│")]
+    return {cells[0].strip(): cells[-1].strip() for cells in rows}
+
+
+def test_table_shows_fallbacks_only_for_presets_under_the_shadow_check():
+    shadowed = fallback_cells(fake_summary(warmup=1, shadow_every=5))
+    assert shadowed[BASELINE] == "-"  # BF16 runs without the shadow check
+    assert shadowed["mxfp8"] == str(20 + DEFAULT_PRESETS.index("mxfp8"))
+    assert set(fallback_cells(fake_summary(warmup=1)).values()) == {"-"}
+
+
+@pytest.mark.parametrize("warmup, says", [(3, "excludes the first 3 warm-up steps (compile included)"),
+                                          (1, "excludes the first warm-up step (compile included)"),
+                                          (0, "over every training step")])
+def test_note_says_how_many_warmup_steps_tokens_per_s_leaves_out(warmup, says):
+    (speed,) = [line for line in table_note(fake_summary(warmup=warmup)) if line.startswith("tok/s")]
+    assert says in speed
+
+
+# --- the loss-curve figure ---------------------------------------------------------------------------------------
+
+CURVE_STEPS = 200
+OFFSET_PCT = 0.5  # preset i's loss is BF16's times 1 + i * OFFSET_PCT / 100 at every step
+
+
+@pytest.fixture(scope="module")
+def curves():
+    """The figure of five presets whose losses differ from BF16's by exact, constant percentages."""
+    bf16 = [2.0 + 3.0 * math.exp(-step / 40) + 0.05 * math.sin(step) for step in range(CURVE_STEPS)]
+    losses = {name: [v * (1 + i * OFFSET_PCT / 100) for v in bf16] for i, name in enumerate(DEFAULT_PRESETS)}
+    fig = loss_curves_figure(losses, title="test")
+    return {ax.get_label(): ax for ax in fig.axes}, fig
+
+
+def preset_lines(ax):
+    return {line.get_label(): line for line in ax.get_lines() if line.get_label() in DEFAULT_PRESETS}
+
+
+def test_figure_has_the_loss_zoom_and_difference_axes(curves):
+    axes, _ = curves
+    assert set(axes) == {"loss", "zoom", "diff"}
+    assert set(preset_lines(axes["loss"])) == set(preset_lines(axes["zoom"])) == set(DEFAULT_PRESETS)
+    zoom_from = int(CURVE_STEPS * (1 - ZOOM_FRACTION))
+    for line in preset_lines(axes["zoom"]).values():
+        assert list(line.get_xdata()) == list(range(zoom_from, CURVE_STEPS))
+
+
+def test_difference_panel_has_one_distinguishable_curve_per_preset(curves):
+    axes, _ = curves
+    lines = preset_lines(axes["diff"])
+    others = [p for p in DEFAULT_PRESETS if p != BASELINE]
+    assert sorted(lines) == sorted(others)  # BF16 itself is the zero line, not a curve
+    assert len({(line.get_color(), str(line.get_linestyle())) for line in lines.values()}) == len(others)
+    # in grayscale the colours merge: dash pattern and marker alone still tell the curves apart
+    assert len({(str(line.get_linestyle()), line.get_marker()) for line in lines.values()}) == len(others)
+    for name, line in lines.items():
+        expected = DEFAULT_PRESETS.index(name) * OFFSET_PCT
+        assert line.get_ydata() == pytest.approx([expected] * CURVE_STEPS, rel=1e-9), name
+
+
+def test_difference_panel_labels_its_zero_line_and_reference_bands(curves):
+    axes, _ = curves
+    diff = axes["diff"]
+    (zero,) = [line for line in diff.get_lines() if line.get_label() == ZERO_LABEL]
+    assert set(zero.get_ydata()) == {0}
+    assert ZERO_LABEL in [text.get_text() for text in diff.texts]  # written at the line, not only in the legend
+    (deepseek,) = [line for line in diff.get_lines() if "DeepSeek-V3" in line.get_label()]
+    assert set(deepseek.get_ydata()) == {DEEPSEEK_V3_PCT}
+    low, high = diff.get_ylim()
+    assert low < -DEEPSEEK_V3_PCT and high > DEEPSEEK_V3_PCT  # both lines in view
+    assert f"±{RANGE_BAND_PCT:g}% band" in [patch.get_label() for patch in diff.patches]
+
+
+def test_legend_names_every_preset_and_covers_no_axes(curves):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    axes, fig = curves
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    (legend,) = fig.legends
+    assert set(DEFAULT_PRESETS) | {ZERO_LABEL} <= {text.get_text() for text in legend.get_texts()}
+    box = legend.get_window_extent(canvas.get_renderer())
+    for name, ax in axes.items():
+        assert not box.overlaps(ax.get_window_extent(canvas.get_renderer())), name

@@ -8,18 +8,20 @@ from rich.table import Table
 
 from minifloat.cli import common
 
+COLUMNS = ("preset", "train loss", "val loss", "Δ vs bf16", "tok/s", "skipped", "fallbacks")
+
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Train the reference Llama once per precision preset (same seed, data, model and steps; each into OUT/<preset>)
     and compare them against BF16 (added when not listed). Writes OUT/summary.json, OUT/loss_curves.png (training
-    loss and its % difference to BF16, with the ±1% band and DeepSeek-V3's 0.25%) and OUT/numerics_heatmap.png
-    (per-layer SQNR of every FP8 cast after training). With --shadow-every the FP8 presets run the shadow check
-    and the table counts their fallbacks to BF16. The defaults take about three minutes on 2 CPU cores.
+    loss, its last quarter zoomed, and each preset's % difference to BF16, with the ±1% band and DeepSeek-V3's
+    0.25%) and OUT/numerics_heatmap.png (per-layer SQNR of every FP8 cast after training). With --shadow-every the
+    FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s leaves out each run's
+    warm-up steps (compilation). The defaults take about three minutes on 2 CPU cores.
     Exits with status 2 on an invalid option."""
     import dataclasses
 
     from minifloat.training.compare import DEFAULT_CONFIG, compare
-    from minifloat.amp.policy import PRESETS
 
     fields = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "seed": args.seed, "data": args.data, "max_bytes": args.max_bytes, "shadow_every": args.shadow_every,
@@ -33,22 +35,44 @@ def cmd_compare(args: argparse.Namespace) -> int:
     except ValueError as err:
         common.console.print(f"[red]invalid option: {err}")
         return 2
-    t = Table(title=f"{base.model} · {base.steps} steps · batch {base.batch_size} × {base.seq_len} · "
-                    f"seed {base.seed}")
-    t.add_column("preset", no_wrap=True)
-    for col in ("final train loss", "final val loss", "vs bf16", "tokens/s", "skipped", "fallbacks"):
-        t.add_column(col, justify="right")
-    for name, m in summary["presets"].items():
-        t.add_row(name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}",
-                  f"{m['rel_diff_vs_bf16']:+.2%}", f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"]),
-                  str(m["fallbacks"]) if base.shadow_every and PRESETS[name].recipe is not None else "-")
-    common.console.print(t)
-    common.console.print("vs bf16 = relative difference of the final validation loss; fallbacks = FP8 -> BF16 switches of "
-                  "the shadow check (--shadow-every; - where it is off).")
+    common.console.print(summary_table(summary))
+    for line in table_note(summary):
+        common.console.print(line, highlight=False)
     for path in summary["files"].values():
         common.console.print(f"wrote {path}")
     return 0
 
+
+def summary_table(summary: dict) -> Table:
+    """The table of a compare summary (as `compare` returns it), one row per preset. Its short headers (spelled out
+    by table_note) keep it within 100 columns; no cell wraps, so a row is one line."""
+    from minifloat.amp.policy import PRESETS
+
+    config = summary["config"]
+    t = Table(title=f"{config['model']} · {config['steps']} steps · batch {config['batch_size']} × "
+                    f"{config['seq_len']} · seed {config['seed']}")
+    for header in COLUMNS:
+        t.add_column(header, justify="left" if header == "preset" else "right", no_wrap=True)
+    for name, m in summary["presets"].items():
+        shadowed = config["shadow_every"] and PRESETS[name].recipe is not None
+        t.add_row(name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}",
+                  f"{m['rel_diff_vs_bf16']:+.2%}", f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"]),
+                  str(m["fallbacks"]) if shadowed else "-")
+    return t
+
+
+def table_note(summary: dict) -> list[str]:
+    """The lines under summary_table: what each short header means, and how many warm-up steps tok/s leaves out."""
+    excluded = sorted({m["warmup_steps_excluded"] for m in summary["presets"].values()})
+    if excluded == [0]:
+        speed = "tok/s: trained tokens per second over every training step (evaluation excluded)."
+    else:
+        n = str(excluded[0]) if len(excluded) == 1 else f"{excluded[0]}-{excluded[-1]}"
+        first = "the first warm-up step" if n == "1" else f"the first {n} warm-up steps"
+        speed = f"tok/s: trained tokens per second; excludes {first} (compile included)."
+    return ["train loss, val loss: final training / validation loss; Δ vs bf16: val loss relative to bf16's.",
+            speed,
+            "skipped: steps the guard skipped; fallbacks: FP8 -> BF16 switches of the shadow check (- if off)."]
 
 
 def add_parser(sub) -> None:

@@ -5,10 +5,11 @@
 
 Every preset trains with the same seed, data, model and steps (`base` with only `preset` and `out` replaced), each
 into out/<preset>/. Then, in `out`:
-    summary.json          per preset: final train / val loss, val loss relative to BF16, tokens/s, skipped steps,
-                          FP8 -> BF16 fallbacks of the shadow check
-    loss_curves.png       training loss per step (raw faint, smoothed solid) and the smoothed loss's % difference
-                          to BF16, with the ±1% band and DeepSeek-V3's 0.25% marked
+    summary.json          per preset: final train / val loss, val loss relative to BF16, tokens/s and the warm-up
+                          steps it excludes, skipped steps, FP8 -> BF16 fallbacks of the shadow check
+    loss_curves.png       training loss per step (BF16 raw, every preset smoothed), the last quarter zoomed, and
+                          each preset's smoothed loss's % difference to BF16, with the ±1% band and DeepSeek-V3's
+                          0.25% marked (`loss_curves_figure` builds it)
     numerics_heatmap.png  per FP8 preset: SQNR of each layer's casts by tensor role, from telemetry captured on one
                           forward+backward of the trained model (rebuilt from its checkpoint) on a validation batch
 """
@@ -21,6 +22,7 @@ import json
 import logging
 import math
 import pathlib
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -30,7 +32,10 @@ from minifloat.training.data import ByteCorpus, DataConfig, val_batches
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.amp.policy import PRESETS
 from minifloat.fp8.recipes import ROLES
-from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train
+from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train, warmup_steps
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger("minifloat")
 
@@ -45,6 +50,14 @@ RANGE_BAND_PCT = 1.0  # a common acceptance band for low-precision loss curves
 # DeepSeek-V3 technical report (arXiv:2412.19437), §3.3: FP8 training's relative loss error vs BF16 "consistently
 # remains below 0.25%"
 DEEPSEEK_V3_PCT = 0.25
+ZOOM_FRACTION = 0.25  # the zoomed panel: the last quarter of the steps, where the smoothed curves lie closest
+ZERO_LABEL = f"= {BASELINE}"  # the difference panel's zero line
+# One style per non-BF16 preset, so the curves stay apart in grayscale too. Okabe & Ito's colour-blind-safe palette;
+# 7 colours, 4 dash patterns and 5 markers are coprime: the first 140 presets get distinct combinations
+COLORS = ("#E69F00", "#0072B2", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442")
+LINESTYLES = ("--", "-.", ":", (0, (6, 1.5, 1, 1.5, 1, 1.5)))
+MARKERS = ("o", "s", "^", "D", "v")
+MARKS_PER_CURVE = 10
 ANNOTATE_FRACTION = 0.0005  # saturated / underflowed fractions below this print as 0.0%, so are left out
 
 
@@ -59,9 +72,11 @@ def _ema(values: list[float], beta: float = SMOOTHING) -> list[float]:
 
 
 def _summarize(result: TrainResult) -> dict:
+    """A run's row of summary.json (rel_diff_vs_bf16 is added once every preset has run)."""
     return {"final_train_loss": result.final_loss,
             "final_val_loss": result.val_losses[-1][1] if result.val_losses else math.nan,
-            "tokens_per_s": result.tokens_per_s,
+            "tokens_per_s": result.tokens_per_s,  # the first warmup_steps (compilation) left out
+            "warmup_steps_excluded": result.warmup_steps,
             "skipped_steps": len(result.skipped),
             "fallbacks": len(result.fallbacks)}  # FP8 -> BF16 switches of the shadow check (base.shadow_every)
 
@@ -92,41 +107,97 @@ def capture_numerics(config: TrainConfig) -> telemetry.Recorder:
     return rec
 
 
-def plot_loss_curves(losses: dict[str, list[float]], path: pathlib.Path, *, title: str) -> None:
-    """Top: training loss per step per preset (raw faint, smoothed solid). Bottom: smoothed loss relative to BF16."""
-    from matplotlib.figure import Figure  # no pyplot: no global backend to switch, no figure registry to close
+def _styles(names: list[str]) -> dict[str, dict]:
+    """Matplotlib line style per preset: BF16 solid black, the others a colour, a dash pattern and a marker each."""
+    others = [n for n in names if n != BASELINE]
+    styles = {BASELINE: {"color": "black", "linestyle": "-", "linewidth": 1.8}}
+    for i, name in enumerate(others):
+        styles[name] = {"color": COLORS[i % len(COLORS)], "linestyle": LINESTYLES[i % len(LINESTYLES)],
+                        "marker": MARKERS[i % len(MARKERS)], "markersize": 4, "linewidth": 1.5}
+    return styles
 
-    fig = Figure(figsize=(11, 8.5))
-    top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
+
+def _markevery(i: int, n_presets: int, n_steps: int) -> tuple[int, int]:
+    """MARKS_PER_CURVE markers per curve, each preset's shifted so that overlapping curves show every marker."""
+    every = max(1, n_steps // MARKS_PER_CURVE)
+    return (i * every // max(1, n_presets), every)
+
+
+def loss_curves_figure(losses: dict[str, list[float]], *, title: str) -> Figure:
+    """The loss-curve figure, built without drawing it (plot_loss_curves writes it as a PNG).
+
+    Axes (found by their label): "loss", the training loss per step: BF16's raw per-step loss faint, every preset's
+    EMA smoothed, the zoomed steps shaded; "zoom", the smoothed losses of the last ZOOM_FRACTION of the steps on
+    their own y scale; "diff", each preset's smoothed loss minus BF16's in % of BF16's, with the zero line ("= bf16"),
+    the ±RANGE_BAND_PCT band and DeepSeek-V3's ±DEEPSEEK_V3_PCT. One legend, below the axes, names every line.
+
+    Args:
+        losses: per preset, its training loss per step; must hold BASELINE.
+        title: first line of the figure's title.
+    Returns:
+        The matplotlib Figure (no pyplot: no global backend to switch, no figure registry to close).
+    """
+    from matplotlib.figure import Figure
+
+    styles = _styles(list(losses))
     smooth = {name: _ema(values) for name, values in losses.items()}
     base = smooth[BASELINE]
-    for i, (name, values) in enumerate(losses.items()):
-        color = f"C{i}"
-        steps = range(len(values))
-        top.plot(steps, values, color=color, alpha=0.3, linewidth=0.8)
-        top.plot(steps, smooth[name], color=color, linewidth=1.8, label=name)
-        if name != BASELINE:
-            rel = [100 * (s - b) / b for s, b in zip(smooth[name], base)]
-            bottom.plot(steps, rel, color=color, linewidth=1.6, label=name)
-    top.set_ylabel("training loss (nats / byte)")
-    top.set_title(f"{title}\nfaint: per step · solid: EMA (β = {SMOOTHING})")
-    top.legend(title="preset")
-    top.grid(alpha=0.3)
+    n_steps = max(len(values) for values in losses.values())
+    zoom_from = min(n_steps - 1, int(n_steps * (1 - ZOOM_FRACTION)))
 
-    bottom.axhspan(-RANGE_BAND_PCT, RANGE_BAND_PCT, color="0.85", alpha=0.6, label=f"±{RANGE_BAND_PCT:g}%")
+    fig = Figure(figsize=(12, 9.5), layout="constrained")
+    grid = fig.add_gridspec(2, 2, width_ratios=(3, 2), height_ratios=(1, 1))
+    loss_ax, zoom_ax = fig.add_subplot(grid[0, 0], label="loss"), fig.add_subplot(grid[0, 1], label="zoom")
+    diff_ax = fig.add_subplot(grid[1, :], sharex=loss_ax, label="diff")
+
+    loss_ax.plot(range(len(losses[BASELINE])), losses[BASELINE], color="black", alpha=0.25, linewidth=0.7,
+                 label=f"{BASELINE} per step")
+    loss_ax.axvspan(zoom_from, n_steps - 1, color="0.92")
+    for i, (name, values) in enumerate(smooth.items()):
+        marks = _markevery(i, len(smooth), n_steps)
+        loss_ax.plot(range(len(values)), values, label=name, markevery=marks, **styles[name])
+        zoom_ax.plot(range(zoom_from, len(values)), values[zoom_from:], label=name, markevery=marks,
+                     **styles[name])
+        if name != BASELINE:
+            rel = [100 * (s - b) / b for s, b in zip(values, base)]
+            diff_ax.plot(range(len(rel)), rel, label=name, markevery=marks, **styles[name])
+    loss_ax.set_ylabel("training loss (nats / byte)")
+    loss_ax.set_title(f"all steps: {BASELINE} per step (faint), every preset smoothed; shaded: zoomed at right")
+    zoom_ax.set_title(f"last {ZOOM_FRACTION:.0%} of the steps, smoothed")
+    zoom_ax.set_xlabel("step")
+
+    # y fitted to the curves (often within a few 0.1% of each other), not to the ±1% band, which then shades the
+    # whole panel; DeepSeek-V3's lines always in view
+    rel = [v for line in diff_ax.get_lines() for v in line.get_ydata() if math.isfinite(v)] or [0.0]
+    margin = 0.1 * (max(rel) - min(rel))
+    diff_ax.set_ylim(min(min(rel) - margin, -1.5 * DEEPSEEK_V3_PCT), max(max(rel) + margin, 1.5 * DEEPSEEK_V3_PCT))
+    diff_ax.axhspan(-RANGE_BAND_PCT, RANGE_BAND_PCT, color="0.92", zorder=0, label=f"±{RANGE_BAND_PCT:g}% band")
     for sign in (1, -1):
-        bottom.axhline(sign * DEEPSEEK_V3_PCT, color="0.3", linestyle="--", linewidth=1,
-                       label=f"±{DEEPSEEK_V3_PCT}% (DeepSeek-V3 FP8 vs BF16)" if sign == 1 else None)
-    bottom.axhline(0, color="black", linewidth=0.8)
-    low, high = bottom.get_ylim()
-    bottom.set_ylim(min(low, -1.5 * RANGE_BAND_PCT), max(high, 1.5 * RANGE_BAND_PCT))
-    bottom.set_xlabel("step")
-    bottom.set_ylabel("smoothed loss vs BF16 (%)")
-    bottom.set_title("relative difference to BF16 (positive: higher loss than BF16)")
-    bottom.legend(fontsize="small", ncol=2)
-    bottom.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+        diff_ax.axhline(sign * DEEPSEEK_V3_PCT, color="0.35", linestyle=(0, (2, 2)), linewidth=1,
+                        label=f"±{DEEPSEEK_V3_PCT}% (DeepSeek-V3 FP8 vs BF16)" if sign == 1 else None)
+    diff_ax.axhline(0, color="black", linewidth=1.2, label=ZERO_LABEL)
+    # in the right margin, as a tick label would be, so that it covers no curve
+    diff_ax.annotate(ZERO_LABEL, xy=(1, 0), xycoords=("axes fraction", "data"), xytext=(4, 0),
+                     textcoords="offset points", ha="left", va="center")
+    diff_ax.set_xlabel("step")
+    diff_ax.set_ylabel(f"smoothed loss vs {BASELINE} (%)")
+    diff_ax.set_title(f"difference to {BASELINE} (positive: higher loss than {BASELINE})")
+    for ax in (loss_ax, zoom_ax, diff_ax):
+        ax.grid(alpha=0.3)
+
+    handles = {}  # one entry per label, presets first
+    for ax in (zoom_ax, loss_ax, diff_ax):
+        for handle, label in zip(*ax.get_legend_handles_labels()):
+            handles.setdefault(label, handle)
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(5, len(handles)),
+               fontsize="small")
+    fig.suptitle(f"{title}\nsmoothed: bias-corrected EMA of the per-step loss (β = {SMOOTHING})")
+    return fig
+
+
+def plot_loss_curves(losses: dict[str, list[float]], path: pathlib.Path, *, title: str) -> None:
+    """Write loss_curves_figure(losses, title=title) to `path` as a PNG."""
+    loss_curves_figure(losses, title=title).savefig(path, dpi=120)
 
 
 def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -> None:
@@ -180,7 +251,8 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     and final checkpoint; None when there is none, or it was made with another config or stopped early.
 
     Only the summary's fields are rebuilt: losses, final loss, validation losses, tokens/s (from the per-step
-    timings), skipped steps and the shadow check's switches (from the checkpoint's shadow state)."""
+    timings, the loop's warm-up steps left out as in the run), skipped steps and the shadow check's switches (from
+    the checkpoint's shadow state)."""
     out = pathlib.Path(config.out)
     manifest = out / CHECKPOINT_DIR / MANIFEST_FILE
     if not (manifest.exists() and (out / "log.csv").exists() and (out / "val.csv").exists()):
@@ -195,13 +267,16 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     if len(rows) != config.steps or not val or val[-1][0] != config.steps:
         return None
     applied = [float(r["loss"]) for r in rows if r["skipped"] == "0"]
-    seconds = sum(1 / float(r["tokens_per_s"]) for r in rows)  # per token; dt = tokens_per_step / tokens_per_s
+    warmup = warmup_steps(config, len(rows))  # left out of tokens/s, as the run itself did
+    timed = rows[warmup:]
+    seconds = sum(1 / float(r["tokens_per_s"]) for r in timed)  # per token; dt = tokens_per_step / tokens_per_s
     events = extra.get("shadow", {}).get("events", [])
     return TrainResult(first_step=0, losses=tuple(float(r["loss"]) for r in rows),
                        final_loss=applied[-1] if applied else math.nan, val_losses=val,
-                       tokens_per_s=len(rows) / seconds if seconds else 0.0,
+                       tokens_per_s=len(timed) / seconds if seconds else 0.0,
                        skipped=tuple((int(r["step"]), r["reason"]) for r in rows if r["skipped"] != "0"),
-                       shadow_events=tuple((e["step"], e["switched_to"], e["reason"]) for e in events))
+                       shadow_events=tuple((e["step"], e["switched_to"], e["reason"]) for e in events),
+                       warmup_steps=warmup)
 
 
 def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: TrainConfig = DEFAULT_CONFIG,
