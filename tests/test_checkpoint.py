@@ -14,6 +14,7 @@ import json
 import math
 import pickle
 import random
+import re
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ from minifloat.training.checkpoint import (
     MANIFEST_FILE,
     TENSORS_FILE,
     CheckpointError,
+    checkpoint_extra,
     load_checkpoint,
     save_checkpoint,
 )
@@ -44,6 +46,7 @@ MASK_PROB = 0.1  # fraction of targets masked with the global RNG each step
 # growth_interval 2 makes the loss scale grow during the run, so the scaler's trackers matter on resume
 SCALER_GROWTH_INTERVAL = 2
 EXTRA = {"step": STEPS_BEFORE, "config": {"preset": "tiny", "lr": 1e-3}}
+MESSAGE_LIMIT = 400  # characters the command line prints of an error (minifloat.cli.MESSAGE_LIMIT)
 
 
 @dataclass
@@ -249,6 +252,22 @@ def edit_manifest(**changes):
     return edit
 
 
+def change_manifest(change):
+    """A damage that calls change(manifest) on the parsed manifest and writes it back."""
+    def damage(path: Path) -> None:
+        manifest = json.loads((path / MANIFEST_FILE).read_text())
+        change(manifest)
+        (path / MANIFEST_FILE).write_text(json.dumps(manifest))
+    return damage
+
+
+def not_safetensors(path: Path) -> None:
+    """Replace the tensor file by other bytes, with a manifest that vouches for them (size and hash)."""
+    (path / TENSORS_FILE).write_bytes(b"not a safetensors file")
+    change_manifest(lambda m: m["tensors_file"].update(bytes=22, sha256=hashlib.sha256(
+        b"not a safetensors file").hexdigest()))(path)
+
+
 def cut_manifest(path: Path) -> None:
     text = (path / MANIFEST_FILE).read_text()
     (path / MANIFEST_FILE).write_text(text[: len(text) // 2])
@@ -272,6 +291,22 @@ DAMAGE_CASES = [
     ("manifest lacks an entry", lambda p: drop_manifest_key(p, "model"), CheckpointError,
      r"lacks the entries \['model'\]"),
     ("no such directory", lambda p: shutil.rmtree(p), FileNotFoundError, r"does not exist"),
+    # a malformed manifest (a hand edit, another program) raises CheckpointError, never AttributeError or KeyError
+    ("tensors a list", edit_manifest(tensors=[]), CheckpointError, r"entry 'tensors' is a list, not a dict"),
+    ("optimizer a list", edit_manifest(optimizer=[]), CheckpointError, r"entry 'optimizer' is a list, not a dict"),
+    ("tensors_file without bytes", change_manifest(lambda m: m["tensors_file"].pop("bytes")), CheckpointError,
+     r"step_000003 is malformed \(KeyError: 'bytes'\)"),
+    ("a tensor spec a string", change_manifest(lambda m: m["tensors"].update({"model/wte.weight": "float32"})),
+     CheckpointError, r"is malformed \(TypeError"),
+    ("model key to an unstored tensor", change_manifest(lambda m: m["model"].update({"wte.weight": "nowhere"})),
+     CheckpointError, r"is malformed \(KeyError: 'nowhere'\)"),
+    ("a malformed tag", change_manifest(lambda m: m["extra"].update(step={"__tuple__": 3})), CheckpointError,
+     r"is malformed \(TypeError"),
+    ("not safetensors", not_safetensors, CheckpointError, r"is malformed \(SafetensorError"),
+    ("loader state of another kind", change_manifest(lambda m: m["loader"].update(position=-1)), CheckpointError,
+     r"saved state in .* is malformed \(ValueError: position must be an int >= 0"),
+    ("RNG state not restorable", change_manifest(lambda m: m["rng"].update(torch=[1, 2])), CheckpointError,
+     r"saved state in .* is malformed \(TypeError"),
 ]
 
 
@@ -306,6 +341,32 @@ def test_mismatched_model_raises_naming_the_key(saved, name, build, key):
     with pytest.raises(ValueError, match=key.replace(".", r"\.")):
         load_checkpoint(saved.path, model=model)
     assert_states_equal(clone_state(model), before)
+
+
+def test_mismatch_message_lists_a_few_keys_and_counts_the_rest(saved):
+    with pytest.raises(CheckpointError) as info:
+        load_checkpoint(saved.path, model=fp8_llama(SEED, n_layer=8))
+    message = str(info.value)
+    assert message.startswith("the checkpoint (65 tensors) does not fit the model (")
+    assert re.search(r"missing from the checkpoint: blocks\.2\.attn_norm\.weight, \S+, \S+ and \d+ more$", message)
+    assert len(message) < MESSAGE_LIMIT
+
+
+def test_failed_rng_restore_puts_back_what_it_changed(ckpt_copy):
+    change_manifest(lambda m: m["rng"].update(torch=[1, 2]))(ckpt_copy)  # python's state loads, torch's refuses
+    run = make_run(OTHER_SEED)
+    random.seed(OTHER_SEED)
+    python_state, loader_state = random.getstate(), run.loader.state_dict()
+    with pytest.raises(CheckpointError, match="TypeError"):
+        load_checkpoint(ckpt_copy, model=run.model, loader=run.loader)
+    assert random.getstate() == python_state
+    assert run.loader.state_dict() == loader_state
+
+
+def test_checkpoint_extra_raises_on_a_malformed_manifest(ckpt_copy):
+    edit_manifest(extra=[1])(ckpt_copy)
+    with pytest.raises(CheckpointError, match="entry 'extra' is a list, not a dict"):
+        checkpoint_extra(ckpt_copy)
 
 
 def test_mismatched_optimizer_raises_before_touching_the_model(saved):

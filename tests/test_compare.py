@@ -3,6 +3,7 @@
 import io
 import json
 import math
+import pathlib
 
 import pytest
 from rich.console import Console
@@ -12,6 +13,7 @@ from minifloat.cli.compare import COLUMNS, summary_table, table_note
 from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, ZERO_LABEL,
                                         ZOOM_FRACTION, _command, _summarize, compare, loss_curves_figure)
 from minifloat.training.loop import TrainConfig, TrainResult
+from minifloat.training.rundir import RunExistsError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
@@ -114,9 +116,23 @@ def test_reuse_trains_again_when_the_config_differs(summary, monkeypatch):
     trained = []
     monkeypatch.setattr(compare_module, "train", lambda config, **kw: trained.append(config.preset) or
                         (_ for _ in ()).throw(RuntimeError("stop")))
-    with pytest.raises(RuntimeError, match="stop"):
+    # seed 1 was never run here: nothing to reuse, and the seed-0 runs are not replaced without overwrite
+    with pytest.raises(RunExistsError, match="bf16, fp8-current.*--overwrite"):
         compare(["fp8-current"], base=TrainConfig(**TINY, seed=1), out=out, progress=False, reuse=True)
-    assert trained == ["bf16"]  # seed 1 was never run here: nothing to reuse
+    assert trained == []
+    with pytest.raises(RuntimeError, match="stop"):
+        compare(["fp8-current"], base=TrainConfig(**TINY, seed=1, overwrite=True), out=out, progress=False,
+                reuse=True)
+    assert trained == ["bf16"]
+
+
+def test_an_earlier_comparison_is_refused_and_kept(summary, capsys):
+    out, _ = summary
+    before = {p: p.read_bytes() for p in sorted(pathlib.Path(out).rglob("*")) if p.is_file()}
+    assert main(["compare", "--out", str(out), "--presets", "fp8-current", "--steps", "2"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--overwrite" in err and "Traceback" not in err
+    assert {p: p.read_bytes() for p in sorted(pathlib.Path(out).rglob("*")) if p.is_file()} == before
 
 
 def test_reuse_keeps_the_shadow_fallbacks_with_their_reasons(tmp_path, monkeypatch):

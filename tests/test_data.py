@@ -143,7 +143,27 @@ def test_binary_and_unreadable_files_are_skipped_and_counted(tmp_path, caplog):
     assert reasons["nul.txt"].startswith("binary") and reasons["latin1.txt"].startswith("binary")
     assert reasons["dangling.txt"].startswith("unreadable")
     assert sorted(f.path for f in corpus.manifest.files) == ["a.txt", "b.txt"]
-    assert "skipped 3 file(s)" in caplog.text
+    assert "skipped 3 binary, non-UTF-8 or unreadable file(s)" in caplog.text
+    assert len(caplog.records) == 1  # one warning for all of them
+
+
+def test_text_files_are_split_alone_when_a_split_draws_only_binary_files(tmp_path, caplog):
+    root = tmp_path / "mostly-binary"
+    root.mkdir()
+    for i in range(5):  # with 7 paths and val_fraction 0.05, validation gets the lowest-scored path: a binary one
+        (root / f"bin{i}.txt").write_bytes(bytes(range(256)))
+    (root / "t1.txt").write_text("the first text file\n")
+    (root / "t2.txt").write_text("the second text file\n")
+    with caplog.at_level("WARNING", logger="minifloat"):
+        corpus = ByteCorpus.load(DataConfig(path=root))
+    assert sorted(f.split for f in corpus.manifest.files) == [Split.TRAIN, Split.VAL]
+    assert sorted(f.path for f in corpus.manifest.files) == ["t1.txt", "t2.txt"]
+    assert len(corpus.manifest.skipped) == 5 and "skipped 5 binary" in caplog.text
+
+
+def test_max_bytes_leaves_train_a_byte(tmp_path):
+    corpus = _load(_write_folder(tmp_path / "corpus", n=4), max_bytes=2, val_fraction=0.9)
+    assert (corpus.train.numel(), corpus.val.numel()) == (1, 1)
 
 
 def test_patterns_select_files(tmp_path):
@@ -176,22 +196,39 @@ def _one_file(tmp_path):
     return tmp_path / "one"
 
 
+def _no_match(tmp_path):
+    (tmp_path / "other").mkdir()
+    for name in ("weights.bin", "image.png"):
+        (tmp_path / "other" / name).write_bytes(bytes(range(256)))
+    return tmp_path / "other"
+
+
 def _a_file(tmp_path):
     (tmp_path / "file.txt").write_text("a file, not a folder\n")
     return tmp_path / "file.txt"
 
 
-@pytest.mark.parametrize("name, make, error", [
-    ("missing path", _missing, FileNotFoundError),
-    ("empty folder", _empty, FileNotFoundError),
-    ("a file, not a folder", _a_file, NotADirectoryError),
-    ("one file: no split by file", _one_file, ValueError),
-    ("every file binary", _only_binary, ValueError),
-])
-def test_bad_paths_raise_naming_the_path(tmp_path, name, make, error):
+# (name, folder, error, words the message must hold besides the path and the fix)
+BAD_PATH_CASES = [
+    ("missing path", _missing, FileNotFoundError, "does not exist"),
+    ("empty folder", _empty, FileNotFoundError, "holds no files"),
+    ("no file matches", _no_match, FileNotFoundError, r"none of the 2 file\(s\).*matches the patterns \['\*\.txt'"),
+    ("a file, not a folder", _a_file, NotADirectoryError, "is a file, not a folder"),
+    ("one file: no split by file", _one_file, ValueError,
+     r"need at least 2 non-empty text files.*found only 'only\.txt'"),
+    ("every file binary", _only_binary, ValueError, r"found none and skipped 2 binary, non-UTF-8 or unreadable"),
+]
+
+
+@pytest.mark.parametrize("name, make, error, words", BAD_PATH_CASES, ids=[c[0] for c in BAD_PATH_CASES])
+def test_bad_paths_raise_naming_the_path_and_the_fix(tmp_path, caplog, name, make, error, words):
     path = make(tmp_path)
-    with pytest.raises(error, match=str(path)):
+    with pytest.raises(error, match=words) as info:
         ByteCorpus.load(DataConfig(path=path))
+    message = str(info.value)
+    assert str(path) in message and "\n" not in message
+    assert message.endswith("point --data (DataConfig.path) at a folder of UTF-8 text files")
+    assert not caplog.records  # the error alone: no warning about skipped files before it
 
 
 @pytest.mark.parametrize("name, kwargs", [

@@ -18,23 +18,20 @@ def cmd_compare(args: argparse.Namespace) -> int:
     0.25%) and OUT/numerics_heatmap.png (per-layer SQNR of every FP8 cast after training). With --shadow-every the
     FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s leaves out each run's
     warm-up steps (compilation). The defaults take about three minutes on 2 CPU cores.
-    Exits with status 2 on an invalid option."""
+    An OUT holding an earlier comparison is refused unless --overwrite. Exits with status 2 on an invalid option."""
     import dataclasses
 
     from minifloat.training.compare import DEFAULT_CONFIG, compare
 
     fields = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
               "seed": args.seed, "data": args.data, "max_bytes": args.max_bytes, "shadow_every": args.shadow_every,
-              "shadow_threshold": args.shadow_threshold}
+              "shadow_threshold": args.shadow_threshold, "device": args.device, "overwrite": args.overwrite or None}
     if args.shadow_every:
         fields["preset"] = "fp8-delayed"  # base's preset is replaced per run; an FP8 one may carry shadow_every
-    try:
-        base = dataclasses.replace(DEFAULT_CONFIG, **{k: v for k, v in fields.items() if v is not None})
-        presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-        summary = compare(presets, base=base, out=args.out)
-    except ValueError as err:
-        common.console.print(f"[red]invalid option: {err}")
-        return 2
+    # a bad option, data folder or existing comparison is one error line from main(), before anything trains
+    base = dataclasses.replace(DEFAULT_CONFIG, **{k: v for k, v in fields.items() if v is not None})
+    presets = [p.strip() for p in args.presets.split(",") if p.strip()]
+    summary = compare(presets, base=base, out=args.out)
     common.console.print(summary_table(summary))
     for line in table_note(summary):
         common.console.print(line, highlight=False)
@@ -101,4 +98,9 @@ def add_parser(sub) -> None:
                    help=f"largest healthy relative loss difference of a shadow check "
                         f"(default {DEFAULT_CONFIG.shadow_threshold})")
     c.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    c.add_argument("--device", default=None,
+                   help=f"auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N "
+                        f"(default {DEFAULT_CONFIG.device})")
+    c.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier comparison in OUT (only the files the comparison and its runs wrote)")
     c.set_defaults(func=cmd_compare)

@@ -3,12 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
 import pathlib
+from collections.abc import Iterator
 
 from rich.table import Table
 
 from minifloat.cli import common
+from minifloat.core.validate import check_choice, check_int
 
 AUDIT_BYTES = 100_000  # corpus bytes the audited batch is drawn from
 AUDIT_SEQ_LEN = 64  # bytes per sequence of the audited Llama batch (TrainConfig's default seq_len)
@@ -33,39 +37,76 @@ def cmd_formats(args: argparse.Namespace) -> int:
     return 0
 
 
+@contextlib.contextmanager
+def _invalid_option() -> Iterator[None]:
+    """Turn the ValueError of a validator (it names the field, which is the option's name) into the command's one
+    error line, "invalid option: ...", before any work starts."""
+    try:
+        yield
+    except ValueError as err:
+        raise common.CliError(f"invalid option: {err}") from None
+
+
+def _create_folder(flag: str, value: str, folder: pathlib.Path) -> None:
+    """Create the folder an option's output goes to (`value` itself or its parent) now, not after the work; a
+    CliError naming the option if it cannot be."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise common.CliError(f"{flag} {value}: cannot create the folder {folder} ({err.strerror or err})") from None
+
+
+def _cell(value: float, spec: str) -> str:
+    """A table cell: "-" for nan (no bf16 run to compare with, no FP8 cast), else the value formatted by `spec`."""
+    return "-" if math.isnan(value) else format(value, spec)
+
+
 def cmd_demo(args: argparse.Namespace) -> int:
-    """Train one small byte-level MLP LM under fp32, bf16 and every FP8 recipe; print a comparison table."""
+    """Train one small byte-level MLP LM under fp32, bf16 and every FP8 recipe; print a comparison table.
+    Shows a progress bar on a terminal, one line per variant as it starts and finishes otherwise (a log)."""
     from rich.progress import Progress
 
-    from minifloat.training.demo import VARIANTS, run_demo
+    from minifloat.training.demo import FINAL_LOSS_STEPS, VARIANTS, DemoConfig, DemoResult, run_demo
 
-    variants = args.variants.split(",") if args.variants else list(VARIANTS)
-    unknown = [v for v in variants if v not in VARIANTS]
-    if unknown:
-        common.console.print(f"[red]unknown variant(s) {unknown}; choose from {list(VARIANTS)}")
-        return 2
-    with Progress(console=common.console, transient=True) as bar:
-        task = bar.add_task("training", total=args.steps * len(variants))
-        results, curves = run_demo(steps=args.steps, batch=args.batch, seed=args.seed, variants=variants,
-                                   progress=lambda: bar.advance(task))
-    t = Table(title=f"byte-level MLP on Python stdlib sources, {args.steps} steps, batch {args.batch}, "
-                    f"seed {args.seed}")
+    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
+    with _invalid_option():
+        config = DemoConfig(steps=args.steps, batch=args.batch, seed=args.seed, variants=variants)
+    out = pathlib.Path(args.out) if args.out else None
+    if out is not None:
+        _create_folder("--out", args.out, out)
+    console = common.console
+    log_lines = not console.is_terminal  # rich draws no live bar there: the variants' lines show the progress
+
+    with Progress(console=console, transient=True, disable=log_lines) as bar:
+        task = bar.add_task("", total=config.steps * len(config.variants))
+
+        def progress(variant: str, done: int) -> None:
+            if done:
+                bar.advance(task)
+                return
+            bar.update(task, description=variant)
+            if log_lines:
+                console.print(f"{variant}: training {config.steps} steps", highlight=False)
+
+        def on_result(r: DemoResult) -> None:
+            console.print(f"{r.variant}: final loss {r.final_loss:.4f}, {r.ms_per_step:.1f} ms/step", highlight=False)
+
+        results, curves = run_demo(config, progress=progress, on_result=on_result)
+    t = Table(title=f"byte-level MLP on Python stdlib sources, {config.steps} steps, batch {config.batch}, "
+                    f"seed {config.seed}")
     t.add_column("variant", no_wrap=True)
     for col in ("final loss", "vs bf16", "ms/step", "min SQNR dB", "max saturated"):
         t.add_column(col, justify="right")
     for r in results:
-        t.add_row(r.variant, f"{r.final_loss:.4f}", f"{r.rel_diff_vs_bf16:+.2%}", f"{r.ms_per_step:.1f}",
-                  "-" if r.min_sqnr_db != r.min_sqnr_db else f"{r.min_sqnr_db:.1f}",
-                  "-" if r.max_saturated != r.max_saturated else f"{r.max_saturated:.2%}")
-    common.console.print(t)
-    common.console.print("final loss = mean of the last 20 steps' training loss; SQNR and saturation over every FP8 cast "
-                  "of the last step (see minifloat.fp8.telemetry).")
-    if args.out:
-        out = pathlib.Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
+        t.add_row(r.variant, _cell(r.final_loss, ".4f"), _cell(r.rel_diff_vs_bf16, "+.2%"),
+                  _cell(r.ms_per_step, ".1f"), _cell(r.min_sqnr_db, ".1f"), _cell(r.max_saturated, ".2%"))
+    console.print(t)
+    console.print(f"final loss = mean of the last {FINAL_LOSS_STEPS} steps' training loss; SQNR and saturation over "
+                  f"every FP8 cast of the last step (see minifloat.fp8.telemetry).")
+    if out is not None:
         (out / "demo.json").write_text(json.dumps({"results": [r.__dict__ for r in results], "curves": curves},
                                                   indent=1))
-        common.console.print(f"wrote {out / 'demo.json'}")
+        console.print(f"wrote {out / 'demo.json'}")
     return 0
 
 
@@ -80,9 +121,13 @@ def cmd_audit(args: argparse.Namespace) -> int:
     from minifloat.training.demo import ByteMLP, stdlib_bytes
     from minifloat.amp.policy import PRESETS, PrecisionPolicy
 
-    if args.preset not in PRESETS:
-        common.console.print(f"[red]unknown preset {args.preset!r}; choose from {sorted(PRESETS)}")
-        return 2
+    with _invalid_option():
+        check_choice("preset", args.preset, sorted(PRESETS))
+        check_int("batch", args.batch, low=1)
+        check_int("seed", args.seed, low=0)
+    json_path = pathlib.Path(args.json) if args.json else None
+    if json_path is not None:
+        _create_folder("--json", args.json, json_path.parent)
     policy = PrecisionPolicy.preset(args.preset)
     torch.manual_seed(args.seed)
     if args.model == "byte-mlp":
@@ -113,19 +158,19 @@ def cmd_audit(args: argparse.Namespace) -> int:
     common.console.print(policy.describe(model))
     common.console.print(report.table(full=args.full))
     for v in report.violations:
-        common.console.print(f"[red]violation[/red] {v.rule}: {v.module} ({v.phase}) {v.op} in {v.precision} — {v.detail}")
+        common.console.print(f"[red]violation[/red] {v.rule}: {v.module} ({v.phase}) {v.op} in {v.precision} — "
+                             f"{v.detail}")
     common.console.print("audit passed: no policy violations" if report.ok else
-                  f"[red]audit failed: {len(report.violations)} violation(s)")
+                         f"[red]audit failed: {len(report.violations)} violation(s)")
     status = 0 if report.ok else 1
     if args.preflight:
         pre = preflight(model, inputs)
         common.console.print(pre.table())
         status = status or (0 if pre.fp16_safe else 1)
-    if args.json:
-        pathlib.Path(args.json).write_text(report.to_json())
-        common.console.print(f"wrote {args.json}")
+    if json_path is not None:
+        json_path.write_text(report.to_json())
+        common.console.print(f"wrote {json_path}")
     return status
-
 
 
 def add_parsers(sub) -> None:

@@ -25,6 +25,7 @@ before any object is touched: a truncated or mismatched checkpoint raises and ch
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import hashlib
 import json
@@ -33,11 +34,12 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -51,7 +53,10 @@ TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 _HASH_CHUNK = 1 << 20
 _STATEFUL = ("scaler", "guard", "loader")  # objects with plain-data state_dict() / load_state_dict()
-_REQUIRED = {"tensors_file", "tensors", "model", "optimizer", "optimizer_type", *_STATEFUL, "rng", "extra"}
+# The manifest's entries that a load reads: entry -> (its type, whether it may be null: that object was not saved)
+_ENTRIES = {**dict.fromkeys(("tensors_file", "tensors", "model", "rng", "extra"), (dict, False)),
+            "optimizer_type": (str, True), **dict.fromkeys(("optimizer", *_STATEFUL), (dict, True))}
+NAMES_SHOWN = 3  # names (keys, tensors) an error message lists before "and N more"
 
 
 class CheckpointError(ValueError):
@@ -137,6 +142,23 @@ def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
     return {k: _decode(v, tensors) for k, v in obj.items()}
 
 
+@contextlib.contextmanager
+def _malformed(what: str) -> Iterator[None]:
+    """Re-raise what malformed data causes in the block (a list for a dict, no safetensors) as a CheckpointError."""
+    try:
+        yield
+    except CheckpointError:
+        raise
+    except (TypeError, ValueError, KeyError, IndexError, AttributeError, SafetensorError) as err:
+        raise CheckpointError(f"{what} is malformed ({type(err).__name__}: {err})") from err
+
+
+def _names(items: list, sep: str = ", ") -> str:
+    """The first NAMES_SHOWN items and how many more: a message about 10,000 keys stays one short line."""
+    more = f" and {len(items) - NAMES_SHOWN} more" if len(items) > NAMES_SHOWN else ""
+    return sep.join(map(str, items[:NAMES_SHOWN])) + more
+
+
 def _tied_groups(keys_to_names: Mapping[str, str]) -> list[list[str]]:
     """State-dict keys that share one stored tensor, in groups of two or more."""
     groups: dict[str, list[str]] = {}
@@ -213,9 +235,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         save_file(table.tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
         _fsync(tmp / TENSORS_FILE)
         manifest = {
-            "format_version": FORMAT_VERSION,
-            "minifloat_version": __version__,
-            "torch_version": torch.__version__,
+            "format_version": FORMAT_VERSION, "minifloat_version": __version__, "torch_version": torch.__version__,
             "tensors_file": {"name": TENSORS_FILE, "bytes": (tmp / TENSORS_FILE).stat().st_size,
                              "sha256": _sha256(tmp / TENSORS_FILE)},
             "tensors": {name: {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
@@ -271,8 +291,12 @@ def _read_manifest(directory: Path) -> dict:
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path}: checkpoint format version {version!r}, but this minifloat reads "
                               f"format version {FORMAT_VERSION}")
-    if absent := sorted(_REQUIRED - manifest.keys()):
+    if absent := sorted(_ENTRIES.keys() - manifest.keys()):
         raise CheckpointError(f"{manifest_path} lacks the entries {absent}")
+    for entry, (kind, nullable) in _ENTRIES.items():
+        if not (isinstance(value := manifest[entry], kind) or nullable and value is None):
+            raise CheckpointError(f"{manifest_path} is corrupt: its entry {entry!r} is a {type(value).__name__}, "
+                                  f"not a {kind.__name__}")
     return manifest
 
 
@@ -296,36 +320,32 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     found = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()}
     if listed != found:
         diff = sorted(n for n in listed.keys() | found.keys() if listed.get(n) != found.get(n))
-        raise CheckpointError(f"{tensors_path} does not hold the tensors {manifest_path} lists: {diff}")
+        raise CheckpointError(f"{tensors_path} does not hold the tensors {manifest_path} lists: {_names(diff)}")
     return manifest, tensors
 
 
 def _check_model(model: nn.Module, manifest: dict, state: Mapping[str, torch.Tensor]) -> None:
-    """Raise CheckpointError naming every missing, unexpected, reshaped, retyped or differently tied key."""
+    """Raise CheckpointError naming the first few missing, unexpected, reshaped, retyped or differently tied keys."""
     own = model.state_dict()
-    problems = []
-    if missing := sorted(own.keys() - state.keys()):
-        problems.append(f"missing from the checkpoint: {missing}")
-    if unexpected := sorted(state.keys() - own.keys()):
-        problems.append(f"not in the model: {unexpected}")
-    for key in sorted(own.keys() & state.keys()):
-        if own[key].shape != state[key].shape:
-            problems.append(f"{key}: shape {tuple(state[key].shape)} in the checkpoint, {tuple(own[key].shape)} "
-                            f"in the model")
-        elif own[key].dtype != state[key].dtype:
-            problems.append(f"{key}: dtype {state[key].dtype} in the checkpoint, {own[key].dtype} in the model")
+    missing, unexpected = [k for k in own if k not in state], [k for k in state if k not in own]
+    differ = [f"{key}: {what} {saved} in the checkpoint, {mine} in the model" for key in own if key in state
+              for what, saved, mine in (("shape", tuple(state[key].shape), tuple(own[key].shape)),
+                                        ("dtype", state[key].dtype, own[key].dtype)) if saved != mine]
+    problems = [f"{what}: {_names(keys)}" for what, keys in (("missing from the checkpoint", missing),
+                                                             ("not in the model", unexpected)) if keys]
+    problems += [_names(differ, sep="; ")] if differ else []
     saved_ties, own_ties = _tied_groups(manifest["model"]), _tied_groups(_model_tensor_names(own))
     if not missing and not unexpected and saved_ties != own_ties:
         problems.append(f"tied weights differ: {saved_ties} in the checkpoint, {own_ties} in the model")
     if problems:
-        raise CheckpointError("the checkpoint does not fit the model: " + "; ".join(problems))
+        raise CheckpointError(f"the checkpoint ({len(state)} tensors) does not fit the model ({len(own)}): "
+                              + "; ".join(problems))
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, saved_type: str | None, state: Mapping[str, Any]) -> None:
     own_type = type(optimizer).__qualname__
     if saved_type != own_type:
-        raise CheckpointError(f"the checkpoint's optimizer is a {saved_type}, the optimizer given is a "
-                              f"{own_type}")
+        raise CheckpointError(f"the checkpoint's optimizer is a {saved_type}, the optimizer given is a {own_type}")
     saved = [len(g["params"]) for g in state["param_groups"]]
     own = [len(g["params"]) for g in optimizer.param_groups]
     if saved != own:
@@ -341,7 +361,8 @@ def checkpoint_extra(directory: str | os.PathLike) -> dict[str, Any]:
         FileNotFoundError: no such directory.
         CheckpointError: the manifest is missing, corrupt or of another format version, or `extra` holds tensors.
     """
-    return _decode(_read_manifest(Path(directory))["extra"], {})
+    with _malformed(f"the manifest of {directory}"):
+        return _decode(_read_manifest(Path(directory))["extra"], {})
 
 
 def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -364,40 +385,36 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             does not fit the objects (the message names the file or the keys).
     """
     directory = Path(directory)
-    manifest, tensors = _read(directory)
-    if unknown := sorted(set(manifest["model"].values()) - tensors.keys()):
-        raise CheckpointError(f"the manifest of {directory} maps model keys to tensors that are not stored: {unknown}")
-    model_state = {key: tensors[name] for key, name in manifest["model"].items()}
-    _check_model(model, manifest, model_state)
     given = {"optimizer": optimizer, "scaler": scaler, "guard": guard, "loader": loader}
-    states = {}
-    for name, obj in given.items():
-        if obj is not None:
-            if manifest.get(name) is None:
-                raise CheckpointError(f"{directory} holds no {name} state, but a {name} was given to restore")
-            states[name] = _decode(manifest[name], tensors)
-    if optimizer is not None:
-        _check_optimizer(optimizer, manifest.get("optimizer_type"), states["optimizer"])
-    if scaler is not None and scaler.is_enabled() and not states["scaler"]:
-        raise CheckpointError(f"{directory} holds the state of a disabled loss scaler; the scaler given is enabled")
-    rng = _decode(manifest["rng"], tensors) if restore_rng else None
-    extra = _decode(manifest["extra"], tensors)
-
-    # Apply. The small stateful objects validate inside load_state_dict, so they go first, with their old state
-    # kept to put back if one (or the optimizer's own checks) refuses; the model was checked in full above.
-    stateful = {name: given[name] for name in _STATEFUL if given[name] is not None}
-    before = {name: copy.deepcopy(obj.state_dict()) for name, obj in stateful.items()}
-    try:
-        for name, obj in stateful.items():
-            obj.load_state_dict(states[name])
+    with _malformed(f"the checkpoint {directory}"):
+        manifest, tensors = _read(directory)
+        model_state = {key: tensors[name] for key, name in manifest["model"].items()}
+        _check_model(model, manifest, model_state)
+        if absent := [name for name, obj in given.items() if obj is not None and manifest[name] is None]:
+            raise CheckpointError(f"{directory} holds no {absent[0]} state, but a {absent[0]} was given to restore")
+        states = {name: _decode(manifest[name], tensors) for name, obj in given.items() if obj is not None}
         if optimizer is not None:
-            optimizer.load_state_dict(states["optimizer"])
+            _check_optimizer(optimizer, manifest["optimizer_type"], states["optimizer"])
+        if scaler is not None and scaler.is_enabled() and not states["scaler"]:
+            raise CheckpointError(f"{directory} holds a disabled loss scaler's state; the scaler given is enabled")
+        rng = _decode(manifest["rng"], tensors) if restore_rng else None
+        extra = _decode(manifest["extra"], tensors)
+
+    # Apply. Generators and small stateful objects validate as they load, so they go first, as (load, saved state,
+    # state now) to put back if one (or the optimizer's checks) refuses; the model was checked in full above.
+    undo = [(obj.load_state_dict, states[name], copy.deepcopy(obj.state_dict()))
+            for name, obj in given.items() if name in _STATEFUL and obj is not None]
+    undo += [(set_rng_state, rng, rng_state())] if rng is not None else []
+    try:
+        with _malformed(f"the saved state in {directory}"):
+            for load, saved, _ in undo:
+                load(saved)
+            if optimizer is not None:
+                optimizer.load_state_dict(states["optimizer"])
     except Exception:
-        for name, obj in stateful.items():
-            obj.load_state_dict(before[name])
+        for load, _, now in undo:
+            load(now)
         raise
     model.load_state_dict(model_state)
-    if rng is not None:
-        set_rng_state(rng)
     log.info("minifloat: loaded checkpoint %s", directory)
     return extra

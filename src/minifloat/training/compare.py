@@ -33,6 +33,8 @@ from minifloat.training.model import Llama, LlamaConfig
 from minifloat.amp.policy import PRESETS
 from minifloat.fp8.recipes import ROLES
 from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train, warmup_steps
+from minifloat.training.rundir import RunExistsError, run_items
+from minifloat.training.throughput import resolve_device
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -96,13 +98,14 @@ def capture_numerics(config: TrainConfig) -> telemetry.Recorder:
     validation batch, under the config's policy. The gradients it makes are thrown away with the model."""
     torch.manual_seed(config.seed)
     policy = config.policy()
-    model = policy.apply(Llama(LlamaConfig.preset(config.model)))
+    device = resolve_device(config.device)
+    model = policy.apply(Llama(LlamaConfig.preset(config.model))).to(device)
     load_checkpoint(pathlib.Path(config.out) / CHECKPOINT_DIR, model=model, restore_rng=False)
     corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))
     x, y = next(iter(val_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len, max_batches=1)))
     with telemetry.capture() as rec:
-        with policy.autocast("cpu"):
-            _, loss = model(x, y)  # (B, T, V) logits, fp32 scalar
+        with policy.autocast("cuda" if device.type == "cuda" else "cpu"):
+            _, loss = model(x.to(device), y.to(device))  # (B, T, V) logits, fp32 scalar
         loss.backward()
     return rec
 
@@ -279,6 +282,24 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
                        warmup_steps=warmup)
 
 
+COMPARE_FILES = ("summary.json", "loss_curves.png", "numerics_heatmap.png")  # written into `out` itself
+
+
+def _refuse_existing(out: pathlib.Path, configs: dict[str, TrainConfig], overwrite: bool, reuse: bool) -> None:
+    """Raise RunExistsError when `out` holds an earlier comparison that this one would replace: a preset's run
+    (unless `reuse` takes it as finished) or the comparison's own files (kept out of the check by `reuse`, which
+    asks for them to be written again). `overwrite` allows both; the runs' own rule (minifloat.training.rundir)
+    then removes only what a run writes."""
+    if overwrite:
+        return
+    taken = [p for p, c in configs.items()
+             if run_items(pathlib.Path(c.out)) and not (reuse and finished_result(c) is not None)]
+    taken += [] if reuse else [f for f in COMPARE_FILES if (out / f).exists()]
+    if taken:
+        raise RunExistsError(f"--out {out} already holds a comparison ({', '.join(taken)}); pass --overwrite to "
+                             f"replace it, or choose another --out")
+
+
 def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: TrainConfig = DEFAULT_CONFIG,
             out: str | pathlib.Path = "runs/compare", progress: bool = True, reuse: bool = False) -> dict:
     """Train `base` under each preset and write summary.json, loss_curves.png and numerics_heatmap.png into `out`.
@@ -298,6 +319,7 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
         only when an FP8 preset is among `presets` ("files" lists what was written).
     Raises:
         ValueError: an unknown or repeated preset, or an invalid `base` (before anything trains).
+        RunExistsError: `out` holds an earlier comparison and base.overwrite is off (before anything trains).
     """
     presets = list(presets)
     if unknown := [p for p in presets if p not in PRESETS]:
@@ -312,6 +334,7 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
                                       shadow_every=base.shadow_every if PRESETS[p].recipe is not None else 0)
                for p in presets}
 
+    _refuse_existing(out, configs, base.overwrite, reuse)
     results = {}
     for p, config in configs.items():
         if reuse and (done := finished_result(config)) is not None:

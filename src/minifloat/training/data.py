@@ -43,6 +43,8 @@ TEXT_PATTERNS = ("*.txt", "*.md", "*.rst", "*.py", "*.c", "*.h", "*.cpp", "*.js"
 ALWAYS_EXCLUDED = (".*", "__pycache__")
 STDLIB_EXCLUDED = (*ALWAYS_EXCLUDED, "site-packages", "dist-packages", "_sysconfigdata*", "config-*",
                    "test", "tests", "idle_test")
+# the fix every "no usable data" error ends with (`--data` is the command line's name for DataConfig.path)
+DATA_FIX = "point --data (DataConfig.path) at a folder of UTF-8 text files"
 
 
 class Split(str, enum.Enum):
@@ -59,7 +61,8 @@ class DataConfig:
         patterns: glob patterns matched against each file's path relative to `path` (right-anchored, so "*.md" matches
             at any depth); None for the default of the source (STDLIB_PATTERNS or TEXT_PATTERNS).
         val_fraction: expected fraction of files in the validation split, in (0, 1).
-        max_bytes: cap on train + val bytes (validation gets ceil(max_bytes·val_fraction)); None for no cap.
+        max_bytes: cap on train + val bytes (validation gets ceil(max_bytes·val_fraction), train one byte at
+            least); None for no cap.
     """
 
     path: str | os.PathLike | None = None
@@ -131,10 +134,14 @@ class ByteCorpus:
     def load(cls, config: DataConfig | None = None) -> ByteCorpus:
         """Read, split and concatenate the files `config` describes (the standard library's sources by default).
 
+        Binary, non-UTF-8 and unreadable files are skipped (listed in the manifest, counted in one warning). Should
+        one split draw nothing but such files, the readable text files alone are split instead, so any folder with
+        two or more non-empty text files loads.
+
         Raises:
-            FileNotFoundError: the path does not exist, or holds no readable text file matching the patterns.
+            FileNotFoundError: the path does not exist, or holds no file matching the patterns.
             NotADirectoryError: the path is a file.
-            ValueError: fewer than two files (a split by file needs two), or a split with no readable file.
+            ValueError: fewer than two non-empty text files (a split by file needs two).
         """
         config = config or DataConfig()
         if config.path is None:
@@ -144,50 +151,33 @@ class ByteCorpus:
             root = pathlib.Path(config.path).expanduser()
             patterns, excluded = config.patterns or TEXT_PATTERNS, ALWAYS_EXCLUDED
         if not root.exists():
-            raise FileNotFoundError(f"data path {str(root)!r} does not exist")
+            raise FileNotFoundError(f"data folder {str(root)!r} does not exist; {DATA_FIX}")
         if not root.is_dir():
-            raise NotADirectoryError(f"data path {str(root)!r} is not a folder (point it at a folder of text files)")
-        skipped: list[tuple[str, str]] = []
-        paths = _find_files(root, patterns, excluded, skipped)
+            raise NotADirectoryError(f"data path {str(root)!r} is a file, not a folder; {DATA_FIX}")
+        skipped: dict[str, str] = {}  # relative path -> reason
+        paths, others = _find_files(root, patterns, excluded, skipped)
+        if not paths and not others:
+            raise FileNotFoundError(f"data folder {str(root)!r} holds no files; {DATA_FIX}")
         if not paths:
-            raise FileNotFoundError(f"no files matching {list(patterns)} under {str(root)!r}")
-        if len(paths) < 2:
-            raise ValueError(f"need at least 2 files under {str(root)!r} for a train/validation split by file, "
-                             f"found only {paths[0]!r}")
-
-        splits = split_files(paths, config.val_fraction)
-        budget = {Split.TRAIN: None, Split.VAL: None}
-        if config.max_bytes is not None:
-            budget[Split.VAL] = math.ceil(config.max_bytes * config.val_fraction)
-            budget[Split.TRAIN] = config.max_bytes - budget[Split.VAL]
-        streams, files = {}, []
-        for split in Split:
-            chunks, total = [], 0
-            for rel in (p for p in paths if splits[p] == split):
-                if budget[split] is not None and total >= budget[split]:
-                    break
-                data = _read_text(root / rel, rel, skipped)
-                if data is None:
-                    continue
-                if budget[split] is not None:
-                    data = data[:budget[split] - total]
-                chunks.append(data)
-                total += len(data)
-                files.append(FileEntry(rel, split, len(data), hashlib.sha256(data).hexdigest()))
-            if total == 0:  # split_files never leaves a split without files: here all of them were skipped or empty
-                raise ValueError(f"the {split.value} split under {str(root)!r} has no readable text file "
-                                 f"({len(skipped)} skipped); add text files or change val_fraction")
-            streams[split] = b"".join(chunks)
+            raise FileNotFoundError(f"none of the {others} file(s) under data folder {str(root)!r} matches the "
+                                    f"patterns {list(patterns)}; {DATA_FIX}")
+        streams, files = _read_splits(root, paths, config, skipped)
+        if not streams:  # a split drew only binary, unreadable or empty files: split the non-empty text files alone
+            text = [rel for rel in paths if _read_text(root / rel, rel, skipped)]
+            if len(text) < 2:
+                raise ValueError(_too_few_text_files(root, text, skipped))
+            streams, files = _read_splits(root, text, config, skipped)  # both splits non-empty: see split_files
         if skipped:
-            log.warning("data: skipped %d file(s) under %s (binary or unreadable), e.g. %s: %s",
-                        len(skipped), root, *skipped[0])
+            rel, reason = next(iter(skipped.items()))
+            log.warning("data: skipped %d binary, non-UTF-8 or unreadable file(s) under %s (e.g. %s: %s)",
+                        len(skipped), root, rel, reason)
 
         # The digest covers both splits with their lengths, so moving a file between splits changes it too.
         digest = hashlib.sha256()
         for split in Split:
             digest.update(f"{split.value}:{len(streams[split])}\n".encode())
             digest.update(streams[split])
-        manifest = Manifest(str(root), tuple(files), tuple(skipped), digest.hexdigest())
+        manifest = Manifest(str(root), tuple(files), tuple(skipped.items()), digest.hexdigest())
         return cls(_tokens(streams[Split.TRAIN]), _tokens(streams[Split.VAL]), manifest, config)
 
     def tokens(self, split: Split | str) -> torch.Tensor:
@@ -306,29 +296,74 @@ def val_batches(tokens: torch.Tensor, *, batch_size: int, seq_len: int,
         yield window[:, :-1], window[:, 1:]
 
 
+def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig,
+                 skipped: dict[str, str]) -> tuple[dict[Split, bytes], list[FileEntry]]:
+    """The bytes of each split and the files they came from: `paths` split by `split_files`, each split's files
+    read in path order until its share of `config.max_bytes` is taken. Unreadable and binary files go to `skipped`.
+    Returns ({}, []) when a split gets no bytes (all its files skipped or empty)."""
+    splits = split_files(paths, config.val_fraction)
+    budget: dict[Split, int | None] = {Split.TRAIN: None, Split.VAL: None}
+    if config.max_bytes is not None:  # validation's ceil share, but one byte left for train (max_bytes >= 2)
+        budget[Split.VAL] = min(math.ceil(config.max_bytes * config.val_fraction), config.max_bytes - 1)
+        budget[Split.TRAIN] = config.max_bytes - budget[Split.VAL]
+    streams, files = {}, []
+    for split in Split:
+        chunks, total = [], 0
+        for rel in (p for p in paths if splits[p] == split):
+            if budget[split] is not None and total >= budget[split]:
+                break
+            data = _read_text(root / rel, rel, skipped)
+            if data is None:
+                continue
+            if budget[split] is not None:
+                data = data[:budget[split] - total]
+            chunks.append(data)
+            total += len(data)
+            files.append(FileEntry(rel, split, len(data), hashlib.sha256(data).hexdigest()))
+        if total == 0:
+            return {}, []
+        streams[split] = b"".join(chunks)
+    return streams, files
+
+
+def _too_few_text_files(root: pathlib.Path, text: list[str], skipped: dict[str, str]) -> str:
+    """The message for a folder with fewer than two non-empty text files, naming what was found and skipped."""
+    found = f"found only {text[0]!r}" if text else "found none"
+    if skipped:
+        rel, reason = next(iter(skipped.items()))
+        found += f" and skipped {len(skipped)} binary, non-UTF-8 or unreadable file(s), e.g. {rel} ({reason})"
+    return (f"need at least 2 non-empty text files under data folder {str(root)!r} for a train/validation split by "
+            f"file, {found}; {DATA_FIX}")
+
+
 def _excluded(name: str, excluded: tuple[str, ...]) -> bool:
     return any(fnmatch.fnmatchcase(name, pattern) for pattern in excluded)
 
 
 def _find_files(root: pathlib.Path, patterns: tuple[str, ...], excluded: tuple[str, ...],
-                skipped: list[tuple[str, str]]) -> list[str]:
-    """Sorted '/'-separated relative paths of the files under root matching a pattern (symlinked folders not followed);
-    folders that cannot be listed are appended to `skipped`."""
+                skipped: dict[str, str]) -> tuple[list[str], int]:
+    """Sorted '/'-separated relative paths of the files under root matching a pattern (symlinked folders not
+    followed), and the number of other files (not excluded, matching no pattern); folders that cannot be listed go to
+    `skipped`."""
     def unlistable(err: OSError):
-        skipped.append((pathlib.Path(err.filename).relative_to(root).as_posix(), f"unreadable: {err.strerror}"))
+        skipped[pathlib.Path(err.filename).relative_to(root).as_posix()] = f"unreadable: {err.strerror}"
 
-    found = []
+    found, others = [], 0
     for dirpath, dirnames, filenames in os.walk(root, onerror=unlistable):
         dirnames[:] = sorted(d for d in dirnames if not _excluded(d, excluded))
         rel_dir = pathlib.PurePosixPath(pathlib.Path(dirpath).relative_to(root).as_posix())
         for name in filenames:
             rel = rel_dir / name
-            if not _excluded(name, excluded) and any(rel.match(p) for p in patterns):
+            if _excluded(name, excluded):
+                continue
+            if any(rel.match(p) for p in patterns):
                 found.append(rel.as_posix())
-    return sorted(found)
+            else:
+                others += 1
+    return sorted(found), others
 
 
-def _read_text(path: pathlib.Path, rel: str, skipped: list[tuple[str, str]]) -> bytes | None:
+def _read_text(path: pathlib.Path, rel: str, skipped: dict[str, str]) -> bytes | None:
     """The file's bytes, or None (and an entry in `skipped`) if it cannot be read or is not UTF-8 text.
 
     "Text" is git's test (no NUL byte) plus valid UTF-8, so every byte value the model sees comes from real text.
@@ -336,15 +371,15 @@ def _read_text(path: pathlib.Path, rel: str, skipped: list[tuple[str, str]]) -> 
     try:
         data = path.read_bytes()
     except OSError as err:
-        skipped.append((rel, f"unreadable: {err.strerror or type(err).__name__}"))
+        skipped[rel] = f"unreadable: {err.strerror or type(err).__name__}"
         return None
     if b"\0" in data:
-        skipped.append((rel, "binary: contains a NUL byte"))
+        skipped[rel] = "binary: contains a NUL byte"
         return None
     try:
         data.decode("utf-8")
     except UnicodeDecodeError as err:
-        skipped.append((rel, f"binary: not UTF-8 ({err.reason} at byte {err.start})"))
+        skipped[rel] = f"binary: not UTF-8 ({err.reason} at byte {err.start})"
         return None
     return data
 
