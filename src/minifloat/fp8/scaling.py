@@ -220,13 +220,10 @@ class NonfiniteWatch:
 
 
 @torch.no_grad()
-def reduce_amax(model: nn.Module, group=None) -> int:
-    """Agree on this step's amaxes across data-parallel ranks with one all-reduce (MAX) over all layers.
-
-    Call after backward, before the next forward. Returns the number of values reduced (0 without
-    torch.distributed initialised, in which case nothing happens).
-    """
-    states = scaling_states(model)
+def reduce_states(states: list[ScalingState], group=None) -> int:
+    """MAX-all-reduce row 0 of the states' histories (this step's amaxes) in one collective; every rank must pass
+    the same states in the same order. Returns the number of values reduced (0 without torch.distributed
+    initialised, in which case nothing happens)."""
     if not states or not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return 0
     flat = torch.cat([s.amax_history[0] for s in states])  # (3·layers,): one message for the whole model
@@ -234,3 +231,12 @@ def reduce_amax(model: nn.Module, group=None) -> int:
     for s, chunk in zip(states, flat.split(len(ROLES))):
         s.amax_history[0].copy_(chunk)
     return flat.numel()
+
+
+def reduce_amax(model: nn.Module, group=None) -> int:
+    """Agree on this step's amaxes across ranks with one all-reduce (MAX) over all the model's layers.
+
+    The end of the FP8 step does this by itself (minifloat.fp8.step); call it only for a reduction mid-step, e.g.
+    before reading the amaxes. Returns the number of values reduced (0 without torch.distributed initialised).
+    """
+    return reduce_states(scaling_states(model), group=group)

@@ -13,6 +13,13 @@ When the step ends:
     optimizer that steps the masters ends the step of the layers owning the parameters;
   * explicitly, `fp8_step(model)`, for layers no optimizer steps (frozen weights, custom update rules) or layers
     built with `step_on="manual"`.
+
+Across ranks: when torch.distributed is initialised, the end of the step first MAX-all-reduces the step's amaxes
+(row 0 of every stepped layer's history, all roles) in one collective over the amax group: the default group unless
+`set_amax_group` chose another (or None: no reduction). Every rank then derives the same scales from the same
+history, so FP8 scaling state is identical on all ranks after every step (data parallel, FSDP, tensor parallel:
+the MAX over all ranks covers each sharded layer's group). The layers are reduced in the order the optimizer holds
+their parameters (or `fp8_step`'s module order), which is the same on every rank of one model.
 """
 
 from __future__ import annotations
@@ -26,6 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from minifloat.core.switch import ThreadSwitch
+from minifloat.fp8.scaling import reduce_states
 
 STEP_ON = ("optimizer", "manual")
 
@@ -35,6 +43,8 @@ _LAYERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _ALIASES: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(stand-in) -> (stand-in, the parameter it stands for)
 _HOOK = None
 _SUPPRESSED = ThreadSwitch()
+_DEFAULT_GROUP = object()  # "the default process group", resolved when a step ends
+_AMAX_GROUP = _DEFAULT_GROUP
 
 
 def track(layer: nn.Module) -> None:
@@ -71,14 +81,35 @@ def _resolve(p: torch.Tensor) -> torch.Tensor:
     return p
 
 
-def params_updated(params: Iterable[torch.Tensor]) -> int:
-    """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many."""
-    updated = {id(p): p for p in map(_resolve, params)}
-    layers = [layer for layer in list(_LAYERS) if layer.step_on == "optimizer"
-              and any(updated.get(id(q)) is q for q in layer.parameters(recurse=False))]
+def set_amax_group(group=_DEFAULT_GROUP) -> None:
+    """The process group the step's amaxes are MAX-reduced over when torch.distributed is initialised: the default
+    group (no argument), a group (e.g. a DeviceMesh's flattened group), or None for no reduction (each rank keeps
+    its own scales: only right when ranks never share a layer's weights or activations)."""
+    global _AMAX_GROUP
+    _AMAX_GROUP = group
+
+
+def _end_step(layers: list[nn.Module]) -> int:
+    """Reduce the layers' amaxes across ranks (see module docstring), then advance each; returns how many."""
+    if layers and _AMAX_GROUP is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
+        reduce_states([layer.fp8_state for layer in layers],
+                      group=None if _AMAX_GROUP is _DEFAULT_GROUP else _AMAX_GROUP)
     for layer in layers:
         layer.fp8_step()
     return len(layers)
+
+
+def params_updated(params: Iterable[torch.Tensor]) -> int:
+    """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many. The layers
+    are taken in the order of `params` (the same on every rank of a data-parallel run)."""
+    owners = {id(q): layer for layer in list(_LAYERS) if layer.step_on == "optimizer"
+              for q in layer.parameters(recurse=False)}
+    layers: dict[int, nn.Module] = {}
+    for p in map(_resolve, params):
+        layer = owners.get(id(p))
+        if layer is not None and any(q is p for q in layer.parameters(recurse=False)):
+            layers.setdefault(id(layer), layer)
+    return _end_step(list(layers.values()))
 
 
 def fp8_step(model: nn.Module) -> int:
@@ -87,7 +118,4 @@ def fp8_step(model: nn.Module) -> int:
     Only for loops where no torch.optim optimizer steps the layers' parameters, or for layers built with
     `step_on="manual"`; in a plain loop `optimizer.step()` already does this, and calling both advances twice.
     """
-    layers = [m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")]
-    for layer in layers:
-        layer.fp8_step()
-    return len(layers)
+    return _end_step([m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")])

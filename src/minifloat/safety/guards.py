@@ -181,6 +181,18 @@ def nonfinite_reason(loss: float, grad_norm: float, operands: tuple[tuple[str, R
     return None
 
 
+def agree_across_ranks(verdict: torch.Tensor) -> torch.Tensor:
+    """[loss, grad norm, FP8 non-finite counts...] of this rank -> the same vector on every rank (one all-reduce
+    over the default group when torch.distributed is initialised): the mean loss and grad norm over ranks (the
+    norm is already the global one: DDP's gradients are reduced, sharded ones are made whole) and the summed counts,
+    so every rank reaches the same verdict. NaN/inf on one rank reaches all."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return verdict
+    torch.distributed.all_reduce(verdict)  # SUM
+    verdict[:2] /= torch.distributed.get_world_size()
+    return verdict
+
+
 def _listed(names: list[str]) -> str:
     """At most _MAX_NAMES_LOGGED names, comma-separated, with a count of the rest."""
     more = len(names) - _MAX_NAMES_LOGGED
@@ -289,7 +301,8 @@ class StepGuard:
 
         On a skip the gradients are set to None, the buffers restored to their `begin_step` values and a warning
         logged; after `rollback_after` skips in a row the last snapshot is restored (see StepReport.rollback).
-        One host synchronisation per call (the loss, the gradient norm and the FP8 non-finite counters).
+        One host synchronisation per call (the loss, the gradient norm and the FP8 non-finite counters), and under
+        torch.distributed one all-reduce of them, so all ranks skip or step together (`agree_across_ranks`).
 
         Args:
             loss: the step's loss (with gradient accumulation, e.g. the mean over micro-batches).
@@ -303,9 +316,11 @@ class StepGuard:
         params = self._params()
         grads = [p.grad for _, p in params if p.grad is not None]
         grad_norm = nn.utils.get_total_norm(grads) if grads else torch.zeros(())
-        loss_v, norm_v, *counts = torch.cat([
+        if hasattr(grad_norm, "full_tensor"):  # sharded (DTensor) gradients: the norm of the whole gradient
+            grad_norm = grad_norm.full_tensor()
+        loss_v, norm_v, *counts = agree_across_ranks(torch.cat([
             loss.detach().float().reshape(1), grad_norm.float().to(loss.device).reshape(1),
-            self._fp8_nonfinite.rises().flatten().to(loss.device, torch.float32)]).tolist()
+            self._fp8_nonfinite.rises().flatten().to(loss.device, torch.float32)])).tolist()
         values = {Signal.LOSS: loss_v, Signal.GRAD_NORM: norm_v}
 
         reason, bad, operands = None, (), ()
