@@ -935,7 +935,19 @@ def test_given_amax_is_returned_with_an_explicit_tensor_scale():
     assert torch.equal(own.data.float(), given.data.float()) and torch.equal(own.amax, given.amax)
 
 
-@pytest.mark.parametrize("kwargs", [{}, {"granularity": "row", "scale": torch.ones(64, 1)}], ids=["no-scale", "row"])
-def test_given_amax_needs_an_explicit_tensor_scale(kwargs):
+@pytest.mark.parametrize("kwargs", [{"granularity": "row", "scale": torch.ones(64, 1)}, {"granularity": "row"},
+                                    {"granularity": "tile"}], ids=["row-scale", "row", "tile"])
+def test_a_given_amax_is_per_tensor_only(kwargs):
     with pytest.raises(ValueError, match="amax"):
-        Q.quantize(torch.randn(64, 48), E4M3, amax=torch.tensor(1.0), **kwargs)
+        Q.quantize(torch.randn(64, 256), E4M3, amax=torch.tensor(1.0), **kwargs)
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_a_shard_cast_with_the_whole_amax_is_that_part_of_the_whole_cast(power_of_two):
+    """Without a scale, a given amax sets the scale: a shard cast with the whole tensor's amax is bitwise the
+    matching rows of the whole tensor's cast (what an FP8 all-gather of shards relies on)."""
+    x = torch.randn(64, 48) * torch.logspace(-3, 3, 64)[:, None]
+    whole = Q.quantize(x, E4M3, power_of_two=power_of_two)
+    shard = Q.quantize(x[16:40], E4M3, power_of_two=power_of_two, amax=x.abs().max())
+    assert torch.equal(shard.scale, whole.scale)
+    assert torch.equal(shard.data.view(torch.uint8), whole.data[16:40].view(torch.uint8))

@@ -1,1 +1,1 @@
-"""torch.distributed integration: gradient reduction in fp32, amax agreement across ranks."""
+"""torch.distributed integration: gradient reduction in fp32 (comm), FSDP2 with FP8 all-gather (fsdp)."""

@@ -17,6 +17,11 @@ input's dtype); gradients are returned in the dtype of the tensor they belong to
 weight gradient is therefore produced in bfloat16 and widened to the parameter dtype, as bfloat16 autocast and
 torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 rounding of the operands it comes from
 (2^-3/2^-4).
+
+A weight may arrive already cast: FSDP2's FP8 all-gather (minifloat.distributed.fsdp) gathers each rank's shard cast
+by `LayerCaster.cast_weight_shard`, and the gathered weight carries that cast as `weight.fp8_cast` (a `Quantized`)
+with the spec it was cast under as `weight.fp8_spec`. When that spec is the layer's weight spec, fprop and dgrad use
+the gathered cast as they would use the layer's own cast of the whole weight (it is bitwise that cast).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from minifloat.fp8 import telemetry
 from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
 from minifloat.numerics.granularity import Granularity, granularity_info
-from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t, scale_from_amax
+from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t
 from minifloat.fp8.recipes import Recipe, Role
 from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
 
@@ -127,8 +132,43 @@ class LayerCaster:
         if telemetry.enabled():
             telemetry.observe(self.name, role.value, t, q)
 
+    def precast_weight(self, weight: torch.Tensor) -> Quantized | None:
+        """The cast a weight arrived with (see the module docstring) when it is the one this layer would make, else
+        None (no cast attached, or another recipe in force: the weight's values are then cast as usual)."""
+        q = getattr(weight, "fp8_cast", None)
+        return q if q is not None and weight.fp8_spec == self.recipe.spec(Role.WEIGHT) else None
+
+    def cast_weight_shard(self, shard: torch.Tensor, amax: torch.Tensor) -> Quantized:
+        """One shard (rows) of the weight cast exactly as `cast_weight` casts the whole weight, per-tensor recipes only.
+
+        `amax` is the whole weight's amax (the MAX of the shards' amaxes) or, once a delayed role is seeded, anything
+        (the stored scale decides; the amax is only recorded). The state is only read: the forward that uses the
+        gathered cast records its amax and seeds a delayed role (`cast_weight`). Returns FP8 data (kept) and the
+        dequantization scale the whole weight's cast has.
+        """
+        spec = self.recipe.spec(Role.WEIGHT)
+        if not granularity_info(spec.granularity).per_tensor:
+            raise ValueError(f"only per-tensor weight casts can be made shard by shard, not '{spec.granularity}'")
+        if spec.delayed:
+            qscale, _ = self.state.delayed_scale(ROLE_INDEX[Role.WEIGHT], lambda: amax, spec.fmt, margin=spec.margin,
+                                                 store=False)
+            return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax)
+        # current scaling: the scale from the whole weight's amax, by the same rule (not a scale passed in: 1/(1/s) is
+        # not s in float32), so every FP8 value is the unsharded cast's
+        return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, margin=spec.margin,
+                        power_of_two=spec.power_of_two, amax=amax)
+
     def cast_weight(self, weight: torch.Tensor) -> Quantized:
         """The forward's weight cast, made once per FP8 step when the layer caches (its amax recorded each time)."""
+        precast = self.precast_weight(weight)
+        if precast is not None:
+            spec = self.recipe.spec(Role.WEIGHT)
+            if self.recording:
+                if spec.delayed:  # a first step seeds from the whole weight's amax, which the gather was cast with
+                    self.state.delayed_scale(ROLE_INDEX[Role.WEIGHT], lambda: precast.amax, spec.fmt,
+                                             margin=spec.margin)
+                self.state.record(Role.WEIGHT, precast.amax)
+            return precast
         if self.weights is None:
             return self.cast(Role.WEIGHT, weight)
         options = (self.recipe, self.backend, self.recording, self.state.generation)  # generation last: see peek
@@ -158,6 +198,9 @@ def _transposed(q: Quantized, caster: LayerCaster, role: Role, source: torch.Ten
 def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Granularity,
                     scale: torch.Tensor | None) -> Quantized:
     """Wᵀ quantized along N for dgrad, from the weight parameter (once per FP8 step when the layer caches)."""
+    precast = caster.precast_weight(weight)
+    if precast is not None:
+        return precast.t()  # per-tensor: the forward's FP8 weight, gathered again for backward (the same bytes)
     if caster.weights is None:
         return _requantize_weight_t(caster, weight, granularity, scale)
     forward = caster.weights.peek("fprop", weight, caster.state.generation)

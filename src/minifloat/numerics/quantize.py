@@ -286,8 +286,10 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         operand_dtype: if set, also return `operand`, the grid values in this dtype with power-of-two block scales
             folded in, for the emulated GEMM.
         keep_data: False skips writing `data` (only with operand_dtype): for operands used once and not saved.
-        amax: x's absolute maximum when the caller has it already (with an explicit per-tensor `scale` only): it is
-            returned as the result's amax instead of being computed again in the cast's pass.
+        amax: a per-tensor amax the caller has already. With an explicit `scale` it is x's own, returned as the
+            result's amax instead of being computed again in the cast's pass; without one the scale is computed
+            from it instead of from x (e.g. the whole tensor's amax, for one shard of it: the shard's cast is then
+            bitwise that part of the whole tensor's).
     Returns:
         Quantized with data of x's shape.
     """
@@ -305,10 +307,10 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     storage = (fmt.torch_dtype if fmt.torch_dtype is not None else torch.float32) if keep_data else None
 
     xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
-    if amax is not None and (scale is None or not info.per_tensor):
-        raise ValueError("a given amax goes with an explicit per-tensor scale")
+    if amax is not None and not info.per_tensor:
+        raise ValueError(f"a given amax goes with a per-tensor cast, not '{granularity}'")
     if scale is None:
-        amax = abs_max(xb, None if info.per_tensor else -1)
+        amax = abs_max(xb, None if info.per_tensor else -1) if amax is None else amax.float().reshape(())
         qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
     else:
         if info.block is not None:  # a given scale must not depend on per-block amaxes the caller cannot see
