@@ -16,9 +16,10 @@ MAX_LINES = 420  # "about 400 lines at most" (STYLE.md)
 
 
 def layer_of(module: str) -> str:
-    """'minifloat.fp8.gemm' -> 'fp8'; 'minifloat.cli' -> 'cli'; 'minifloat' -> ''."""
+    """'minifloat.fp8.gemm' -> 'fp8'; 'minifloat.cli' -> 'cli'; 'minifloat' and its top-level modules
+    ('minifloat.train', the torchrun entry) -> ''."""
     parts = module.split(".")
-    return parts[1] if len(parts) > 1 else ""
+    return parts[1] if len(parts) > 1 and (PACKAGE / parts[1]).is_dir() else ""
 
 
 def module_name(path: pathlib.Path) -> str:

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import pathlib
 import signal
 
 from rich.table import Table
 
 from minifloat.cli import common
+from minifloat.cli.launch import launch, report_rank_error
 
 
 def _steps(text: str) -> tuple[int, ...]:
@@ -23,7 +26,8 @@ def _steps(text: str) -> tuple[int, ...]:
 FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum", "lr", "warmup", "lr_decay_steps",
                "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
                "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
-               "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile")
+               "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile", "nproc",
+               "parallel")
 # fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
 NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
 
@@ -31,10 +35,13 @@ NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_st
 def train_config(args: argparse.Namespace):
     """The TrainConfig the flags ask for. With --resume, flags not given take the checkpoint's values, so
     `minifloat train --out DIR --resume --steps 800` continues the run as it was set up."""
-    from minifloat.training.checkpoint import checkpoint_extra
     from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig
+    from minifloat.training.parallel import launched_by_torchrun
+    from minifloat.training.sharded import read_extra
 
     fields = {name: getattr(args, name) for name in FLAG_FIELDS if getattr(args, name) is not None}
+    if launched_by_torchrun() and "nproc" not in fields:  # `torchrun --nproc-per-node N -m minifloat.train`
+        fields["nproc"] = int(os.environ["WORLD_SIZE"])
     if args.nan_steps is not None:
         fields["nan_steps"] = _steps(args.nan_steps)
     if args.lr is not None:  # --lr alone moves the floor with it (min_lr = lr / 10, nanoGPT's rule of thumb)
@@ -42,11 +49,45 @@ def train_config(args: argparse.Namespace):
     if args.resume:
         ckpt = pathlib.Path(fields.get("out", TrainConfig.out)) / CHECKPOINT_DIR
         if ckpt.is_dir():  # else train() says there is no checkpoint
-            saved = checkpoint_extra(ckpt).get("config") or {}
+            saved = read_extra(ckpt).get("config") or {}
             inherited = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                          if k in TrainConfig.__dataclass_fields__ and k not in NOT_INHERITED}
             fields = {**inherited, **fields}
+    if fields.get("nproc", 1) > 1 and fields.get("parallel") is None:
+        fields["parallel"] = "ddp"
     return TrainConfig(**fields)
+
+
+def launch_argv(args: argparse.Namespace, config) -> list[str]:
+    """The train flags that give each launched rank `config`: the flags given, with --nproc and --parallel."""
+    argv = [flag for flag, on in (("--verbose", args.verbose), ("--debug", args.debug)) if on]
+    for name in (*FLAG_FIELDS, "nan_steps"):
+        value = getattr(args, name)
+        flag = "--" + name.replace("_", "-")
+        if name in ("nproc", "parallel") or value is None or value is False:
+            continue
+        argv += [flag] if value is True else [flag, str(value)]
+    return argv + ["--nproc", str(config.nproc), "--parallel", config.parallel]
+
+
+def run_rank(config):
+    """This process's rank of a multi-process run (started by torchrun): rank 0 logs as one process would, the
+    others log errors only. A rank started by `minifloat train --nproc` hands its error to the launcher."""
+    from minifloat.cli import USER_ERRORS, one_line
+    from minifloat.training.loop import train
+
+    if int(os.environ.get("RANK", "0")) != 0:
+        logging.getLogger("minifloat").setLevel(logging.ERROR)
+    try:
+        return train(config)
+    except USER_ERRORS as err:
+        if report_rank_error(one_line(err), 2):
+            raise SystemExit(2) from None
+        raise
+    except Exception as err:
+        if report_rank_error(f"{type(err).__name__}: {one_line(err)}", 1):
+            raise SystemExit(1) from None
+        raise
 
 
 def cmd_train(args: argparse.Namespace) -> int:
@@ -62,9 +103,17 @@ def cmd_train(args: argparse.Namespace) -> int:
     current step with a checkpoint (exit status 128 + the signal's number). Exits with status 2 on an invalid
     option or input."""
     from minifloat.training.loop import train
+    from minifloat.training.parallel import launched_by_torchrun
 
     config = train_config(args)
-    result = train(config)
+    if config.parallel is not None and not launched_by_torchrun():
+        status, message = launch(launch_argv(args, config), nproc=config.nproc)
+        if message is not None:
+            raise common.CliError(message, status=status)
+        return 0
+    result = run_rank(config) if config.parallel is not None else train(config)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return 0
     if result.stopped_by:
         common.console.print(f"stopped by {result.stopped_by} at step {result.last_step}/{config.steps}; checkpoint "
                              f"in {pathlib.Path(config.out) / 'ckpt'}; continue with --resume")
@@ -160,6 +209,13 @@ def add_parser(sub) -> None:
                          f"1 for off (default {defaults.embedding_grad_alpha})")
     tr.add_argument("--compile", action="store_true", default=None,
                     help="run the training steps under torch.compile (the first steps compile; results as eager)")
+    tr.add_argument("--nproc", type=int, default=None, metavar="N",
+                    help="train on N processes of this machine (torchrun; gloo on CPU, NCCL on GPU), each on "
+                         "--grad-accum micro-batches of every step; logs, progress and checkpoints come from rank 0 "
+                         f"(default {defaults.nproc})")
+    tr.add_argument("--parallel", default=None, choices=["ddp", "fsdp"],
+                    help="how the ranks hold the model: ddp (replicated, DistributedDataParallel) or fsdp (sharded, "
+                         "FSDP2); default ddp when --nproc is above 1")
     tr.add_argument("--nan-steps", default=None, metavar="S,S",
                     help="fault injection: comma list of steps whose loss is made NaN, to try the guards (the "
                          "batch numbers, once a rollback skipped batches; default none)")

@@ -30,7 +30,6 @@ import copy
 import hashlib
 import json
 import logging
-import math
 import os
 import shutil
 import tempfile
@@ -45,6 +44,7 @@ from torch import nn
 
 from minifloat.core.rng import rng_state, set_rng_state
 from minifloat.core.version import __version__
+from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
 
 log = logging.getLogger("minifloat")
 
@@ -58,88 +58,6 @@ _ENTRIES = {**dict.fromkeys(("tensors_file", "tensors", "model", "rng", "extra")
             "optimizer_type": (str, True), **dict.fromkeys(("optimizer", *_STATEFUL), (dict, True))}
 NAMES_SHOWN = 3  # names (keys, tensors) an error message lists before "and N more"
 
-
-class CheckpointError(ValueError):
-    """A checkpoint that is truncated, corrupt, of another format version, or does not fit the objects given."""
-
-
-# ------------------------------------------------------------------------------------------- tensors and JSON
-
-
-def _view_key(t: torch.Tensor) -> tuple[tuple, tuple] | None:
-    """(storage, exact view) identities of a tensor; None for an empty one (which owns no memory to share)."""
-    if not t.numel():
-        return None
-    storage = (t.device, t.untyped_storage().data_ptr())
-    return storage, storage + (t.storage_offset(), tuple(t.shape), t.stride(), t.dtype)
-
-
-class _TensorTable:
-    """Tensors to write, by name; a tensor that views exactly what an earlier one does is stored once."""
-
-    def __init__(self):
-        self.tensors: dict[str, torch.Tensor] = {}
-        self._views: dict[tuple, str] = {}  # exact view -> the name it is stored under
-        self._storages: set[tuple] = set()
-
-    def add(self, name: str, tensor: torch.Tensor) -> str:
-        """Store `tensor` under `name` unless an exact alias is stored already; returns the name it is stored under."""
-        t = tensor.detach()
-        key = _view_key(t)
-        if key is not None:
-            storage, view = key
-            if view in self._views:
-                return self._views[view]
-            self._views[view] = name
-            if storage in self._storages:  # overlaps another stored tensor without being it: safetensors needs a copy
-                t = t.clone()
-            self._storages.add(storage)
-        if name in self.tensors:
-            raise ValueError(f"two tensors would be stored under the name {name!r}")
-        self.tensors[name] = t.cpu().contiguous()
-        return name
-
-
-def _encode(obj: Any, path: str, table: _TensorTable) -> Any:
-    """JSON form of obj; tensors go into `table` under `path` (e.g. "optim/state/3/exp_avg")."""
-    if obj is None or isinstance(obj, (bool, int, str)):
-        return obj
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else {"__float__": repr(obj)}  # strict JSON has no NaN / Infinity
-    if isinstance(obj, torch.Tensor):
-        return {"__tensor__": table.add(path, obj)}
-    if isinstance(obj, list):
-        return [_encode(v, f"{path}/{i}", table) for i, v in enumerate(obj)]
-    if isinstance(obj, tuple):
-        return {"__tuple__": [_encode(v, f"{path}/{i}", table) for i, v in enumerate(obj)]}
-    if isinstance(obj, Mapping):
-        if all(isinstance(k, str) and not k.startswith("__") for k in obj):
-            return {k: _encode(v, f"{path}/{k}", table) for k, v in obj.items()}
-        return {"__items__": [[_encode(k, f"{path}/key", table), _encode(v, f"{path}/{k}", table)]
-                              for k, v in obj.items()]}
-    raise ValueError(f"{path}: a {type(obj).__name__} cannot be stored in a checkpoint (JSON values, tuples and "
-                     f"tensors only; nothing is pickled)")
-
-
-def _decode(obj: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
-    """Inverse of `_encode`: tagged forms back to tensors (from `tensors`), tuples, floats and keyed dicts."""
-    if isinstance(obj, list):
-        return [_decode(v, tensors) for v in obj]
-    if not isinstance(obj, dict):
-        return obj
-    if len(obj) == 1:
-        (tag, value), = obj.items()
-        if tag == "__tensor__":
-            if value not in tensors:
-                raise CheckpointError(f"the manifest refers to tensor {value!r}, which {TENSORS_FILE} lacks")
-            return tensors[value]
-        if tag == "__tuple__":
-            return tuple(_decode(v, tensors) for v in value)
-        if tag == "__float__":
-            return float(value)
-        if tag == "__items__":
-            return {_decode(k, tensors): _decode(v, tensors) for k, v in value}
-    return {k: _decode(v, tensors) for k, v in obj.items()}
 
 
 @contextlib.contextmanager
@@ -172,7 +90,7 @@ def _model_tensor_names(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     first: dict[tuple, str] = {}
     names = {}
     for key, t in state.items():
-        view = _view_key(t)
+        view = view_key(t)
         names[key] = key if view is None else first.setdefault(view[1], key)
     return names
 
@@ -188,7 +106,7 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _fsync(path: Path) -> None:
+def fsync_path(path: Path) -> None:
     """Flush a file, or on POSIX a directory entry list, to disk."""
     if path.is_dir() and os.name != "posix":
         return
@@ -216,15 +134,15 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         FileExistsError: `directory` exists and is neither a checkpoint nor empty.
     """
     directory = Path(directory)
-    table = _TensorTable()
+    table = TensorTable()
     model_keys = {key: table.add(f"model/{key}", t) for key, t in model.state_dict().items()}
     sections = {
-        "optimizer": _encode(optimizer.state_dict(), "optim", table) if optimizer is not None else None,
+        "optimizer": encode(optimizer.state_dict(), "optim", table) if optimizer is not None else None,
         "optimizer_type": type(optimizer).__qualname__ if optimizer is not None else None,
-        **{name: _encode(obj.state_dict(), name, table) if obj is not None else None
+        **{name: encode(obj.state_dict(), name, table) if obj is not None else None
            for name, obj in zip(_STATEFUL, (scaler, guard, loader))},
-        "rng": _encode(rng_state(), "rng", table),
-        "extra": _encode(dict(extra or {}), "extra", table),
+        "rng": encode(rng_state(), "rng", table),
+        "extra": encode(dict(extra or {}), "extra", table),
     }
     if directory.exists() and not (directory / MANIFEST_FILE).is_file() and any(directory.iterdir()):
         raise FileExistsError(f"{directory} exists and is not a checkpoint; refusing to replace it")
@@ -233,7 +151,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
         save_file(table.tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
-        _fsync(tmp / TENSORS_FILE)
+        fsync_path(tmp / TENSORS_FILE)
         manifest = {
             "format_version": FORMAT_VERSION, "minifloat_version": __version__, "torch_version": torch.__version__,
             "tensors_file": {"name": TENSORS_FILE, "bytes": (tmp / TENSORS_FILE).stat().st_size,
@@ -247,17 +165,17 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             json.dump(manifest, f, indent=1, allow_nan=False)
             f.flush()
             os.fsync(f.fileno())
-        _fsync(tmp)
-        _move_into_place(tmp, directory)
+        fsync_path(tmp)
+        move_into_place(tmp, directory)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    _fsync(directory.parent)
+    fsync_path(directory.parent)
     log.info("minifloat: saved checkpoint %s (%d tensors)", directory, len(table.tensors))
     return directory
 
 
-def _move_into_place(tmp: Path, directory: Path) -> None:
+def move_into_place(tmp: Path, directory: Path) -> None:
     """Rename the complete `tmp` to `directory`. POSIX rename cannot replace a non-empty directory, so an old
     checkpoint is first renamed aside, and removed only once the new one is in place (restored if that fails)."""
     if not directory.exists():
@@ -362,7 +280,7 @@ def checkpoint_extra(directory: str | os.PathLike) -> dict[str, Any]:
         CheckpointError: the manifest is missing, corrupt or of another format version, or `extra` holds tensors.
     """
     with _malformed(f"the manifest of {directory}"):
-        return _decode(_read_manifest(Path(directory))["extra"], {})
+        return decode(_read_manifest(Path(directory))["extra"], {})
 
 
 def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
@@ -392,13 +310,13 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         _check_model(model, manifest, model_state)
         if absent := [name for name, obj in given.items() if obj is not None and manifest[name] is None]:
             raise CheckpointError(f"{directory} holds no {absent[0]} state, but a {absent[0]} was given to restore")
-        states = {name: _decode(manifest[name], tensors) for name, obj in given.items() if obj is not None}
+        states = {name: decode(manifest[name], tensors) for name, obj in given.items() if obj is not None}
         if optimizer is not None:
             _check_optimizer(optimizer, manifest["optimizer_type"], states["optimizer"])
         if scaler is not None and scaler.is_enabled() and not states["scaler"]:
             raise CheckpointError(f"{directory} holds a disabled loss scaler's state; the scaler given is enabled")
-        rng = _decode(manifest["rng"], tensors) if restore_rng else None
-        extra = _decode(manifest["extra"], tensors)
+        rng = decode(manifest["rng"], tensors) if restore_rng else None
+        extra = decode(manifest["extra"], tensors)
 
     # Apply. Generators and small stateful objects validate as they load, so they go first, as (load, saved state,
     # state now) to put back if one (or the optimizer's checks) refuses; the model was checked in full above.

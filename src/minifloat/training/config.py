@@ -8,8 +8,10 @@ import re
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.safety.shadow import ShadowConfig
+from minifloat.training.parallel import Parallel
 from minifloat.training.model import SIZES
 
+PARALLEL = [p.value for p in Parallel]  # TrainConfig.parallel
 DEVICE_PATTERN = re.compile(r"auto|cpu|meta|cuda(:\d+)?")  # TrainConfig.device
 # fields a resumed run must share with its checkpoint, and what a change would do (TrainConfig.check_resume)
 RESUME_FIXED = (
@@ -77,6 +79,11 @@ class TrainConfig:
             (GLM-130B's embedding gradient shrink uses 0.1); 1 turns it off. With tied embeddings the lm_head's
             gradient of the shared matrix is not shrunk.
         compile: run the training forward and backward under torch.compile (evaluation and checks stay eager).
+        nproc: processes (ranks) training together, each on grad_accum micro-batches of every step, so a step trains
+            on nproc × grad_accum × batch_size sequences (minifloat.training.parallel); 1 is one plain process.
+        parallel: how the ranks hold the model: "ddp" (replicated, DistributedDataParallel) or "fsdp" (sharded,
+            FSDP2's fully_shard); None for one plain process. Needs torchrun (`minifloat train --nproc N` starts it).
+            A checkpoint continues on any nproc and parallel with the same nproc × grad_accum.
     """
 
     model: str = "tiny"
@@ -111,13 +118,15 @@ class TrainConfig:
     grad_accum: int = 1
     overwrite: bool = False
     device: str = "auto"
+    nproc: int = 1
+    parallel: str | None = None
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
         check_choice("preset", self.preset, list(PRESETS))
         for field, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("warmup", 0), ("eval_every", 1),
                            ("eval_batches", 1), ("seed", 0), ("checkpoint_every", 0), ("shadow_every", 0),
-                           ("rollback_after", 0), ("snapshot_every", 1), ("grad_accum", 1)):
+                           ("rollback_after", 0), ("snapshot_every", 1), ("grad_accum", 1), ("nproc", 1)):
             check_int(field, getattr(self, field), low=low)
         if self.seq_len > SIZES[self.model].max_seq_len:
             raise ValueError(f"seq_len must be <= {SIZES[self.model].max_seq_len} (max_seq_len of model "
@@ -145,6 +154,9 @@ class TrainConfig:
         check_number("shadow_threshold", self.shadow_threshold, low=0.0, low_open=True)
         check_number("embedding_grad_alpha", self.embedding_grad_alpha, low=0.0, high=1.0, low_open=True)
         check_bool("compile", self.compile)
+        check_choice("parallel", self.parallel, [None, *PARALLEL])
+        if self.nproc > 1 and self.parallel is None:
+            raise ValueError(f"nproc={self.nproc} ranks need parallel ddp or fsdp, got parallel=None")
         recipe = PRESETS[self.preset].recipe
         if self.shadow_every and recipe is None:
             raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
@@ -182,7 +194,19 @@ class TrainConfig:
             raise ValueError(f"the checkpoint at {where} was trained with preset {saved.get('preset')}, this run asks "
                              f"for {self.preset}: resume with --preset {saved.get('preset')}, or start a new run "
                              f"elsewhere")
+        saved_nproc = saved.get("nproc", 1)
+        if saved_nproc != self.nproc:  # another number of ranks continues the run if the micro-batches per step stay
+            saved_micro, micro = saved.get("grad_accum", 1) * saved_nproc, self.grad_accum * self.nproc
+            if saved_micro != micro:
+                raise ValueError(f"the checkpoint at {where} was trained on {saved_nproc} rank(s) with --grad-accum "
+                                 f"{saved.get('grad_accum', 1)} ({saved_micro} micro-batches per step), this run asks "
+                                 f"for {micro} on {self.nproc}: resume with --grad-accum {saved_micro // self.nproc}"
+                                 if saved_micro % self.nproc == 0 else
+                                 f"the checkpoint at {where} was trained with {saved_micro} micro-batches per step, "
+                                 f"which {self.nproc} ranks cannot split evenly: resume with --nproc {saved_nproc}")
         for field, consequence in RESUME_FIXED:
+            if field == "grad_accum" and saved_nproc != self.nproc:
+                continue  # checked above, as micro-batches per step
             if field in saved and saved[field] != getattr(self, field):
                 flag = "--" + field.replace("_", "-")
                 raise ValueError(f"the checkpoint at {where} was trained with {flag} {saved[field]}, this run asks for "

@@ -40,13 +40,16 @@ from minifloat.fp8.modules import autocast
 from minifloat.safety.guards import GuardConfig, StepGuard
 from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
-from minifloat.training.checkpoint import checkpoint_extra, load_checkpoint, save_checkpoint
+from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
 from minifloat.training.model import Llama, LlamaConfig
+from minifloat.training.parallel import (Discard, Parallel, World, accumulating, any_rank, barrier, join_world,
+                                         mean_over_ranks, rank_batches, rank_device, shard, wrap)
 from minifloat.training.rundir import (CHECKPOINT_DIR, RUN_FILE, TENSORBOARD_DIR, CsvLog, GracefulStop,
                                        prepare_run_dir)
 from minifloat.training.schedule import Schedule
+from minifloat.training.sharded import is_sharded, load_sharded, read_extra, save_sharded
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops, resolve_device
 
 log = logging.getLogger("minifloat")
@@ -122,6 +125,8 @@ class Run:
     guard: StepGuard
     shadow: ShadowCheck
     stability: StabilityConfig
+    world: World = World()
+    train_module: torch.nn.Module | None = None  # what the training forward calls: DDP(model), else model
 
     @property
     def autocast_device(self) -> str:
@@ -129,12 +134,15 @@ class Run:
         return "cuda" if self.device.type == "cuda" else "cpu"
 
 
-def build(config: TrainConfig, device: torch.device | None = None) -> Run:
-    """The model (seeded, under the config's policy, on `device`), AdamW, loss scaler, guard and shadow check."""
+def build(config: TrainConfig, device: torch.device | None = None, world: World = World()) -> Run:
+    """The model (seeded, under the config's policy, on `device`; sharded or wrapped for the world's ranks), AdamW,
+    loss scaler, guard and shadow check."""
     device = device if device is not None else resolve_device(config.device)
     torch.manual_seed(config.seed)
     policy = config.policy()
     model = policy.apply(Llama(LlamaConfig.preset(config.model))).to(device)
+    if world.parallel is Parallel.FSDP:
+        shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
     stability = StabilityConfig(embedding_grad_alpha=config.embedding_grad_alpha, max_grad_norm=config.grad_clip,
                                 weight_decay=config.weight_decay)
     if config.embedding_grad_alpha != 1.0:
@@ -147,23 +155,25 @@ def build(config: TrainConfig, device: torch.device | None = None) -> Run:
     # without checks the mode stays FP8 and shadow.context() changes nothing
     shadow = ShadowCheck(ShadowConfig(interval=config.shadow_every or 1, threshold=config.shadow_threshold,
                                       reference_dtype=str(policy.compute_dtype).removeprefix("torch.")))
-    return Run(config, device, policy, model, optimizer, scaler, guard, shadow, stability)
+    return Run(config, device, policy, model, optimizer, scaler, guard, shadow, stability, world, wrap(model, world))
 
 
 def forward_backward(run: Run, forward, batches: list[tuple[torch.Tensor, torch.Tensor]], step: int, *,
                      poison: bool = False):
     """The gradients of one optimizer step: each micro-batch's forward under the policy's autocast and the shadow's
     mode, and its backward of loss / len(batches) (scaled by the loss scaler). Returns (mean loss, fp32 scalar
-    tensor; mode). `poison` multiplies the losses by NaN (TrainConfig.nan_steps)."""
+    tensor; mode). `poison` multiplies the losses by NaN (TrainConfig.nan_steps). Across ranks the gradients are
+    reduced once, in the last micro-batch's backward."""
     total = None
-    for x, y in batches:
-        with torch.autocast(run.autocast_device, dtype=run.policy.compute_dtype,
-                            enabled=run.policy.autocast_enabled), run.shadow.context(step) as mode:
-            logits, loss = forward(x, y)  # (B, T, V), fp32 scalar
-            loss = loss + run.stability.z_loss(logits)
-        if poison:
-            loss = loss * math.nan
-        run.scaler.scale(loss / len(batches)).backward()
+    for i, (x, y) in enumerate(batches):
+        with accumulating(run.train_module, run.world, last=i == len(batches) - 1):
+            with torch.autocast(run.autocast_device, dtype=run.policy.compute_dtype,
+                                enabled=run.policy.autocast_enabled), run.shadow.context(step) as mode:
+                logits, loss = forward(x, y)  # (B, T, V), fp32 scalar
+                loss = loss + run.stability.z_loss(logits)
+            if poison:
+                loss = loss * math.nan
+            run.scaler.scale(loss / len(batches)).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total / len(batches), mode
 
@@ -200,7 +210,7 @@ def _tensorboard(out: pathlib.Path):
 def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteCorpus) -> tuple[int, Schedule]:
     """Load the checkpoint into the run after checking it continues the same run; (its step, the schedule)."""
     config = run.config
-    saved = checkpoint_extra(ckpt_dir)
+    saved = read_extra(ckpt_dir)
     config.check_resume(saved.get("config"), saved.get("step"), where=ckpt_dir)
     schedule = Schedule(**saved["schedule"]) if "schedule" in saved else Schedule.from_config(
         dataclasses.replace(config, **{k: saved["config"][k] for k in ("lr", "min_lr", "warmup", "lr_decay_steps",
@@ -211,8 +221,15 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
     if changes:
         raise ValueError(f"the corpus differs from the one checkpoint {ckpt_dir} was trained on: "
                          f"{'; '.join(changes[:5])}; resume with the same --data and --max-bytes")
-    extra = load_checkpoint(ckpt_dir, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
-                            guard=run.guard, loader=loader)
+    if is_sharded(ckpt_dir):  # written by several ranks: DCP reshards it to this run's ranks
+        extra = load_sharded(ckpt_dir, model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard,
+                             loader=loader)
+    elif run.world.parallel is Parallel.FSDP:
+        raise ValueError(f"the checkpoint at {ckpt_dir} was written by one process; resume it with --parallel ddp or "
+                         f"in one process (a sharded model loads checkpoints written by --nproc runs)")
+    else:  # every DDP rank loads the same full state
+        extra = load_checkpoint(ckpt_dir, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
+                                guard=run.guard, loader=loader)
     if config.shadow_every and "shadow" in extra:  # resumed without the check, the run is plain FP8 again
         run.shadow.load_state_dict(extra["shadow"])
     log.info("minifloat: resumed from %s at step %d", ckpt_dir, extra["step"])
@@ -243,51 +260,68 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             already at `steps`; or the device is not available.
     """
     out = pathlib.Path(config.out)
-    device = resolve_device(config.device)
+    device = rank_device(resolve_device(config.device))
     corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))  # bad input fails first
-    prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
+    world = join_world(config.parallel, nproc=config.nproc, device=device)
+    if world.is_main:  # rank 0 owns the run folder: its logs, run.json and checkpoints
+        prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
+    barrier(world)
     ckpt_dir = out / CHECKPOINT_DIR
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
-    run = build(config, device)
+    run = build(config, device, world)
     model, optimizer, scaler, guard, shadow = run.model, run.optimizer, run.scaler, run.guard, run.shadow
     start_step, schedule = _resume(run, ckpt_dir, loader, corpus) if config.resume else (0, Schedule.from_config(config))
-    _write_run_file(out, config, run)
 
     # train rows are numbered by step, validation rows by steps done: the checkpoint's own evaluation is kept
-    log_rows = CsvLog(out / "log.csv", LOG_FIELDS, keep_before=start_step if config.resume else None)
-    val_rows = CsvLog(out / "val.csv", ("step", "val_loss"), keep_before=start_step + 1 if config.resume else None)
-    writer = _tensorboard(out)
+    if world.is_main:
+        _write_run_file(out, config, run)
+        log_rows = CsvLog(out / "log.csv", LOG_FIELDS, keep_before=start_step if config.resume else None)
+        val_rows = CsvLog(out / "val.csv", ("step", "val_loss"), keep_before=start_step + 1 if config.resume else None)
+    else:
+        log_rows, val_rows = Discard(), Discard()
+    writer = _tensorboard(out) if world.is_main else None
     accum = config.grad_accum
-    tokens_per_step = accum * config.batch_size * config.seq_len
+    per_step = accum * world.size  # micro-batches per optimizer step, all ranks together
+    tokens_per_step = per_step * config.batch_size * config.seq_len
     losses, val_losses, skipped, shadow_events, rollbacks, level_shifts, times = [], [], [], [], [], [], []
     final_loss = math.nan
     fp8 = run.policy.recipe is not None
-    forward = torch.compile(model) if config.compile else model  # the same parameters and buffers either way
+    # the same parameters and buffers either way
+    forward = torch.compile(run.train_module) if config.compile else run.train_module
 
     def save(done: int) -> None:
-        save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scaler=scaler, guard=guard, loader=loader,
-                        extra={"step": done, "config": dataclasses.asdict(config), "data": corpus.manifest.to_dict(),
-                               "shadow": shadow.state_dict(), "schedule": dataclasses.asdict(schedule)})
+        extra = {"step": done, "config": dataclasses.asdict(config), "data": corpus.manifest.to_dict(),
+                 "shadow": shadow.state_dict(), "schedule": dataclasses.asdict(schedule)}
+        if world.distributed:
+            save_sharded(ckpt_dir, model=model, optimizer=optimizer, world=world, scaler=scaler, guard=guard,
+                         loader=loader, extra=extra)
+        else:
+            save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scaler=scaler, guard=guard, loader=loader,
+                            extra=extra)
 
     bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                   TimeRemainingColumn(), disable=not progress)
+                   TimeRemainingColumn(), disable=not progress or not world.is_main)
     with bar, log_rows, val_rows, GracefulStop() as stop:
         task = bar.add_task("train", total=config.steps, completed=start_step, info="")
-        step = start_step
+        step, stopping = start_step, False
         while step < config.steps:
             t0 = time.perf_counter()
             lr = schedule.lr_at(step)
             for group in optimizer.param_groups:
                 group["lr"] = lr
-            group_position = loader.position // accum  # the step's batch group (guard and rollback count these)
-            batches = [tuple(t.to(device, non_blocking=True) for t in next(loader)) for _ in range(accum)]
+            group_position = loader.position // per_step  # the step's batch group (guard and rollback count these)
+            first = loader.position
+            batches = [tuple(t.to(device, non_blocking=True) for t in b)
+                       for b in rank_batches(loader, accum=accum, world=world)]
 
-            if config.shadow_every:
-                event = shadow.maybe_check(step, model, lambda output, _batch: output[1], batches[0])  # model(x, y)
+            if config.shadow_every:  # on every rank the step's first micro-batch, so all ranks reach one verdict
+                check_batch = tuple(t.to(device) for t in loader.batch(first))
+                event = shadow.maybe_check(step, model, lambda output, _batch: output[1], check_batch)  # model(x, y)
                 if event is not None:
                     shadow_events.append((step, event.switched_to, event.reason))
             guard.begin_step(step, data_position=group_position)
             loss, mode = forward_backward(run, forward, batches, step, poison=group_position in config.nan_steps)
+            loss = mean_over_ranks(loss, world)
             scaler.unscale_(optimizer)
             report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
             if not report.skipped:
@@ -314,12 +348,13 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
                     writer.add_scalar(f"train/{key}", row[key], step)
 
+            stopping = any_rank(stop.signal is not None, world)  # all ranks stop at the same step
             if report.rollback is not None:  # back at the snapshot's step, past the bad batches
                 rollbacks.append((step, report.rollback.restored_step, report.rollback.skip_batches))
             else:
                 done = step + 1
                 if (config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps)
-                        or stop.signal):
+                        or stopping):
                     save(done)
                 if done % config.eval_every == 0 or done == config.steps:
                     val = evaluate(model, corpus.val, run.policy, config, fp8=shadow.mode == Mode.FP8, device=device)
@@ -328,10 +363,10 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                     if writer is not None:
                         writer.add_scalar("val/loss", val, done)
             step = report.next_step
-            loader.skip(report.next_data_position * accum - loader.position)  # 0 batches, unless rolled back
+            loader.skip(report.next_data_position * per_step - loader.position)  # 0 batches, unless rolled back
             info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(skipped)}"
             bar.update(task, completed=step, info=info + (f"  {mode.value}" if config.shadow_every else ""))
-            if stop.signal:
+            if stopping:
                 if report.rollback is not None:  # the step ended in a rollback: checkpoint the restored state
                     save(step)
                 break
@@ -343,11 +378,14 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
     flops = flops_per_token(model, n_layers=model.config.n_layer, d_model=model.config.d_model,
                             seq_len=config.seq_len)
+    peak = peak_bf16_flops(device)
+    peak = peak * world.size if peak is not None else None  # tokens/s counts every rank's tokens
+    stopped_elsewhere = "SIGTERM" if stopping else None  # another rank was signalled (torchrun forwards SIGTERM)
     return TrainResult(first_step=start_step, losses=tuple(losses), final_loss=final_loss,
                        val_losses=tuple(val_losses), tokens_per_s=tokens_per_s, skipped=tuple(skipped),
                        shadow_events=tuple(shadow_events), rollbacks=tuple(rollbacks),
                        level_shifts=tuple(level_shifts), warmup_steps=warmup, device=str(device),
-                       mfu=mfu(tokens_per_s, flops, peak_bf16_flops(device)), stopped_by=stop.signal,
+                       mfu=mfu(tokens_per_s, flops, peak), stopped_by=stop.signal or stopped_elsewhere,
                        last_step=step)
 
 

@@ -1,0 +1,198 @@
+"""Checkpoints of multi-process runs: torch.distributed.checkpoint (DCP) in safetensors files, plus one JSON file.
+
+A sharded checkpoint is a directory:
+
+    ckpt/
+        shard-0000R-model-00001-of-00001.safetensors   the tensors rank R-1 wrote: model parameters and buffers (FP8
+                                                       amax histories and scales included) and optimizer state; DCP
+                                                       writes a replicated tensor once, an FSDP2 shard with its offsets
+        state.json                                     written by rank 0: format version, world size, the optimizer's
+                                                       param_groups, loss scaler, guard, loader position, `extra`
+                                                       (step, config, data manifest, schedule, shadow mode)
+
+The tensors go through DCP with `get_state_dict` / `set_state_dict` (keys are module paths, the same for one process,
+DDP and FSDP2) and DCP's HuggingFace safetensors storage (`HuggingFaceStorageWriter(save_distributed=True)`), whose
+reader rebuilds DCP's metadata from the safetensors headers. Nothing is pickled: no `.metadata` pickle (DCP's
+default FileSystemWriter writes one), no torch.load. DCP reshards on load, so a checkpoint written by N ranks loads
+on M ranks or in one process, DDP or FSDP2, and vice versa; the RNG state is not kept (the presets draw no random
+numbers while training). Writes go to a temporary sibling directory that rank 0 renames into place once every rank
+has written, so a job killed mid-save keeps its previous checkpoint.
+
+    save_sharded(ckpt, model=..., optimizer=..., scaler=..., guard=..., loader=..., extra={...}, world=world)
+    load_sharded(ckpt, model=..., optimizer=..., ...)   # any world; one process needs no process group
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from minifloat.core.snapshot import restoring_buffers
+from minifloat.core.version import __version__
+from minifloat.training.checkpoint import checkpoint_extra, fsync_path, move_into_place
+from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
+from minifloat.training.parallel import World, barrier
+
+log = logging.getLogger("minifloat")
+
+FORMAT = "minifloat.sharded"
+FORMAT_VERSION = 1
+STATE_FILE = "state.json"
+_STATEFUL = ("scaler", "guard", "loader")  # objects with plain-data state_dict() / load_state_dict()
+
+
+def is_sharded(directory: str | os.PathLike) -> bool:
+    """Whether `directory` holds a sharded (multi-process) checkpoint rather than a single-file one."""
+    return (Path(directory) / STATE_FILE).is_file()
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
+    """{key: the earlier key it is an exact view of} (tied weights: lm_head.weight -> wte.weight)."""
+    first: dict[tuple, str] = {}
+    out = {}
+    for key, t in state.items():
+        view = view_key(_local(t))
+        if view is not None and first.setdefault(view[1], key) != key:
+            out[key] = first[view[1]]
+    return out
+
+
+def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, list, dict[str, str]]:
+    """(DCP state: model tensors without tied aliases and optimizer state, by module path; the optimizer's
+    param_groups; the tied aliases)."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    # get_state_dict gives a fresh optimizer its state with one zero-lr step; that step must not end an FP8 step
+    with restoring_buffers(model):
+        model_state, optim_state = get_state_dict(model, optimizer)
+    aliases = _aliases(model_state)
+    tensors = {"model": {k: v for k, v in model_state.items() if k not in aliases}, "optimizer": optim_state["state"]}
+    return tensors, optim_state["param_groups"], aliases
+
+
+def _json(obj: Any, path: str) -> Any:
+    """JSON form of a plain-data state (minifloat.training.jsonstate); tensors do not belong in state.json."""
+    table = TensorTable()
+    out = encode(obj, path, table)
+    if table.tensors:
+        raise ValueError(f"{path}: holds tensors ({', '.join(table.tensors)}), which state.json cannot store")
+    return out
+
+
+def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
+                 scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None) -> Path:
+    """Write the training state of every rank to `directory` (replacing a checkpoint there); a collective: every
+    rank calls it with its own model and optimizer.
+
+    Args:
+        directory: the checkpoint directory.
+        model: the model (plain, DDP's inner module, or fully_shard-ed).
+        optimizer: its torch optimizer.
+        world: this run's World (rank 0 writes state.json and moves the directory into place).
+        scaler, guard, loader: objects with a plain-data state_dict() (the same on every rank).
+        extra: JSON-able metadata (step, config, ...), returned by `load_sharded`.
+    Returns:
+        The checkpoint directory.
+    """
+    from torch.distributed.checkpoint import save
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
+
+    directory = Path(directory)
+    tmp = directory.parent / f".{directory.name}.tmp-sharded"
+    tensors, param_groups, aliases = _tensor_state(model, optimizer)
+    state = {"format": FORMAT, "format_version": FORMAT_VERSION, "minifloat_version": __version__,
+             "torch_version": torch.__version__, "world_size": world.size,
+             "parallel": world.parallel.value if world.parallel else None, "aliases": aliases,
+             "optimizer_type": type(optimizer).__qualname__, "param_groups": _json(param_groups, "param_groups"),
+             **{name: _json(obj.state_dict(), name) if obj is not None else None
+                for name, obj in zip(_STATEFUL, (scaler, guard, loader))},
+             "extra": _json(dict(extra or {}), "extra")}
+    if world.is_main:
+        shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
+        tmp.mkdir(parents=True)
+    barrier(world)
+    save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+         no_dist=not world.distributed)
+    barrier(world)  # every rank's shard is on disk
+    if world.is_main:
+        with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
+            json.dump(state, f, indent=1, allow_nan=False)
+            f.flush()
+            os.fsync(f.fileno())
+        fsync_path(tmp)
+        move_into_place(tmp, directory)
+        fsync_path(directory.parent)
+        log.info("minifloat: saved sharded checkpoint %s (%d ranks)", directory, world.size)
+    barrier(world)
+    return directory
+
+
+def _read_state(directory: Path) -> dict:
+    path = directory / STATE_FILE
+    try:
+        state = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise CheckpointError(f"{path} is not valid JSON (truncated or corrupt): {err}") from None
+    if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{path}: not a {FORMAT} checkpoint of format version {FORMAT_VERSION}")
+    return state
+
+
+def read_extra(directory: str | os.PathLike) -> dict[str, Any]:
+    """The `extra` metadata of a checkpoint of either kind (sharded, or minifloat.training.checkpoint's)."""
+    directory = Path(directory)
+    if not is_sharded(directory):
+        return checkpoint_extra(directory)
+    return decode(_read_state(directory)["extra"], {})
+
+
+def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
+                 scaler=None, guard=None, loader=None) -> dict[str, Any]:
+    """Restore a `save_sharded` checkpoint into this rank's objects, resharding to this run's layout (any number of
+    ranks, DDP or FSDP2, or one process without a process group). A collective when torch.distributed is initialised.
+
+    Returns:
+        The `extra` metadata saved with the checkpoint.
+    Raises:
+        CheckpointError: the JSON is corrupt or of another format, the optimizer type or tied weights differ, or the
+            tensors do not fit the model (a key missing, another shape).
+    """
+    from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    directory = Path(directory)
+    state = _read_state(directory)
+    if state.get("optimizer_type") != type(optimizer).__qualname__:
+        raise CheckpointError(f"the checkpoint's optimizer is a {state.get('optimizer_type')}, the optimizer given "
+                              f"is a {type(optimizer).__qualname__}")
+    tensors, _, aliases = _tensor_state(model, optimizer)
+    if aliases != state["aliases"]:
+        raise CheckpointError(f"tied weights differ: {state['aliases']} in the checkpoint, {aliases} in the model")
+    try:
+        load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)),
+             no_dist=not (torch.distributed.is_available() and torch.distributed.is_initialized()))
+    except Exception as err:  # DCP wraps every rank's failure (missing key, shape) in one CheckpointException
+        raise CheckpointError(f"the checkpoint {directory} does not fit the model and optimizer: {err}") from err
+    model_state = {**tensors["model"], **{alias: tensors["model"][key] for alias, key in aliases.items()}}
+    # the optimizer has its state already (_tensor_state), so this runs no optimizer step and no FP8 step
+    set_state_dict(model, optimizer, model_state_dict=model_state,
+                   optim_state_dict={"state": tensors["optimizer"], "param_groups": decode(state["param_groups"], {})})
+    for name, obj in zip(_STATEFUL, (scaler, guard, loader)):
+        if obj is not None and state[name] is not None:
+            obj.load_state_dict(decode(state[name], {}))
+    log.info("minifloat: loaded sharded checkpoint %s (written by %d ranks)", directory, state["world_size"])
+    return decode(state["extra"], {})
