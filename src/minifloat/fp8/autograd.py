@@ -22,6 +22,12 @@ A weight may arrive already cast: FSDP2's FP8 all-gather (minifloat.distributed.
 by `LayerCaster.cast_weight_shard`, and the gathered weight carries that cast as `weight.fp8_cast` (a `Quantized`)
 with the spec it was cast under as `weight.fp8_spec`. When that spec is the layer's weight spec, fprop and dgrad use
 the gathered cast as they would use the layer's own cast of the whole weight (it is bitwise that cast).
+
+A layer may see only a shard of its tensors: under tensor parallelism (minifloat.distributed.tp) a row- or
+column-parallel layer's weight, input or output gradient is a slice of the unsharded one. Its `LayerCaster` then
+carries `amax_reduce`, which turns a shard's amax into the whole tensor's (a MAX all-reduce over the TP group), and
+every per-tensor scale taken from a tensor (current scaling, a delayed role's seed, calibration) comes from that
+whole amax: each shard is cast with the unsharded cast's scale, so its FP8 values are the unsharded cast's.
 """
 
 from __future__ import annotations
@@ -83,7 +89,8 @@ class LayerCaster:
     """Quantizes one layer's tensors under a recipe and records their amaxes in its ScalingState.
 
     `recording` is False for evaluation forwards (their amaxes stay out of the training history); casts then
-    still use the stored delayed scales but never seed them.
+    still use the stored delayed scales but never seed them. `amax_reduce`, for a layer that sees shards of its
+    tensors, maps a shard's amax to the whole tensor's (see the module docstring); only per-tensor casts take it.
     """
 
     recipe: Recipe
@@ -92,6 +99,12 @@ class LayerCaster:
     backend: str | None = None
     recording: bool = True
     weights: WeightCache | None = None
+    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+    def _whole_amax(self, t: torch.Tensor) -> torch.Tensor:
+        """amax(|t|) of the whole tensor `t` is a shard of (t's own without `amax_reduce`)."""
+        amax = abs_max(t.detach(), None)
+        return amax if self.amax_reduce is None else self.amax_reduce(amax)
 
     def _native(self, t: torch.Tensor, granularity: Granularity) -> bool:
         return (self.backend != "emulated" and t.is_cuda and native_fp8_available(t.device.index or 0)
@@ -116,12 +129,16 @@ class LayerCaster:
         if scale is not None:
             return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
         if spec.delayed:
-            qscale, amax = self.state.delayed_scale(ROLE_INDEX[role], lambda: abs_max(t.detach(), None), spec.fmt,
+            qscale, amax = self.state.delayed_scale(ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt,
                                                     margin=spec.margin, store=record and self.recording)
             q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax, **out)
         else:
+            if self.amax_reduce is not None and not granularity_info(spec.granularity).per_tensor:
+                raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not "
+                                 f"'{spec.granularity}' ({role.value} of {self.name or 'a layer'})")
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
-                         power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
+                         power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
+                         amax=None if self.amax_reduce is None else self._whole_amax(t), **out)
         if record:
             self._observe(role, t, q)
         return q
@@ -180,7 +197,7 @@ class LayerCaster:
     def observe_high_precision(self, role: Role, t: torch.Tensor) -> None:
         """Calibration: record `t`'s amax (and seed the scale) without quantizing anything."""
         spec = self.recipe.spec(role)
-        amax = abs_max(t.detach(), None)
+        amax = self._whole_amax(t)
         self.state.record(role, amax)
         self.state.delayed_scale(ROLE_INDEX[role], lambda: amax, spec.fmt, margin=spec.margin)
 

@@ -9,7 +9,9 @@ import threading
 from typing import Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from minifloat.fp8 import step as fp8_steps
 from minifloat.fp8.autograd import Fp8LinearFunction, LayerCaster, WeightCache, recording_linear
@@ -66,6 +68,12 @@ def current_autocast() -> _AutocastState:
     return getattr(_LOCAL, "state", _DEFAULT)
 
 
+def _local(t: torch.Tensor | None) -> torch.Tensor | None:
+    """This rank's shard of a DTensor parameter (tensor parallel), else `t`; the shard's gradient flows back to the
+    DTensor with its placements."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _compute_dtype(x: torch.Tensor) -> torch.dtype:
     """The dtype torch.autocast computes x's device's matmuls in, or x's dtype (no autocast there: also meta)."""
     if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
@@ -88,6 +96,10 @@ class Fp8Linear(nn.Linear):
             "manual" (only `minifloat.fp8.step.fp8_step(model)` ends it).
         cache_weight: cast the weight once per FP8 step and reuse it across micro-batches (and for dgrad), at the
             cost of keeping its FP8/bfloat16 copy between steps.
+
+    Tensor parallel (minifloat.distributed.tp): the weight and bias may be DTensors; forward then runs the three GEMMs
+    on this rank's shards (the TP style moves inputs and outputs between ranks), and `amax_reduce` (set by the style,
+    None otherwise) turns a shard's amax into the whole tensor's, so shards are cast as the unsharded tensor is.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
@@ -107,6 +119,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_state = ScalingState(self.recipe.history_len, device=self.weight.device)
         self.fp8_name = ""
         self._weights = WeightCache()
+        self.amax_reduce = None
         fp8_steps.track(self)
 
     @classmethod
@@ -126,6 +139,7 @@ class Fp8Linear(nn.Linear):
 
     def __setstate__(self, state) -> None:  # deepcopy and unpickling build no new layer through __init__
         super().__setstate__(state)
+        self.__dict__.setdefault("amax_reduce", None)  # layers pickled before tensor parallel existed
         fp8_steps.track(self)
 
     def fp8_step(self) -> None:
@@ -136,16 +150,17 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = current_autocast()
+        weight, bias = _local(self.weight), _local(self.bias)
         if not state.enabled or x.numel() == 0:
-            return super().forward(x)
+            return F.linear(x, weight, bias)
         # evaluation records nothing; activation-checkpoint recompute records the same amaxes again (a no-op)
         recording = (self.training and torch.is_grad_enabled()) or state.calibrating
         caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state,
                              self.fp8_name, state.backend if state.backend is not None else self.backend,
-                             recording, self._weights if self.cache_weight else None)
+                             recording, self._weights if self.cache_weight else None, self.amax_reduce)
         if state.calibrating:
-            return recording_linear(x, self.weight, self.bias, caster)
-        return Fp8LinearFunction.apply(x, self.weight, self.bias, caster, _compute_dtype(x))
+            return recording_linear(x, weight, bias, caster)
+        return Fp8LinearFunction.apply(x, weight, bias, caster, _compute_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

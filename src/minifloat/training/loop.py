@@ -44,6 +44,7 @@ from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
 from minifloat.training.model import Llama, LlamaConfig
+from minifloat.distributed.fsdp import precompute_fp8_scales
 from minifloat.training.parallel import (Discard, Parallel, World, accumulating, any_rank, barrier, join_world,
                                          mean_over_ranks, rank_batches, rank_device, shard, wrap)
 from minifloat.training.rundir import (CHECKPOINT_DIR, RUN_FILE, TENSORBOARD_DIR, CsvLog, GracefulStop,
@@ -326,7 +327,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
             if not report.skipped:
                 run.stability.clip_grad_norms(optimizer.param_groups)
-                scaler.step(optimizer)
+                scaler.step(optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
+                if world.parallel is Parallel.FSDP:
+                    precompute_fp8_scales(model)  # the next FP8 all-gathers' scales, in one all-reduce
                 final_loss = report.loss
             else:
                 skipped.append((step, report.reason.value))

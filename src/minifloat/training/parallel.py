@@ -31,6 +31,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from minifloat.distributed import fsdp
+
 from minifloat.distributed.comm import fp32_allreduce_hook
 
 # environment variables torchrun sets in every process it starts
@@ -107,24 +109,19 @@ def leave_world(world: World) -> None:
         dist.destroy_process_group()
 
 
-def shard(model: nn.Module, *, fp8_all_gather: bool = False) -> None:
-    """FSDP2: `fully_shard` each transformer block, then the root (embedding, final norm, head), in place.
+def shard(model: nn.Module, *, fp8_all_gather: bool = True) -> None:
+    """FSDP2: `fully_shard` each transformer block, then the root (embedding, final norm, head), in place
+    (minifloat.distributed.fsdp.shard).
 
     Gradients reduce-scatter in fp32 (MixedPrecisionPolicy.reduce_dtype); parameters stay fp32 shards and the
-    policy's autocast picks the compute dtype. Weights are all-gathered in their own dtype (fp32).
+    policy's autocast picks the compute dtype. Fp8Linear weights under a per-tensor recipe (delayed, current) are
+    all-gathered in FP8 with their scale, bitwise the cast the unsharded layer makes; the others in fp32.
 
     Args:
         model: the reference Llama (its `blocks` are the units of sharding).
-        fp8_all_gather: gather the weights of Fp8Linear layers in FP8 with their scales (not available yet).
+        fp8_all_gather: gather per-tensor Fp8Linear weights in FP8 (False: every weight in fp32).
     """
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-    if fp8_all_gather:
-        raise NotImplementedError("FP8 all-gather under FSDP2 is not wired into training yet")
-    policy = MixedPrecisionPolicy(reduce_dtype=torch.float32)
-    for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+    fsdp.shard(model, units=list(model.blocks), fp8_all_gather=fp8_all_gather)
 
 
 def wrap(model: nn.Module, world: World) -> nn.Module:

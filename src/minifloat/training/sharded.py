@@ -55,8 +55,14 @@ def is_sharded(directory: str | os.PathLike) -> bool:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "to_local") else t
+    """A DTensor's local shard, or the tensor itself; a wrapper subclass (e.g. FSDP2's FP8-gathered weight shard,
+    minifloat.distributed.fsdp.Fp8ShardedWeight) as the one plain tensor it wraps."""
+    t = t.to_local() if hasattr(t, "to_local") else t
+    if not isinstance(t, nn.Parameter) and type(t) is not torch.Tensor and hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        if len(names) == 1:
+            t = getattr(t, names[0])
+    return t
 
 
 def _aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
