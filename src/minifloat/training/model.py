@@ -173,7 +173,7 @@ class CausalSelfAttention(nn.Module):
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         y = attention(q, k, v, causal=True)  # (B, H, T, hd); scores, softmax and scores·V in fp32
-        y = y.transpose(1, 2).contiguous().view(B, T, C)  # (B, T, C): heads side by side again
+        y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C): heads side by side again (C/t under TP)
         return self.o_proj(y)
 
 

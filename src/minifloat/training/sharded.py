@@ -65,6 +65,19 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _plain(tree):
+    """The state with every tensor as safetensors can write it: a DTensor whose local shard is a wrapper subclass
+    (an FP8-gathered weight's shard) rebuilt around the plain tensor it wraps (same values, mesh and placements)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tree, dict):
+        return {k: _plain(v) for k, v in tree.items()}
+    if isinstance(tree, DTensor) and _local(tree) is not tree.to_local():
+        return DTensor.from_local(_local(tree), tree.device_mesh, tree.placements, run_check=False,
+                                  shape=tree.shape, stride=tree.stride())
+    return tree
+
+
 def _aliases(state: Mapping[str, torch.Tensor]) -> dict[str, str]:
     """{key: the earlier key it is an exact view of} (tied weights: lm_head.weight -> wte.weight)."""
     first: dict[tuple, str] = {}
@@ -130,7 +143,7 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
         shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
         tmp.mkdir(parents=True)
     barrier(world)
-    save(tensors, storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+    save(_plain(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
          no_dist=not world.distributed)
     barrier(world)  # every rank's shard is on disk
     if world.is_main:
