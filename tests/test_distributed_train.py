@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import pathlib
 import signal
@@ -212,6 +213,38 @@ def test_cli_resumes_two_ranks_run_on_one_process(cli_run):
     resumed = _cli("--out", str(out), "--resume", "--steps", "3", "--nproc", "1", "--grad-accum", "2")
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert len((out / "log.csv").read_text().splitlines()) == 4
+
+
+@pytest.mark.slow  # 40 s
+def test_cli_fsdp_tp_trains_and_resumes_in_one_process(tmp_path):
+    """2 ranks as one tensor-parallel group (fsdp+tp, --tp-size 2: one data rank); the 2-D sharded checkpoint
+    continues in one process with the same micro-batches per step."""
+    out = tmp_path / "run"
+    done = _cli(*FLAGS, "--steps", "2", "--nproc", "2", "--parallel", "fsdp+tp", "--tp-size", "2", "--out", str(out),
+                "--checkpoint-every", "2")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert read_extra(out / "ckpt")["step"] == 2
+    resumed = _cli("--out", str(out), "--resume", "--steps", "3", "--nproc", "1")
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert "Warning" not in resumed.stderr
+    rows = (out / "log.csv").read_text().splitlines()[1:]
+    assert [int(r.split(",")[0]) for r in rows] == [0, 1, 2]
+    assert all(math.isfinite(float(r.split(",")[1])) for r in rows)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(nproc=3, parallel="fsdp+tp", tp_size=2), ["nproc is 3", "--tp-size"]),
+    (dict(nproc=4, parallel="fsdp+tp", tp_size=2, seq_len=33), ["seq_len is 33"]),
+])
+def test_fsdp_tp_config_is_checked(tmp_path, fields, words):
+    with pytest.raises(ValueError) as err:
+        TrainConfig(**{**SMALL, **fields}, out=str(tmp_path))
+    assert all(w in str(err.value) for w in words)
+
+
+def test_data_ranks_count_tensor_parallel_groups_once(tmp_path):
+    assert TrainConfig(**SMALL, nproc=4, parallel="fsdp+tp", tp_size=2, out=str(tmp_path)).data_ranks == 2
+    assert TrainConfig(**SMALL, nproc=4, parallel="fsdp", out=str(tmp_path)).data_ranks == 4
 
 
 def _rank_pid(launcher: int, rank: int) -> int | None:

@@ -27,7 +27,7 @@ FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum"
                "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
                "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
                "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile", "nproc",
-               "parallel")
+               "parallel", "tp_size")
 # fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
 NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
 
@@ -52,9 +52,13 @@ def train_config(args: argparse.Namespace):
             saved = read_extra(ckpt).get("config") or {}
             inherited = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
                          if k in TrainConfig.__dataclass_fields__ and k not in NOT_INHERITED}
+            if args.nproc is not None and args.parallel is None:  # new ranks: the layout is chosen anew, below
+                inherited.pop("parallel", None)
             fields = {**inherited, **fields}
     if fields.get("nproc", 1) > 1 and fields.get("parallel") is None:
         fields["parallel"] = "ddp"
+    if fields.get("nproc", 1) == 1 and not launched_by_torchrun():
+        fields.pop("parallel", None)  # one process: no layout to choose
     return TrainConfig(**fields)
 
 
@@ -213,9 +217,13 @@ def add_parser(sub) -> None:
                     help="train on N processes of this machine (torchrun; gloo on CPU, NCCL on GPU), each on "
                          "--grad-accum micro-batches of every step; logs, progress and checkpoints come from rank 0 "
                          f"(default {defaults.nproc})")
-    tr.add_argument("--parallel", default=None, choices=["ddp", "fsdp"],
-                    help="how the ranks hold the model: ddp (replicated, DistributedDataParallel) or fsdp (sharded, "
-                         "FSDP2); default ddp when --nproc is above 1")
+    tr.add_argument("--parallel", default=None, choices=["ddp", "fsdp", "fsdp+tp"],
+                    help="how the ranks hold the model: ddp (replicated, DistributedDataParallel), fsdp (sharded, "
+                         "FSDP2, FP8 weights gathered in FP8) or fsdp+tp (tensor/sequence parallel in groups of "
+                         "--tp-size ranks, FSDP2 across them); default ddp when --nproc is above 1")
+    tr.add_argument("--tp-size", type=int, default=None, metavar="T",
+                    help=f"ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
+                         f"--seq-len (default {defaults.tp_size})")
     tr.add_argument("--nan-steps", default=None, metavar="S,S",
                     help="fault injection: comma list of steps whose loss is made NaN, to try the guards (the "
                          "batch numbers, once a rollback skipped batches; default none)")

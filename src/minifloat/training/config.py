@@ -81,9 +81,12 @@ class TrainConfig:
         compile: run the training forward and backward under torch.compile (evaluation and checks stay eager).
         nproc: processes (ranks) training together, each on grad_accum micro-batches of every step, so a step trains
             on nproc × grad_accum × batch_size sequences (minifloat.training.parallel); 1 is one plain process.
-        parallel: how the ranks hold the model: "ddp" (replicated, DistributedDataParallel) or "fsdp" (sharded,
-            FSDP2's fully_shard); None for one plain process. Needs torchrun (`minifloat train --nproc N` starts it).
-            A checkpoint continues on any nproc and parallel with the same nproc × grad_accum.
+        parallel: how the ranks hold the model: "ddp" (replicated, DistributedDataParallel), "fsdp" (sharded,
+            FSDP2's fully_shard) or "fsdp+tp" (tensor/sequence parallel in groups of tp_size ranks, FSDP2 across the
+            groups: a (nproc / tp_size, tp_size) mesh); None for one plain process. Needs torchrun (`minifloat train
+            --nproc N` starts it). A checkpoint continues on any nproc and parallel with the same data ranks ×
+            grad_accum (data ranks: nproc, or nproc / tp_size for fsdp+tp).
+        tp_size: ranks per tensor-parallel group under "fsdp+tp" (they train on the same tokens); ignored otherwise.
     """
 
     model: str = "tiny"
@@ -120,6 +123,7 @@ class TrainConfig:
     device: str = "auto"
     nproc: int = 1
     parallel: str | None = None
+    tp_size: int = 2
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
@@ -157,6 +161,12 @@ class TrainConfig:
         check_choice("parallel", self.parallel, [None, *PARALLEL])
         if self.nproc > 1 and self.parallel is None:
             raise ValueError(f"nproc={self.nproc} ranks need parallel ddp or fsdp, got parallel=None")
+        check_int("tp_size", self.tp_size, low=2)
+        if self.parallel == "fsdp+tp":
+            for name, value in (("nproc", self.nproc), ("seq_len", self.seq_len)):
+                if value % self.tp_size:
+                    raise ValueError(f"fsdp+tp splits {name} over tensor-parallel groups of --tp-size "
+                                     f"{self.tp_size} ranks, but {name} is {value}: choose a --tp-size dividing it")
         recipe = PRESETS[self.preset].recipe
         if self.shadow_every and recipe is None:
             raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
@@ -181,6 +191,11 @@ class TrainConfig:
             raise ValueError(f"fp8_{str(err)}") from None  # DelayedScaling names its field: "margin must be ..."
         return dataclasses.replace(policy, recipe=recipe)
 
+    @property
+    def data_ranks(self) -> int:
+        """Ranks training on different batches (TrainConfig fields as a dict: `data_ranks(asdict(config))`)."""
+        return data_ranks(dataclasses.asdict(self))
+
     def check_resume(self, saved: dict | None, saved_step: int | None, *, where) -> None:
         """Raise ValueError unless resuming the checkpoint at `where` (its config `saved`, reached at `saved_step`)
         under this config continues the same run: one line naming the difference and the flag that fixes it."""
@@ -194,18 +209,19 @@ class TrainConfig:
             raise ValueError(f"the checkpoint at {where} was trained with preset {saved.get('preset')}, this run asks "
                              f"for {self.preset}: resume with --preset {saved.get('preset')}, or start a new run "
                              f"elsewhere")
-        saved_nproc = saved.get("nproc", 1)
-        if saved_nproc != self.nproc:  # another number of ranks continues the run if the micro-batches per step stay
-            saved_micro, micro = saved.get("grad_accum", 1) * saved_nproc, self.grad_accum * self.nproc
+        saved_ranks, ranks = data_ranks(saved), self.data_ranks
+        if saved_ranks != ranks:  # another number of ranks continues the run if the micro-batches per step stay
+            saved_micro, micro = saved.get("grad_accum", 1) * saved_ranks, self.grad_accum * ranks
             if saved_micro != micro:
-                raise ValueError(f"the checkpoint at {where} was trained on {saved_nproc} rank(s) with --grad-accum "
-                                 f"{saved.get('grad_accum', 1)} ({saved_micro} micro-batches per step), this run asks "
-                                 f"for {micro} on {self.nproc}: resume with --grad-accum {saved_micro // self.nproc}"
-                                 if saved_micro % self.nproc == 0 else
+                raise ValueError(f"the checkpoint at {where} was trained on {saved_ranks} data rank(s) with "
+                                 f"--grad-accum {saved.get('grad_accum', 1)} ({saved_micro} micro-batches per step), "
+                                 f"this run asks for {micro} on {ranks}: resume with --grad-accum "
+                                 f"{saved_micro // ranks}" if saved_micro % ranks == 0 else
                                  f"the checkpoint at {where} was trained with {saved_micro} micro-batches per step, "
-                                 f"which {self.nproc} ranks cannot split evenly: resume with --nproc {saved_nproc}")
+                                 f"which {ranks} data ranks cannot split evenly: resume with --nproc "
+                                 f"{saved.get('nproc', 1)}")
         for field, consequence in RESUME_FIXED:
-            if field == "grad_accum" and saved_nproc != self.nproc:
+            if field == "grad_accum" and saved_ranks != ranks:
                 continue  # checked above, as micro-batches per step
             if field in saved and saved[field] != getattr(self, field):
                 flag = "--" + field.replace("_", "-")
@@ -215,3 +231,10 @@ class TrainConfig:
         if self.steps <= saved_step:
             raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
                              f"--steps above {saved_step} to train on")
+
+
+def data_ranks(config: dict) -> int:
+    """The ranks of a run (a TrainConfig as a dict, e.g. a checkpoint's) that train on different batches: nproc, or
+    nproc / tp_size under fsdp+tp, whose tensor-parallel groups share their tokens."""
+    nproc = config.get("nproc", 1)
+    return nproc // config.get("tp_size", 2) if config.get("parallel") == "fsdp+tp" else nproc

@@ -31,6 +31,7 @@ import pathlib
 import time
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
 from minifloat.amp.policy import PrecisionPolicy
@@ -45,6 +46,7 @@ from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.distributed.fsdp import precompute_fp8_scales
+from minifloat.training.tp_plan import llama_2d
 from minifloat.training.parallel import (Discard, Parallel, World, accumulating, any_rank, barrier, join_world,
                                          mean_over_ranks, rank_batches, rank_device, shard, wrap)
 from minifloat.training.rundir import (CHECKPOINT_DIR, RUN_FILE, TENSORBOARD_DIR, CsvLog, GracefulStop,
@@ -144,6 +146,8 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
     model = policy.apply(Llama(LlamaConfig.preset(config.model))).to(device)
     if world.parallel is Parallel.FSDP:
         shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
+    elif world.parallel is Parallel.FSDP_TP:
+        llama_2d(model, init_device_mesh(device.type, (world.data_size, world.tp), mesh_dim_names=("dp", "tp")))
     stability = StabilityConfig(embedding_grad_alpha=config.embedding_grad_alpha, max_grad_norm=config.grad_clip,
                                 weight_decay=config.weight_decay)
     if config.embedding_grad_alpha != 1.0:
@@ -225,7 +229,7 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
     if is_sharded(ckpt_dir):  # written by several ranks: DCP reshards it to this run's ranks
         extra = load_sharded(ckpt_dir, model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard,
                              loader=loader)
-    elif run.world.parallel is Parallel.FSDP:
+    elif run.world.parallel is not None and run.world.parallel.sharded:
         raise ValueError(f"the checkpoint at {ckpt_dir} was written by one process; resume it with --parallel ddp or "
                          f"in one process (a sharded model loads checkpoints written by --nproc runs)")
     else:  # every DDP rank loads the same full state
@@ -263,7 +267,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     out = pathlib.Path(config.out)
     device = rank_device(resolve_device(config.device))
     corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))  # bad input fails first
-    world = join_world(config.parallel, nproc=config.nproc, device=device)
+    world = join_world(config.parallel, nproc=config.nproc, device=device, tp=config.tp_size)
     if world.is_main:  # rank 0 owns the run folder: its logs, run.json and checkpoints
         prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
     barrier(world)
@@ -282,7 +286,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         log_rows, val_rows = Discard(), Discard()
     writer = _tensorboard(out) if world.is_main else None
     accum = config.grad_accum
-    per_step = accum * world.size  # micro-batches per optimizer step, all ranks together
+    per_step = accum * world.data_size  # micro-batches per optimizer step, all ranks together
     tokens_per_step = per_step * config.batch_size * config.seq_len
     losses, val_losses, skipped, shadow_events, rollbacks, level_shifts, times = [], [], [], [], [], [], []
     final_loss = math.nan
@@ -293,7 +297,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     def save(done: int) -> None:
         extra = {"step": done, "config": dataclasses.asdict(config), "data": corpus.manifest.to_dict(),
                  "shadow": shadow.state_dict(), "schedule": dataclasses.asdict(schedule)}
-        if world.distributed:
+        if world.distributed or is_sharded(ckpt_dir):  # one process continuing a sharded run keeps its format
             save_sharded(ckpt_dir, model=model, optimizer=optimizer, world=world, scaler=scaler, guard=guard,
                          loader=loader, extra=extra)
         else:
@@ -328,7 +332,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             if not report.skipped:
                 run.stability.clip_grad_norms(optimizer.param_groups)
                 scaler.step(optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
-                if world.parallel is Parallel.FSDP:
+                if world.parallel is not None and world.parallel.sharded:
                     precompute_fp8_scales(model)  # the next FP8 all-gathers' scales, in one all-reduce
                 final_loss = report.loss
             else:

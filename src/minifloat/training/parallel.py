@@ -44,6 +44,12 @@ class Parallel(str, enum.Enum):
 
     DDP = "ddp"  # every rank holds the whole model; gradients all-reduced (torch DistributedDataParallel)
     FSDP = "fsdp"  # parameters, gradients and optimizer state sharded (torch.distributed.fsdp.fully_shard)
+    FSDP_TP = "fsdp+tp"  # a (dp, tp) mesh: tensor/sequence parallel inside each group of tp ranks, FSDP2 across them
+
+    @property
+    def sharded(self) -> bool:
+        """FSDP2 holds the parameters (alone or over a 2-D mesh)."""
+        return self in (Parallel.FSDP, Parallel.FSDP_TP)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +59,17 @@ class World:
     rank: int = 0
     size: int = 1
     parallel: Parallel | None = None
+    tp: int = 1  # ranks of one tensor-parallel group (fsdp+tp): they train on the same tokens
+
+    @property
+    def data_rank(self) -> int:
+        """Which slice of the step's batches this rank trains on (its index along the data-parallel dim)."""
+        return self.rank // self.tp
+
+    @property
+    def data_size(self) -> int:
+        """Ranks training on different batches: all of them, or one per tensor-parallel group."""
+        return self.size // self.tp
 
     @property
     def is_main(self) -> bool:
@@ -76,13 +93,14 @@ def rank_device(device: torch.device) -> torch.device:
     return device
 
 
-def join_world(parallel: Parallel | str | None, *, nproc: int, device: torch.device) -> World:
+def join_world(parallel: Parallel | str | None, *, nproc: int, device: torch.device, tp: int = 1) -> World:
     """The World of this process; for a parallel run, joins (or checks) the default process group.
 
     Args:
         parallel: None for one plain process (no process group is touched), else DDP / FSDP.
         nproc: the number of ranks the config asks for; must equal the process group's size.
         device: this rank's device: the backend is NCCL on CUDA, gloo otherwise.
+        tp: tensor-parallel group size (fsdp+tp only).
     Raises:
         ValueError: a parallel run outside torchrun, or a process group of another size than `nproc`.
     """
@@ -100,7 +118,7 @@ def join_world(parallel: Parallel | str | None, *, nproc: int, device: torch.dev
     if dist.get_world_size() != nproc:
         raise ValueError(f"nproc is {nproc}, but {dist.get_world_size()} processes were started; pass --nproc "
                          f"{dist.get_world_size()}")
-    return World(dist.get_rank(), dist.get_world_size(), parallel)
+    return World(dist.get_rank(), dist.get_world_size(), parallel, tp if parallel is Parallel.FSDP_TP else 1)
 
 
 def leave_world(world: World) -> None:
@@ -162,8 +180,8 @@ def rank_batches(loader, *, accum: int, world: World) -> list[tuple[torch.Tensor
     """This rank's `accum` micro-batches of the step at the loader's position (batches r, r + N, … of the step's
     accum·N; see the module docstring), moving the loader past all accum·N of them."""
     first = loader.position
-    batches = [loader.batch(first + world.rank + j * world.size) for j in range(accum)]
-    loader.skip(accum * world.size)
+    batches = [loader.batch(first + world.data_rank + j * world.data_size) for j in range(accum)]
+    loader.skip(accum * world.data_size)
     return batches
 
 

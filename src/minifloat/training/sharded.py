@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -143,8 +144,10 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
         shutil.rmtree(tmp, ignore_errors=True)  # left by a job killed mid-save
         tmp.mkdir(parents=True)
     barrier(world)
-    save(_plain(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
-         no_dist=not world.distributed)
+    with warnings.catch_warnings():  # DCP warns that one process saves; that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        save(_plain(tensors), storage_writer=HuggingFaceStorageWriter(str(tmp), save_distributed=True),
+             no_dist=not world.distributed)
     barrier(world)  # every rank's shard is on disk
     if world.is_main:
         with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
@@ -202,8 +205,10 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
     if aliases != state["aliases"]:
         raise CheckpointError(f"tied weights differ: {state['aliases']} in the checkpoint, {aliases} in the model")
     try:
-        load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)),
-             no_dist=not (torch.distributed.is_available() and torch.distributed.is_initialized()))
+        with warnings.catch_warnings():  # DCP warns that one process loads; that is the point here
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)),
+                 no_dist=not (torch.distributed.is_available() and torch.distributed.is_initialized()))
     except Exception as err:  # DCP wraps every rank's failure (missing key, shape) in one CheckpointException
         raise CheckpointError(f"the checkpoint {directory} does not fit the model and optimizer: {err}") from err
     model_state = {**tensors["model"], **{alias: tensors["model"][key] for alias, key in aliases.items()}}
