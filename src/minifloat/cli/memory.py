@@ -1,0 +1,123 @@
+"""`minifloat memory`: the bytes of one training step, measured, beside plain fp32 and bf16 AdamW."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import pathlib
+from typing import TYPE_CHECKING
+
+from rich.table import Table
+
+from minifloat.cli import common
+
+if TYPE_CHECKING:
+    from minifloat.training.memory import MemoryReport
+
+# --optimizer-state formats of the moments (issue 11's list) and --master modes; only the first of each is built in
+STATE_FORMATS = ("fp32", "bf16", "e4m3", "e5m2", "int8", "int4")
+MASTER_MODES = ("fp32", "bf16-sr", "bf16-kahan")
+MIB = 2 ** 20
+# table rows: Footprint field -> label (minifloat.training.memory.KINDS says what each holds)
+ROWS = {"weights": "weights", "master_weights": "master weights", "gradients": "gradients",
+        "optimizer_state": "optimizer state", "fp8_scaling": "FP8 scaling", "buffers": "other buffers",
+        "saved": "saved for backward", "total": "total"}
+
+
+def state_formats(text: str) -> tuple[str, str]:
+    """--optimizer-state "FMT_M,FMT_V" as (m format, v format); a CliError naming the flag if malformed."""
+    parts = tuple(p.strip() for p in text.split(","))
+    if len(parts) != 2 or any(p not in STATE_FORMATS for p in parts):
+        raise common.CliError(f"invalid option: --optimizer-state takes two formats FMT_M,FMT_V, each one of "
+                              f"{', '.join(STATE_FORMATS)}; got {text!r}")
+    return parts
+
+
+def optimizer_factory(states: tuple[str, str], master: str):
+    """The optimizer factory of --optimizer-state / --master: None (the run's fp32 AdamW) for fp32,fp32 and fp32;
+    other values need minifloat.optim, and a CliError says so until it is installed and wired here."""
+    if master not in MASTER_MODES:
+        raise common.CliError(f"invalid option: --master must be one of {', '.join(MASTER_MODES)}; got {master!r}")
+    if states == ("fp32", "fp32") and master == "fp32":
+        return None
+    asked = f"--optimizer-state {','.join(states)} --master {master}"
+    if importlib.util.find_spec("minifloat.optim") is None:
+        raise common.CliError(f"{asked} needs minifloat.optim (low-precision optimizer states and master weights), "
+                              f"which this install does not have; use --optimizer-state fp32,fp32 --master fp32")
+    raise common.CliError(f"{asked}: minifloat.optim is installed but `minifloat memory` does not build its "
+                          f"optimizers yet; use --optimizer-state fp32,fp32 --master fp32")
+
+
+def cmd_memory(args: argparse.Namespace) -> int:
+    """Build the model under a preset, take one real training step on the run's first batch, and print the bytes it
+    holds by kind (weights, master weights, gradients, optimizer state, FP8 scaling state, other buffers, tensors
+    saved for backward), each also per parameter, beside the same step in plain fp32 with AdamW and in bf16
+    autocast with fp32 AdamW. Every figure is measured from live tensors, each storage counted once
+    (minifloat.training.memory). Exits with status 2 on an invalid option."""
+    from minifloat.training.config import TrainConfig
+    from minifloat.training.memory import memory_report
+
+    factory = optimizer_factory(state_formats(args.optimizer_state), args.master)
+    config = TrainConfig(model=args.model, preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len,
+                         seed=args.seed, data=args.data, max_bytes=args.max_bytes, device=args.device)
+    json_path = pathlib.Path(args.json) if args.json else None
+    if json_path is not None:
+        try:
+            json_path.parent.mkdir(parents=True, exist_ok=True)
+        except OSError as err:
+            raise common.CliError(f"--json {args.json}: cannot create the folder {json_path.parent} "
+                                  f"({err.strerror or err})") from None
+    report = memory_report(config, optimizer=factory)
+    common.console.print(memory_table(report))
+    common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "
+                         "activations (and autocast's weight copies), held from its forward to its backward.",
+                         highlight=False)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report.to_dict(), indent=1) + "\n")
+        common.console.print(f"wrote {json_path}")
+    return 0
+
+
+def memory_table(report: MemoryReport) -> Table:
+    """A MemoryReport as a table, one row per kind: MiB and bytes/parameter of the run and of each baseline. No cell
+    wraps; the table is 89 columns wide."""
+    c = report.config
+    t = Table(title=f"MiB of {c.model} ({report.params / 1e6:.2f}M params) · {c.preset} · {report.optimizer} · "
+                    f"batch {c.batch_size} × {c.seq_len}")
+    t.add_column("", no_wrap=True)
+    columns = {"this run": report.measured, **report.baselines}
+    for name in columns:
+        t.add_column(name, justify="right", no_wrap=True)
+        t.add_column("B/param", justify="right", no_wrap=True)
+    for kind, label in ROWS.items():
+        cells = []
+        for footprint in columns.values():
+            cells += [f"{footprint.to_dict()[kind] / MIB:.2f}", f"{report.per_param(kind, footprint):.2f}"]
+        t.add_row(label, *cells, end_section=kind == "saved")
+    return t
+
+
+def add_parser(sub) -> None:
+    from minifloat.training.config import TrainConfig
+
+    d = TrainConfig()
+    m = sub.add_parser("memory", help="measure the bytes of one training step by kind, beside fp32 / bf16 AdamW",
+                       description=cmd_memory.__doc__)
+    m.add_argument("--model", default="10m", help="model size: tiny, small, 10m, 100m (default 10m)")
+    m.add_argument("--preset", default="fp8-delayed", help="precision preset (default fp8-delayed)")
+    m.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help=f"sequences per micro-batch (default {d.batch_size})")
+    m.add_argument("--seq-len", type=int, default=d.seq_len, help=f"bytes per sequence (default {d.seq_len})")
+    m.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and batch (default {d.seed})")
+    m.add_argument("--data", default=None, help="folder of text files (default: the Python standard library)")
+    m.add_argument("--max-bytes", type=int, default=d.max_bytes,
+                   help=f"cap on the corpus bytes read (default {d.max_bytes})")
+    m.add_argument("--optimizer-state", default="fp32,fp32", metavar="FMT_M,FMT_V",
+                   help=f"formats of AdamW's two moments, each one of {', '.join(STATE_FORMATS)} (default fp32,fp32; "
+                        f"others need minifloat.optim)")
+    m.add_argument("--master", default="fp32", metavar="MODE",
+                   help=f"master weights: {', '.join(MASTER_MODES)} (default fp32; others need minifloat.optim)")
+    m.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
+    m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
+    m.set_defaults(func=cmd_memory)
