@@ -23,6 +23,7 @@ from rich.table import Table
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.master import MasterWeightOptimizer
 from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
@@ -43,6 +44,15 @@ _LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
+# master_weights modes: "none" (the optimizer updates the parameters), "fp32" (fp32 master copies), bf16 weights
+# updated by stochastic rounding or with a Kahan compensation buffer (minifloat.amp.lowp_weights). True / False are
+# read as "fp32" / "none".
+MASTER_WEIGHTS = ("none", "fp32", "bf16-sr", "bf16-kahan")
+_LOWP_UPDATES = {"bf16-sr": "stochastic", "bf16-kahan": "kahan"}
+_MASTER_DESCRIPTIONS = {"none": "none (params are updated directly)", "fp32": "fp32",
+                        "bf16-sr": "none: bf16 weights, stochastic rounding",
+                        "bf16-kahan": "none: bf16 weights + bf16 Kahan compensation"}
+
 
 @dataclasses.dataclass(frozen=True)
 class PrecisionPolicy:
@@ -52,7 +62,9 @@ class PrecisionPolicy:
         param_dtype: storage dtype of the parameters outside the fp32 islands.
         compute_dtype: dtype of the matmuls; bf16/fp16 with fp32 params means torch.autocast (`autocast()`).
             With low-precision params it must equal param_dtype (autocast cannot upcast).
-        master_weights: keep float32 master copies of low-precision params (needs param_dtype bf16 or fp16).
+        master_weights: how low-precision params keep small updates: "none" (False), "fp32" (True: float32 master
+            copies; param_dtype bf16 or fp16), "bf16-sr" (stochastic rounding, no master copy) or "bf16-kahan" (a bf16
+            compensation buffer); the bf16 modes need param_dtype bf16. Read it as `master_mode`.
         optimizer_state_dtype: dtype of the optimizer state. torch optimizers keep their state in the dtype of the
             weights they update, so the only value is that one (fp32 with master weights or fp32 params, else
             param_dtype); None means that. See `state_dtype`.
@@ -72,7 +84,7 @@ class PrecisionPolicy:
 
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
-    master_weights: bool = False
+    master_weights: bool | str = False
     optimizer_state_dtype: torch.dtype | None = None
     recipe: Recipe | None = None
     fp32_norms: bool = True
@@ -89,10 +101,16 @@ class PrecisionPolicy:
         if self.param_dtype != torch.float32 and self.compute_dtype != self.param_dtype:
             raise ValueError(f"compute_dtype must equal param_dtype ({self.param_dtype}) when the parameters are "
                              f"low precision, got {self.compute_dtype!r}")
-        check_bool("master_weights", self.master_weights)
-        if self.master_weights and self.param_dtype == torch.float32:
-            raise ValueError("master_weights=True needs param_dtype bfloat16 or float16 (float32 parameters are "
-                             f"their own master), got param_dtype={self.param_dtype!r}")
+        if not isinstance(self.master_weights, (bool, str)) or (isinstance(self.master_weights, str)
+                                                                and self.master_weights not in MASTER_WEIGHTS):
+            raise ValueError(f"master_weights must be a bool or one of {list(MASTER_WEIGHTS)}, "
+                             f"got {self.master_weights!r}")
+        if self.master_mode != "none" and self.param_dtype == torch.float32:
+            raise ValueError(f"master_weights={self.master_weights!r} needs param_dtype bfloat16 or float16 (float32 "
+                             f"parameters are their own master), got param_dtype={self.param_dtype!r}")
+        if self.master_mode in _LOWP_UPDATES and self.param_dtype != torch.bfloat16:
+            raise ValueError(f"master_weights={self.master_weights!r} needs param_dtype bfloat16, "
+                             f"got {self.param_dtype!r}")
         if self.optimizer_state_dtype is not None and self.optimizer_state_dtype != self._updated_dtype():
             raise ValueError(f"optimizer_state_dtype must be {self._updated_dtype()} (the dtype of the weights the "
                              f"optimizer updates) or None, got {self.optimizer_state_dtype!r}")
@@ -102,8 +120,16 @@ class PrecisionPolicy:
                       "fp32_head"):
             check_bool(field, getattr(self, field))
 
+    @property
+    def master_mode(self) -> str:
+        """`master_weights` as one of MASTER_WEIGHTS (True is "fp32", False "none")."""
+        if isinstance(self.master_weights, bool):
+            return "fp32" if self.master_weights else "none"
+        return self.master_weights
+
     def _updated_dtype(self) -> torch.dtype:
-        return torch.float32 if self.master_weights else self.param_dtype
+        # every master mode updates fp32 values (masters, or the fp32 temporaries of the bf16 modes)
+        return torch.float32 if self.master_mode != "none" else self.param_dtype
 
     @property
     def state_dtype(self) -> torch.dtype:
@@ -135,9 +161,12 @@ class PrecisionPolicy:
 
     def optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], model: nn.Module,
                   **kwargs) -> torch.optim.Optimizer:
-        """`optimizer_cls` over the model's parameters, behind float32 master weights when `master_weights`."""
-        if self.master_weights:
+        """`optimizer_cls` over the model's parameters, behind the `master_weights` mode's wrapper (fp32 masters:
+        MasterWeightOptimizer; bf16-sr / bf16-kahan: LowPrecisionWeightOptimizer, `seed` among kwargs)."""
+        if self.master_mode == "fp32":
             return MasterWeightOptimizer(optimizer_cls, model, **kwargs)
+        if self.master_mode in _LOWP_UPDATES:
+            return LowPrecisionWeightOptimizer(optimizer_cls, model, update=_LOWP_UPDATES[self.master_mode], **kwargs)
         return optimizer_cls(model.parameters(), **kwargs)
 
     def plan(self, model: nn.Module, *, head: str | None = "auto") -> dict[str, str]:
@@ -222,7 +251,7 @@ class PrecisionPolicy:
                 ("parameters", _NAMES[self.param_dtype]),
                 ("matmuls (compute)", c + (" (torch.autocast)" if self.autocast_enabled else "")),
                 ("FP8 linear GEMMs", fp8),
-                ("master weights", "fp32" if self.master_weights else "none (params are updated directly)"),
+                ("master weights", _MASTER_DESCRIPTIONS[self.master_mode]),
                 ("optimizer state", _NAMES[self.state_dtype]),
                 ("norms", "fp32 compute, fp32 weights" if self.fp32_norms else c),
                 ("softmax", "fp32" if self.fp32_softmax else c),

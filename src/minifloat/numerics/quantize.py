@@ -18,6 +18,7 @@ import math
 
 import torch
 
+from minifloat.core.validate import check_choice
 from minifloat.numerics.compiling import maybe_compile, transposed_copy
 from minifloat.numerics.formats import E8M0, FORMATS, NumberFormat, Special, get_format
 from minifloat.numerics.granularity import (
@@ -31,6 +32,7 @@ from minifloat.numerics.granularity import (
     scale_shape,
     to_blocks,
 )
+from minifloat.numerics.rounding import ROUNDINGS, round_stochastic
 
 MX_RULES = ("up", "floor")
 
@@ -70,24 +72,31 @@ def _round_pow2(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     return torch.where(y > 0, out, torch.full_like(y, float("nan")))
 
 
-def cast(x: torch.Tensor, fmt: NumberFormat | str) -> torch.Tensor:
-    """Saturating round-to-nearest-even cast of `x` onto `fmt`'s grid.
+def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
+         generator: torch.Generator | None = None) -> torch.Tensor:
+    """Saturating cast of `x` onto `fmt`'s grid, rounding to nearest even or stochastically.
 
     Values beyond ±fmt.max (infinities included) saturate to ±fmt.max, subnormals are kept, NaN stays NaN.
 
     Args:
         x: a floating tensor.
         fmt: target format (NumberFormat or its name).
+        rounding: "nearest" (ties to even) or "stochastic" (unbiased; see minifloat.numerics.rounding).
+        generator: the torch.Generator stochastic rounding draws from (None: torch's default one).
     Returns:
         A tensor of x's dtype and shape holding only values of `fmt` (exactly so when x's dtype can hold them,
         which float32 always can and bfloat16 can for every 8-bit format).
     """
     fmt = get_format(fmt)
+    check_choice("rounding", rounding, ROUNDINGS)
     if not x.is_floating_point():
         raise TypeError(f"cast expects a floating tensor, got {x.dtype}")
     y = x.float()
     if fmt.special != Special.SCALE:
         y = y.clamp(-fmt.max, fmt.max)
+    if rounding == "stochastic":
+        u = torch.rand(y.shape, generator=generator, device=y.device)
+        return round_stochastic(y, fmt, u).to(x.dtype)
     return round_to_grid(y, fmt).to(x.dtype)
 
 

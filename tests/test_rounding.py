@@ -1,0 +1,133 @@
+"""Tests for minifloat.numerics.rounding: stochastic rounding through cast(..., rounding="stochastic")."""
+
+from __future__ import annotations
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.numerics.quantize import cast
+from minifloat.numerics.rounding import round_stochastic
+
+SR_FORMATS = [mf.BF16, mf.E4M3, mf.E5M2, mf.E2M1]
+E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX v1.0 §5.3.3
+Z_SIGMAS = 5.0  # a mean error beyond 5 standard errors has probability < 6e-7 under an unbiased rounding
+DRAWS = 4000
+
+
+@pytest.fixture
+def generator():
+    return torch.Generator().manual_seed(1234)
+
+
+def grid(fmt) -> torch.Tensor:
+    """Every finite value of `fmt`, sorted, from ml_dtypes / the OCP table (independent of minifloat's maths)."""
+    if fmt is mf.E2M1:
+        half = torch.tensor(E2M1_VALUES)
+        return torch.cat([-half.flip(0), half[1:]])
+    np_dtype = {"bf16": ml_dtypes.bfloat16, "e4m3": ml_dtypes.float8_e4m3fn, "e5m2": ml_dtypes.float8_e5m2}[fmt.name]
+    bits = np.arange(2 ** fmt.bits, dtype=np.uint16 if fmt.bits == 16 else np.uint8)
+    values = torch.from_numpy(bits.view(np_dtype).astype(np.float32))
+    return torch.unique(values[torch.isfinite(values)])  # sorted; -0 and +0 merge
+
+
+def neighbours(values: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The grid values just below-or-at and at-or-above each y."""
+    hi_idx = torch.searchsorted(values, y).clamp(max=len(values) - 1)
+    lo_idx = torch.searchsorted(values, y, right=True).sub(1).clamp(min=0)
+    return values[lo_idx], values[hi_idx]
+
+
+def samples(fmt, n: int, generator) -> torch.Tensor:
+    """Values spread over fmt's whole range (log-uniform magnitudes, both signs, subnormals included)."""
+    lo, hi = np.log2(fmt.min_subnormal), np.log2(fmt.max)
+    mag = torch.exp2(lo + (hi - lo) * torch.rand(n, generator=generator))
+    sign = torch.where(torch.rand(n, generator=generator) < 0.5, -1.0, 1.0)
+    return (sign * mag).clamp(-fmt.max, fmt.max)
+
+
+@pytest.mark.parametrize("fmt", SR_FORMATS, ids=lambda f: f.name)
+def test_grid_values_stay_exact(fmt, generator):
+    values = grid(fmt)
+    values = torch.cat([values, torch.tensor([-0.0])])
+    for _ in range(20):
+        out = cast(values, fmt, rounding="stochastic", generator=generator)
+        assert torch.equal(out, values)
+        assert torch.equal(torch.signbit(out), torch.signbit(values))  # -0 stays -0
+
+
+@pytest.mark.parametrize("fmt", SR_FORMATS, ids=lambda f: f.name)
+def test_result_is_one_of_the_two_neighbours(fmt, generator):
+    y = samples(fmt, 20000, generator)
+    lo, hi = neighbours(grid(fmt), y)
+    out = cast(y, fmt, rounding="stochastic", generator=generator)
+    assert bool(((out == lo) | (out == hi)).all())
+    both = (out == lo).any() and (out == hi).any()
+    assert both, "stochastic rounding never used one of the two neighbours"
+
+
+@pytest.mark.parametrize("fmt", SR_FORMATS, ids=lambda f: f.name)
+def test_mean_error_vanishes(fmt, generator):
+    """z-test per value: |mean(SR(y)) - y| <= Z_SIGMAS standard errors, with the Bernoulli standard error
+    (hi - lo)·sqrt(p(1-p)/N), p = (y - lo)/(hi - lo). Round to nearest fails it (shown on the same values)."""
+    y = samples(fmt, 64, generator)
+    lo, hi = neighbours(grid(fmt), y)
+    draws = cast(y.expand(DRAWS, -1).contiguous(), fmt, rounding="stochastic", generator=generator).double()
+    p = ((y - lo) / (hi - lo)).double().nan_to_num(0.0)  # exact values: hi == lo
+    stderr = (hi - lo).double() * torch.sqrt(p * (1 - p) / DRAWS)
+    error = (draws.mean(0) - y.double()).abs()
+    assert bool((error <= Z_SIGMAS * stderr + 1e-300).all())
+    nearest_error = (cast(y, fmt).double() - y.double()).abs()
+    assert bool((nearest_error > Z_SIGMAS * stderr).any()), "round to nearest should be visibly biased here"
+
+
+def test_bf16_matches_the_integer_construction(generator):
+    """bf16 SR = add floor(u·2^16) to the float32 bits and truncate the low 16 bits (then read by ml_dtypes)."""
+    y = samples(mf.BF16, 50000, generator)
+    u = torch.rand(y.shape, generator=torch.Generator().manual_seed(7))
+    bits = y.numpy().view(np.uint32).astype(np.uint64)
+    rounded = ((bits + np.floor(u.numpy().astype(np.float64) * 2**16).astype(np.uint64)) & 0xFFFF0000).astype(np.uint32)
+    expected = (rounded >> 16).astype(np.uint16).view(ml_dtypes.bfloat16).astype(np.float32)
+    assert np.array_equal(round_stochastic(y, mf.BF16, u).numpy(), expected)
+    # cast draws u from the generator it is given, as torch.rand(shape, generator=...) does
+    drawn = cast(y, mf.BF16, rounding="stochastic", generator=torch.Generator().manual_seed(7))
+    assert torch.equal(drawn, round_stochastic(y, mf.BF16, u))
+
+
+def test_reproducible_with_a_seed():
+    y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+    a = cast(y, mf.E4M3, rounding="stochastic", generator=torch.Generator().manual_seed(3))
+    b = cast(y, mf.E4M3, rounding="stochastic", generator=torch.Generator().manual_seed(3))
+    c = cast(y, mf.E4M3, rounding="stochastic", generator=torch.Generator().manual_seed(4))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+@pytest.mark.parametrize("name, x, expected", [
+    ("inf saturates", float("inf"), 448.0),
+    ("-inf saturates", float("-inf"), -448.0),
+    ("beyond max saturates", 1000.0, 448.0),
+    ("just below max stays on the grid", 447.0, None),  # 416 or 448
+])
+def test_saturation_like_cast(name, x, expected, generator):
+    out = cast(torch.full((100,), x), mf.E4M3, rounding="stochastic", generator=generator)
+    if expected is None:
+        assert set(out.tolist()) <= {416.0, 448.0}
+    else:
+        assert bool((out == expected).all())
+
+
+def test_nan_stays_nan_and_dtype_is_kept(generator):
+    x = torch.tensor([float("nan"), 1.3], dtype=torch.bfloat16)
+    out = cast(x, mf.E4M3, rounding="stochastic", generator=generator)
+    assert out.dtype == torch.bfloat16 and torch.isnan(out[0]) and out[1].item() in (1.25, 1.375)
+
+
+@pytest.mark.parametrize("name, call, match", [
+    ("unknown rounding", lambda: cast(torch.ones(2), mf.E4M3, rounding="up"), "rounding"),
+    ("scale format", lambda: cast(torch.ones(2), mf.E8M0, rounding="stochastic"), "e8m0"),
+])
+def test_invalid_options_raise(name, call, match):
+    with pytest.raises(ValueError, match=match):
+        call()
