@@ -1,0 +1,122 @@
+"""Integer codes for block-scaled tensors: linear int8 / int4 and the dynamic 8-bit map.
+
+Floats are rounded onto float grids by `minifloat.numerics.quantize`; this module holds the integer encodings, which
+have no float grid. Every function takes a (n_blocks, block) float32 tensor, one scale per row:
+
+* linear, signed: codes c = round(x / s) in [-q, q], q = 2^(bits-1) - 1, s = amax / q (symmetric, no zero point);
+  unsigned (for non-negative tensors): c in [0, 2^bits - 1], s = amax / (2^bits - 1). Rounding is torch.round
+  (half to even). |x - c·s| <= s / 2.
+* dynamic map (Dettmers et al. 2022, "8-bit Optimizers via Block-wise Quantization", §2.2; bitsandbytes'
+  `create_dynamic_map`): 256 code values in [-1, 1] whose leading zeros act as an exponent, so that the map spans
+  seven decades with fewer fraction bits for smaller values. x is normalised by its block's absmax and stored as the
+  index of the nearest code value.
+* 4-bit codes are packed two per byte: element 2i in the low nibble, 2i+1 in the high nibble.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+DYNAMIC_EXPONENT_BITS = 7  # bitsandbytes' default: code values span 10^-6 .. 1
+
+
+def linear_qmax(bits: int, *, signed: bool) -> int:
+    """Largest code magnitude: 2^(bits-1) - 1 signed (symmetric), 2^bits - 1 unsigned."""
+    return 2 ** (bits - 1) - 1 if signed else 2**bits - 1
+
+
+def block_absmax(xb: torch.Tensor) -> torch.Tensor:
+    """amax of |x| per row of a (n_blocks, block) tensor, shape (n_blocks,), in float32."""
+    return xb.abs().amax(dim=-1).float() if xb.shape[-1] else torch.zeros(xb.shape[0], device=xb.device)
+
+
+def linear_encode(xb: torch.Tensor, bits: int, *, signed: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Linear codes of a (n_blocks, block) tensor.
+
+    Args:
+        xb: float tensor, one block per row; non-negative when `signed` is False (negatives clamp to 0).
+        bits: code width (8 or 4).
+        signed: symmetric signed codes, or unsigned codes for non-negative tensors.
+    Returns:
+        (codes, scales): codes of xb's shape, int8 when signed and bits == 8, else uint8 (signed 4-bit codes are
+        offset by 8, so 0..14); float32 dequantization scales of shape (n_blocks,) (1.0 for all-zero blocks).
+    """
+    qmax = linear_qmax(bits, signed=signed)
+    amax = block_absmax(xb)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    lo = -qmax if signed else 0
+    codes = torch.round(xb.float() / scale[:, None]).clamp(lo, qmax)
+    if signed and bits == 8:
+        return codes.to(torch.int8), scale
+    offset = 2 ** (bits - 1) if signed else 0
+    return (codes + offset).to(torch.uint8), scale
+
+
+def linear_decode(codes: torch.Tensor, scale: torch.Tensor, bits: int, *, signed: bool) -> torch.Tensor:
+    """Inverse of `linear_encode`: codes · scale in float32, (n_blocks, block)."""
+    c = codes.float()
+    if signed and bits != 8:
+        c = c - 2 ** (bits - 1)
+    return c * scale[:, None]
+
+
+def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
+    """Pack uint8 codes < 16 two per byte along the last dim (even length): low nibble first."""
+    if codes.shape[-1] % 2:
+        raise ValueError(f"4-bit packing needs an even number of elements per row, got {codes.shape[-1]}")
+    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    return pairs[..., 0] | (pairs[..., 1] << 4)
+
+
+def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of `pack_nibbles`: uint8 codes, twice as many along the last dim."""
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+
+
+@functools.lru_cache(maxsize=None)
+def _dynamic_map_values(signed: bool) -> tuple[float, ...]:
+    exponent_bits = DYNAMIC_EXPONENT_BITS
+    values = [0.0, 1.0]
+    # Decade i (scale 10^(i - exponent_bits + 1)) holds the midpoints of an even split of [0.1, 1] into 2^i parts
+    # (signed; both signs) or 2^(i+1) parts (unsigned, which spends the sign bit on one more fraction bit). With
+    # 8 bits and 7 decades: 2·(1+2+...+64) = 254 signed or 2+4+...+128 = 254 unsigned values, plus 0 and 1.
+    for i in range(exponent_bits):
+        parts = 2 ** (i + 8 - 1 - exponent_bits) if signed else 2 ** (i + 8 - exponent_bits)
+        decade = 10.0 ** (i - exponent_bits + 1)
+        edges = torch.linspace(0.1, 1.0, parts + 1, dtype=torch.float64)
+        mids = ((edges[:-1] + edges[1:]) / 2 * decade).tolist()
+        values += mids + ([-v for v in mids] if signed else [])
+    return tuple(sorted(values))
+
+
+def dynamic_map(*, signed: bool) -> torch.Tensor:
+    """The 256 sorted code values of the dynamic map, float32 (computed in float64 and rounded once).
+
+    Args:
+        signed: values in [-1, 1] (first moments) or [0, 1] (second moments, which are never negative).
+    """
+    return torch.tensor(_dynamic_map_values(signed), dtype=torch.float32)
+
+
+def dynamic_encode(xb: torch.Tensor, code: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Nearest-code indices of a (n_blocks, block) tensor normalised by each block's absmax.
+
+    Args:
+        xb: float tensor, one block per row.
+        code: sorted code values (from `dynamic_map`), on xb's device.
+    Returns:
+        (uint8 indices of xb's shape, float32 absmax per block (1.0 for all-zero blocks)).
+    """
+    amax = block_absmax(xb)
+    scale = torch.where(amax > 0, amax, torch.ones_like(amax))
+    xn = xb.float() / scale[:, None]
+    # nearest code: the number of midpoints below xn (ties go to the lower code)
+    mids = (code[1:] + code[:-1]) / 2
+    return torch.bucketize(xn, mids).to(torch.uint8), scale
+
+
+def dynamic_decode(codes: torch.Tensor, scale: torch.Tensor, code: torch.Tensor) -> torch.Tensor:
+    """Inverse of `dynamic_encode`: code[index] · absmax, float32 (n_blocks, block)."""
+    return code[codes.long()] * scale[:, None]

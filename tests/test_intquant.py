@@ -1,0 +1,97 @@
+"""Integer codes (minifloat.numerics.intquant): linear int8 / int4, nibble packing, the dynamic map."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from minifloat.numerics.intquant import (
+    dynamic_decode,
+    dynamic_encode,
+    dynamic_map,
+    linear_decode,
+    linear_encode,
+    linear_qmax,
+    pack_nibbles,
+    unpack_nibbles,
+)
+
+FP32_SLACK = 1e-6  # relative slack for the float32 divide / multiply around the integer rounding
+
+
+def reference_dynamic_map(signed: bool) -> list[float]:
+    """bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), transcribed loop for loop."""
+    data = []
+    non_sign_bits = 8 - 1
+    for i in range(7):
+        fraction_items = int(2 ** (i + non_sign_bits - 7) + 1 if signed else 2 ** (i + non_sign_bits - 7 + 1) + 1)
+        boundaries = torch.linspace(0.1, 1, fraction_items, dtype=torch.float64)
+        means = (boundaries[:-1] + boundaries[1:]) / 2.0
+        data += ((10 ** (-(7 - 1) + i)) * means).tolist()
+        if signed:
+            data += (-(10 ** (-(7 - 1) + i)) * means).tolist()
+    data += [0, 1.0]
+    return sorted(data)
+
+
+blocks = st.integers(1, 4).flatmap(lambda n: st.integers(1, 16).flatmap(lambda b: st.lists(
+    st.floats(-1e4, 1e4, allow_nan=False, width=32), min_size=n * 2 * b, max_size=n * 2 * b).map(
+    lambda v: torch.tensor(v).reshape(n, 2 * b))))
+
+
+@settings(max_examples=60, deadline=None)
+@given(xb=blocks, bits=st.sampled_from([8, 4]), signed=st.booleans())
+def test_linear_round_trip_within_half_a_step(xb, bits, signed):
+    if not signed:
+        xb = xb.abs()
+    codes, scale = linear_encode(xb, bits, signed=signed)
+    back = linear_decode(codes, scale, bits, signed=signed)
+    amax = xb.abs().amax(dim=-1, keepdim=True)
+    step = amax / linear_qmax(bits, signed=signed)  # the code spacing: amax/127 (int8), amax/7 (int4)
+    assert ((back - xb).abs() <= step / 2 * (1 + FP32_SLACK) + 1e-30).all()
+    assert (back.abs().amax(dim=-1, keepdim=True) <= amax * (1 + FP32_SLACK)).all()
+
+
+@pytest.mark.parametrize("name, bits, signed, dtype, lo, hi", [
+    ("int8 signed", 8, True, torch.int8, -127, 127),
+    ("int8 unsigned", 8, False, torch.uint8, 0, 255),
+    ("int4 signed (offset 8)", 4, True, torch.uint8, 1, 15),
+    ("int4 unsigned", 4, False, torch.uint8, 0, 15),
+])
+def test_linear_code_ranges(name, bits, signed, dtype, lo, hi):
+    x = torch.linspace(-1 if signed else 0, 1, 64).reshape(2, 32)
+    codes, _ = linear_encode(x, bits, signed=signed)
+    assert codes.dtype == dtype and codes.min().item() == lo and codes.max().item() == hi
+
+
+def test_nibbles_round_trip():
+    codes = torch.randint(0, 16, (3, 10), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    packed = pack_nibbles(codes)
+    assert packed.shape == (3, 5) and torch.equal(unpack_nibbles(packed), codes)
+    assert pack_nibbles(torch.tensor([[1, 2]], dtype=torch.uint8)).item() == 0x21  # low nibble first
+    with pytest.raises(ValueError, match="even"):
+        pack_nibbles(torch.zeros(1, 3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_dynamic_map_matches_reference(signed):
+    code = dynamic_map(signed=signed)
+    reference = torch.tensor(reference_dynamic_map(signed), dtype=torch.float32)
+    assert code.shape == (256,) and torch.equal(code, reference)
+    assert code[-1].item() == 1.0 and (code == 0).sum().item() == 1
+    assert (code >= 0).all() if not signed else (code < 0).sum().item() == 127
+
+
+@settings(max_examples=40, deadline=None)
+@given(xb=blocks, signed=st.booleans())
+def test_dynamic_encode_picks_the_nearest_code(xb, signed):
+    if not signed:
+        xb = xb.abs()
+    code = dynamic_map(signed=signed)
+    idx, scale = dynamic_encode(xb, code)
+    back = dynamic_decode(idx, scale, code)
+    xn = xb / scale[:, None]
+    best = (xn[..., None] - code).abs().amin(dim=-1)  # distance to the nearest code value
+    assert ((back / scale[:, None] - xn).abs() <= best + 1e-6).all()

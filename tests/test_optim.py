@@ -1,0 +1,272 @@
+"""Low-precision optimizer states (minifloat.optim): formats, the fp32 path against torch.optim, guards, resume,
+convergence, bytes per parameter."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from minifloat.numerics.formats import E4M3, E5M2
+from minifloat.numerics.intquant import dynamic_map
+from minifloat.optim import SGD, Adam, AdamW, Lion, StateFormat
+from minifloat.optim.stateformats import BlockCodec, expected_codec_bytes
+from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
+
+FP32_SLACK = 1e-6  # relative slack for the float32 scale multiply / divide around each rounding
+BLOCK = 128
+
+
+@pytest.fixture
+def gen():
+    return torch.Generator().manual_seed(0)
+
+
+def wide_blocks(gen, n_blocks=16, decades=4.0, signed=True):
+    """Blocks of log-uniform magnitudes over `decades` decades (optimizer states span several)."""
+    x = torch.pow(10.0, -decades * torch.rand(n_blocks, BLOCK, generator=gen))
+    return x * torch.where(torch.rand(n_blocks, BLOCK, generator=gen) < 0.5, -1.0, 1.0) if signed else x
+
+
+def float_bound(fmt, x, amax):
+    # RNE: half an ulp, 2^-(m+1) relative, for block-scaled values in the normal range; below it half the smallest
+    # subnormal, min_subnormal/2, in units of the block scale amax / fmt.max
+    return 2.0 ** -(fmt.mbits + 1) * x.abs() + fmt.min_subnormal / 2 * amax / fmt.max
+
+
+def dynamic_bound(signed):
+    # nearest code: half the widest gap between codes, or the distance from -1 to the most negative code
+    # (the signed map holds +1 but not -1)
+    code = dynamic_map(signed=signed)
+    return max(code.diff().max().item() / 2, 1 + code[0].item())
+
+
+# (format, signed, per-element error bound(x, block amax)), each derived from the format
+ROUND_TRIP_BOUNDS = [
+    ("e4m3", True, lambda x, amax: float_bound(E4M3, x, amax)),
+    ("e5m2", True, lambda x, amax: float_bound(E5M2, x, amax)),
+    ("int8 signed", True, lambda x, amax: amax / 127 / 2),  # half a step of amax / 127
+    ("int8 unsigned", False, lambda x, amax: amax / 255 / 2),
+    ("int4 signed", True, lambda x, amax: amax / 7 / 2),
+    ("int4 unsigned", False, lambda x, amax: amax / 15 / 2),
+    ("int8-dynamic signed", True, lambda x, amax: amax * dynamic_bound(True)),
+    ("int8-dynamic unsigned", False, lambda x, amax: amax * dynamic_bound(False)),
+]
+
+
+@pytest.mark.parametrize("name, signed, bound", ROUND_TRIP_BOUNDS, ids=[c[0] for c in ROUND_TRIP_BOUNDS])
+def test_block_codec_round_trip_within_format_error(name, signed, bound, gen):
+    codec = BlockCodec(StateFormat.parse(name.split()[0]), signed=signed)
+    x = wide_blocks(gen, signed=signed)
+    back = codec.decode(codec.encode(x))
+    amax = x.abs().amax(dim=-1, keepdim=True)
+    # + amax·2^-22: float32 rounding of the decoded values (at most amax) and of their difference to x
+    assert ((back - x).abs() <= bound(x, amax) * (1 + FP32_SLACK) + amax * 2.0**-22).all()
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+@pytest.mark.parametrize("decades", [3.0, 8.0])
+def test_range_expansion_keeps_every_element_to_relative_error(fmt, decades, gen):
+    # COAT expansion maps a block's range R onto the format's normal range R_fmt with k = log R_fmt / log R; the
+    # decoded relative error is the format's 2^-(m+1) divided by k (the k-th root), for every element
+    x = wide_blocks(gen, decades=decades)
+    codec = BlockCodec(StateFormat(fmt.name), expand=True)
+    back = codec.decode(codec.encode(x))
+    a = x.abs()
+    k = math.log(fmt.max / fmt.min_normal) / torch.log(a.amax(-1) / a.amin(-1))
+    rel_bound = 2.0 ** -(fmt.mbits + 1) / k[:, None]
+    assert ((back - x).abs() <= rel_bound * a * 1.001 + 1e-12 * a).all()  # 1.001: float32 pow / log round-off
+    if fmt == E4M3 and decades == 8.0:  # plain E4M3 block scaling flushes the smallest to zero; expansion keeps them
+        plain = BlockCodec(StateFormat(fmt.name))
+        assert (plain.decode(plain.encode(x)) == 0).any() and (back != 0).all()
+
+
+def test_bf16_state_rounds_to_nearest(gen):
+    opt_x = torch.randn(4096 * 2, generator=gen)
+    p = nn.Parameter(torch.zeros_like(opt_x))
+    opt = SGD([p], lr=0.0, momentum=0.5, state_formats="bf16")
+    p.grad = opt_x.clone()
+    opt.step()
+    buf = opt.state[p]["momentum_buffer"]
+    assert buf.dtype == torch.bfloat16 and torch.equal(buf, opt_x.to(torch.bfloat16))
+
+
+def make_params(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    # 300×70 is not a multiple of the block: the last block is padded; 10 elements keep fp32 by size
+    return [nn.Parameter(torch.randn(300, 70, generator=g)), nn.Parameter(torch.randn(10, generator=g))]
+
+
+def run(make_opt, steps, params=None, opt=None, seed=1):
+    params = params if params is not None else make_params()
+    opt = opt if opt is not None else make_opt(params)
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=g)
+        opt.step()
+    return params, opt
+
+
+TORCH_TWINS = [
+    ("adamw", lambda ps: torch.optim.AdamW(ps, lr=1e-2, weight_decay=0.1),
+     lambda ps: AdamW(ps, lr=1e-2, weight_decay=0.1, chunk_blocks=7)),
+    ("adam l2", lambda ps: torch.optim.Adam(ps, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1),
+     lambda ps: Adam(ps, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.1)),
+    ("sgd nesterov", lambda ps: torch.optim.SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True),
+     lambda ps: SGD(ps, lr=1e-2, momentum=0.9, weight_decay=0.1, nesterov=True, chunk_blocks=3)),
+]
+
+
+@pytest.mark.parametrize("name, reference, ours", TORCH_TWINS, ids=[c[0] for c in TORCH_TWINS])
+def test_fp32_states_are_bitwise_torch_optim(name, reference, ours):
+    expected, ref_opt = run(reference, 6)
+    got, opt = run(ours, 6)
+    for p, q in zip(expected, got):
+        assert torch.equal(p, q)
+        for key, value in ref_opt.state[p].items():
+            assert torch.equal(value, opt.state[q][key]), key
+
+
+QUANTIZED = [("e4m3", "bf16"), ("e4m3", "e5m2"), ("int8", "int8-dynamic"), ("int8-dynamic", "int4")]
+
+
+@pytest.mark.parametrize("formats", QUANTIZED, ids=["-".join(f) for f in QUANTIZED])
+def test_nonfinite_gradient_leaves_params_and_state_untouched(formats):
+    params, opt = run(lambda ps: AdamW(ps, lr=1e-2, state_formats=formats), 2)
+    before_params = [p.detach().clone() for p in params]
+    before_state = copy.deepcopy(opt.state_dict())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[0].grad[3, 5] = float("nan")
+    params[1].grad[0] = float("inf")
+    opt.step()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(a, b) for a, b in zip(before_params, params))
+    after = opt.state_dict()["state"]
+    for i, state in before_state["state"].items():
+        assert state.keys() == after[i].keys() and all(torch.equal(v, after[i][k]) for k, v in state.items())
+
+
+RESUMABLE = [("AdamW", ("e4m3", "bf16"), False), ("AdamW", ("int8-dynamic", "int4"), True),
+             ("AdamW", ("int8", "e5m2"), False), ("Lion", "e4m3", True), ("SGD", "int8", False)]
+OPTIMIZERS = {"AdamW": AdamW, "Lion": Lion, "SGD": SGD}
+
+
+@pytest.mark.parametrize("name, formats, expand", RESUMABLE, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in RESUMABLE])
+def test_state_dict_resume_is_bitwise(name, formats, expand):
+    def make(ps):
+        return OPTIMIZERS[name](ps, lr=1e-2, state_formats=formats, expand=expand, block_size=64)
+
+    expected, _ = run(make, 6)
+    params, opt = run(make, 3)
+    saved = copy.deepcopy(opt.state_dict())
+    assert all(t.dtype in (torch.float32, torch.bfloat16, torch.int8, torch.uint8, E4M3.torch_dtype,
+                           E5M2.torch_dtype) for s in saved["state"].values() for t in s.values())
+    resumed = [nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = make(resumed)
+    opt2.load_state_dict(saved)
+    run(make, 3, params=resumed, opt=opt2, seed=2)
+    run(make, 3, params=params, opt=opt, seed=2)
+    assert all(torch.equal(a, b) for a, b in zip(params, resumed))
+    # the uninterrupted 6 steps draw other gradients after step 3; this only checks the run is not trivially equal
+    assert not torch.equal(expected[0], params[0])
+
+
+def test_safetensors_checkpoint_resume_is_bitwise(tmp_path):
+    def setup():
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 64))
+        return model, AdamW(model.parameters(), lr=1e-2, state_formats=("int8-dynamic", "int4"), expand=True,
+                            min_quantized_numel=1024, model=model)
+
+    def train(model, opt, steps, seed):
+        g = torch.Generator().manual_seed(seed)
+        for _ in range(steps):
+            x = torch.randn(16, 64, generator=g)
+            opt.zero_grad()
+            model(x).pow(2).mean().backward()
+            opt.step()
+
+    model, opt = setup()
+    train(model, opt, 3, seed=0)
+    save_checkpoint(tmp_path / "ckpt", model=model, optimizer=opt)
+    train(model, opt, 3, seed=1)
+    model2, opt2 = setup()
+    load_checkpoint(tmp_path / "ckpt", model=model2, optimizer=opt2)
+    train(model2, opt2, 3, seed=1)
+    assert all(torch.equal(a, b) for a, b in zip(model.parameters(), model2.parameters()))
+
+
+def test_fp32_state_by_rule():
+    model = nn.Sequential(nn.Embedding(100, 64), nn.Linear(64, 128), nn.LayerNorm(128), nn.Linear(128, 8))
+    opt = AdamW(model.parameters(), state_formats=("e4m3", "int4"), model=model)
+    emb, lin, lin_bias, norm_w, _, head, _ = model.parameters()
+    assert opt.keeps_fp32_state(emb)  # 6400 elements, but an embedding
+    assert opt.keeps_fp32_state(norm_w) and opt.keeps_fp32_state(lin_bias) and opt.keeps_fp32_state(head)
+    assert not opt.keeps_fp32_state(lin)  # 8192 elements
+    assert AdamW(model.parameters(), state_formats="e4m3").keeps_fp32_state(emb) is False  # no model given
+
+
+# (formats, expand, bytes per element of a 256×128 parameter: codes + a float32 scale per 128 + the 4-byte step)
+BYTES = [
+    (("fp32", "fp32"), False, 8 + 4 / 32768),
+    (("e4m3", "bf16"), False, (1 + 4 / 128) + 2 + 4 / 32768),  # FP8-LM / MS-AMP O2: ~3 B
+    (("int8", "int4"), False, (1 + 4 / 128) + (0.5 + 4 / 128) + 4 / 32768),
+    (("int8-dynamic", "int8-dynamic"), False, 2 * (1 + 4 / 128) + 4 / 32768),  # bitsandbytes 8-bit Adam
+    (("int4", "int4"), True, 2 * (0.5 + 12 / 128) + 4 / 32768),  # + absmax and exponent per block
+]
+
+
+@pytest.mark.parametrize("formats, expand, per_param", BYTES, ids=["-".join(b[0]) + f"-{b[1]}" for b in BYTES])
+def test_bytes_per_param(formats, expand, per_param):
+    p = nn.Parameter(torch.zeros(256, 128))
+    opt = AdamW([p], state_formats=formats, expand=expand)
+    assert opt.bytes_per_param() == 0.0
+    p.grad = torch.ones_like(p)
+    opt.step()
+    assert opt.bytes_per_param() == pytest.approx(per_param, rel=1e-12)
+    codec_bytes = sum(expected_codec_bytes(f, p.numel(), BLOCK, expand=expand) for f in formats)
+    assert opt.state_bytes() == codec_bytes + 4
+
+
+# final loss / fp32 AdamW's final loss on the toy regression, at most; measured 0.96 (e4m3, bf16), 1.04 (e4m3, e5m2),
+# 1.20 (int8, int8-dynamic), 1.14 (int8-dynamic ×2), 0.99 (e4m3 ×2, expanded). Linear int8 / int4 second moments
+# are left out: small v flush to 0 and the update divides by eps (bitsandbytes uses the dynamic map for v)
+CONVERGENCE_FACTOR = 1.5
+CONVERGING = [(("e4m3", "bf16"), False), (("e4m3", "e5m2"), False), (("int8", "int8-dynamic"), False),
+              (("int8-dynamic", "int8-dynamic"), False), (("e4m3", "e4m3"), True)]
+
+
+def regression_loss(formats, expand, steps=150):
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(256, 64, generator=g)
+    w_true = torch.randn(64, 128, generator=g)
+    y = x @ w_true + 0.1 * torch.randn(256, 128, generator=g)
+    w = nn.Parameter(torch.zeros(64, 128))  # 8192 elements: quantized states
+    opt = AdamW([w], lr=3e-2, weight_decay=0.0, state_formats=formats, expand=expand)
+    for _ in range(steps):
+        loss = (x @ w - y).pow(2).mean()
+        w.grad = torch.autograd.grad(loss, w)[0]
+        opt.step()
+    return (x @ w - y).pow(2).mean().item()
+
+
+@pytest.mark.parametrize("formats, expand", CONVERGING, ids=["-".join(c[0]) + f"-{c[1]}" for c in CONVERGING])
+def test_quantized_states_converge_like_fp32(formats, expand):
+    reference = regression_loss(("fp32", "fp32"), False)
+    assert regression_loss(formats, expand) <= CONVERGENCE_FACTOR * reference
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(state_formats="int3"), "state_formats"),
+    (dict(state_formats=("e4m3",)), "2 entries"),
+    (dict(block_size=7), "block_size"),
+    (dict(lr=-1.0), "lr"),
+])
+def test_invalid_options_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
