@@ -313,3 +313,25 @@ def test_mfu_counts_six_flops_per_linear_weight_plus_attention():
     assert throughput.flops_per_token(model, n_layers=L, d_model=d, seq_len=64) == expected
     assert throughput.mfu(1000.0, expected, 1e12) == pytest.approx(1000.0 * expected / 1e12)
     assert throughput.mfu(1000.0, expected, None) is None
+
+
+# --- low-precision optimizer state ---------------------------------------------------------------------------------
+
+def test_low_precision_optimizer_state_trains_and_resumes_bitwise(tmp_path):
+    """--optimizer-state e4m3,bf16: the run learns, its checkpoint holds the quantized moments as plain tensors, and
+    a resume continues bitwise; another state format on resume is refused."""
+    states = dict(optimizer_state="e4m3,bf16", preset="fp8-delayed")
+    whole = train(_config(steps=6, out=str(tmp_path / "a"), **states), progress=False)
+    half = _config(steps=3, checkpoint_every=3, lr_decay_steps=6, out=str(tmp_path / "b"), **states)
+    first = train(half, progress=False)
+    second = train(dataclasses.replace(half, steps=6, lr_decay_steps=None, resume=True), progress=False)
+    assert first.losses + second.losses == whole.losses
+    assert whole.losses[-1] < whole.losses[0]
+    with pytest.raises(ValueError, match="optimizer-state e4m3,bf16"):
+        train(dataclasses.replace(half, steps=9, resume=True, optimizer_state="fp32,fp32"), progress=False)
+
+
+def test_optimizer_state_formats_are_checked(tmp_path):
+    for bad in ("e4m3", "e4m3,fp7", "e4m3,bf16,bf16", 8):
+        with pytest.raises(ValueError, match="optimizer_state"):
+            _config(out=str(tmp_path), optimizer_state=bad)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import pathlib
 from typing import TYPE_CHECKING
@@ -15,8 +14,7 @@ from minifloat.cli import common
 if TYPE_CHECKING:
     from minifloat.training.memory import MemoryReport
 
-# --optimizer-state formats of the moments (issue 11's list) and --master modes; only the first of each is built in
-STATE_FORMATS = ("fp32", "bf16", "e4m3", "e5m2", "int8", "int4")
+# --master modes; only fp32 (the run's own parameters) is built yet
 MASTER_MODES = ("fp32", "bf16-sr", "bf16-kahan")
 MIB = 2 ** 20
 # table rows: Footprint field -> label (minifloat.training.memory.KINDS says what each holds)
@@ -25,28 +23,14 @@ ROWS = {"weights": "weights", "master_weights": "master weights", "gradients": "
         "saved": "saved for backward", "total": "total"}
 
 
-def state_formats(text: str) -> tuple[str, str]:
-    """--optimizer-state "FMT_M,FMT_V" as (m format, v format); a CliError naming the flag if malformed."""
-    parts = tuple(p.strip() for p in text.split(","))
-    if len(parts) != 2 or any(p not in STATE_FORMATS for p in parts):
-        raise common.CliError(f"invalid option: --optimizer-state takes two formats FMT_M,FMT_V, each one of "
-                              f"{', '.join(STATE_FORMATS)}; got {text!r}")
-    return parts
-
-
-def optimizer_factory(states: tuple[str, str], master: str):
-    """The optimizer factory of --optimizer-state / --master: None (the run's fp32 AdamW) for fp32,fp32 and fp32;
-    other values need minifloat.optim, and a CliError says so until it is installed and wired here."""
+def master_mode(master: str) -> None:
+    """--master: fp32 parameters (the run's own) are measured; the bf16 modes are not wired into TrainConfig yet."""
     if master not in MASTER_MODES:
         raise common.CliError(f"invalid option: --master must be one of {', '.join(MASTER_MODES)}; got {master!r}")
-    if states == ("fp32", "fp32") and master == "fp32":
-        return None
-    asked = f"--optimizer-state {','.join(states)} --master {master}"
-    if importlib.util.find_spec("minifloat.optim") is None:
-        raise common.CliError(f"{asked} needs minifloat.optim (low-precision optimizer states and master weights), "
-                              f"which this install does not have; use --optimizer-state fp32,fp32 --master fp32")
-    raise common.CliError(f"{asked}: minifloat.optim is installed but `minifloat memory` does not build its "
-                          f"optimizers yet; use --optimizer-state fp32,fp32 --master fp32")
+    if master != "fp32":
+        raise common.CliError(f"--master {master}: bf16 weights without an fp32 copy exist as "
+                              f"PrecisionPolicy(master_weights={master!r}) but `minifloat train` and `minifloat "
+                              f"memory` do not build them yet; use --master fp32")
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -58,9 +42,10 @@ def cmd_memory(args: argparse.Namespace) -> int:
     from minifloat.training.config import TrainConfig
     from minifloat.training.memory import memory_report
 
-    factory = optimizer_factory(state_formats(args.optimizer_state), args.master)
+    master_mode(args.master)
     config = TrainConfig(model=args.model, preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len,
-                         seed=args.seed, data=args.data, max_bytes=args.max_bytes, device=args.device)
+                         seed=args.seed, data=args.data, max_bytes=args.max_bytes, device=args.device,
+                         optimizer_state=args.optimizer_state)
     json_path = pathlib.Path(args.json) if args.json else None
     if json_path is not None:
         try:
@@ -68,7 +53,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
         except OSError as err:
             raise common.CliError(f"--json {args.json}: cannot create the folder {json_path.parent} "
                                   f"({err.strerror or err})") from None
-    report = memory_report(config, optimizer=factory)
+    report = memory_report(config)
     common.console.print(memory_table(report))
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "
                          "activations (and autocast's weight copies), held from its forward to its backward.",
@@ -114,10 +99,10 @@ def add_parser(sub) -> None:
     m.add_argument("--max-bytes", type=int, default=d.max_bytes,
                    help=f"cap on the corpus bytes read (default {d.max_bytes})")
     m.add_argument("--optimizer-state", default="fp32,fp32", metavar="FMT_M,FMT_V",
-                   help=f"formats of AdamW's two moments, each one of {', '.join(STATE_FORMATS)} (default fp32,fp32; "
-                        f"others need minifloat.optim)")
+                   help="formats of AdamW's two moments, stored per block of 128: fp32, bf16, e4m3, e5m2, int8, "
+                        "int8-dynamic or int4 each (default fp32,fp32: torch.optim.AdamW)")
     m.add_argument("--master", default="fp32", metavar="MODE",
-                   help=f"master weights: {', '.join(MASTER_MODES)} (default fp32; others need minifloat.optim)")
+                   help=f"master weights: {', '.join(MASTER_MODES)} (default fp32, the only one built yet)")
     m.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     m.set_defaults(func=cmd_memory)

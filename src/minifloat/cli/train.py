@@ -27,7 +27,7 @@ FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum"
                "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
                "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
                "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile", "nproc",
-               "parallel", "tp_size")
+               "parallel", "tp_size", "optimizer_state")
 # fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
 NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
 
@@ -221,6 +221,10 @@ def add_parser(sub) -> None:
                     help="how the ranks hold the model: ddp (replicated, DistributedDataParallel), fsdp (sharded, "
                          "FSDP2, FP8 weights gathered in FP8) or fsdp+tp (tensor/sequence parallel in groups of "
                          "--tp-size ranks, FSDP2 across them); default ddp when --nproc is above 1")
+    tr.add_argument("--optimizer-state", default=None, metavar="M,V",
+                    help=f"formats of AdamW's two moments, stored per block of 128: fp32, bf16, e4m3, e5m2, int8, "
+                         f"int8-dynamic or int4 each (e.g. e4m3,bf16: 3 B/param instead of 8; norms, embeddings and "
+                         f"small tensors keep fp32; default {defaults.optimizer_state})")
     tr.add_argument("--tp-size", type=int, default=None, metavar="T",
                     help=f"ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
                          f"--seq-len (default {defaults.tp_size})")

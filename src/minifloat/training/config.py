@@ -6,6 +6,7 @@ import dataclasses
 import re
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.optim.stateformats import StateFormat
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.safety.shadow import ShadowConfig
 from minifloat.training.parallel import Parallel
@@ -25,6 +26,7 @@ RESUME_FIXED = (
     ("lr", "changes the learning-rate schedule"),
     ("min_lr", "changes the learning-rate schedule"),
     ("warmup", "changes the learning-rate schedule"),
+    ("optimizer_state", "changes how the optimizer state is stored"),
 )
 
 
@@ -87,6 +89,9 @@ class TrainConfig:
             --nproc N` starts it). A checkpoint continues on any nproc and parallel with the same data ranks ×
             grad_accum (data ranks: nproc, or nproc / tp_size for fsdp+tp).
         tp_size: ranks per tensor-parallel group under "fsdp+tp" (they train on the same tokens); ignored otherwise.
+        optimizer_state: "M,V", the formats AdamW stores its two moments in (minifloat.optim.StateFormat: fp32,
+            bf16, e4m3, e5m2, int8, int8-dynamic, int4), per block of 128 with fp32 scales; norms, embeddings and
+            tensors under 4096 elements keep fp32 state. "fp32,fp32" is torch.optim.AdamW itself.
     """
 
     model: str = "tiny"
@@ -124,6 +129,7 @@ class TrainConfig:
     nproc: int = 1
     parallel: str | None = None
     tp_size: int = 2
+    optimizer_state: str = "fp32,fp32"
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
@@ -162,6 +168,11 @@ class TrainConfig:
         if self.nproc > 1 and self.parallel is None:
             raise ValueError(f"nproc={self.nproc} ranks need parallel ddp or fsdp, got parallel=None")
         check_int("tp_size", self.tp_size, low=2)
+        formats = [f.value for f in StateFormat]
+        if (not isinstance(self.optimizer_state, str) or len(self.state_formats) != 2
+                or any(f not in formats for f in self.state_formats)):
+            raise ValueError(f"optimizer_state must be two formats M,V (the moments of AdamW), each one of "
+                             f"{', '.join(formats)}; got {self.optimizer_state!r}")
         if self.parallel == "fsdp+tp":
             for name, value in (("nproc", self.nproc), ("seq_len", self.seq_len)):
                 if value % self.tp_size:
@@ -190,6 +201,11 @@ class TrainConfig:
         except ValueError as err:
             raise ValueError(f"fp8_{str(err)}") from None  # DelayedScaling names its field: "margin must be ..."
         return dataclasses.replace(policy, recipe=recipe)
+
+    @property
+    def state_formats(self) -> tuple[str, ...]:
+        """optimizer_state as (m format, v format)."""
+        return tuple(f.strip() for f in str(self.optimizer_state).split(","))
 
     @property
     def data_ranks(self) -> int:

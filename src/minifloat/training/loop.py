@@ -38,6 +38,7 @@ from minifloat.amp.policy import PrecisionPolicy
 from minifloat.amp.scaler import LossScaler
 from minifloat.core.version import __version__
 from minifloat.fp8.modules import autocast
+from minifloat.optim import AdamW as LowPrecisionAdamW
 from minifloat.safety.guards import GuardConfig, StepGuard
 from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
@@ -153,7 +154,11 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
     if config.embedding_grad_alpha != 1.0:
         # GLM-130B: the embedding output's gradient times alpha (a forward hook, so the state-dict keys stay)
         model.wte.register_forward_hook(lambda _module, _args, h: stability.shrink_embedding_grad(h))
-    optimizer = torch.optim.AdamW(stability.param_groups(model), lr=config.lr, betas=ADAMW_BETAS)
+    if config.state_formats == ("fp32", "fp32"):
+        optimizer = torch.optim.AdamW(stability.param_groups(model), lr=config.lr, betas=ADAMW_BETAS)
+    else:  # moments stored per block in low precision; norms, embeddings and small tensors keep fp32 state
+        optimizer = LowPrecisionAdamW(stability.param_groups(model), lr=config.lr, betas=ADAMW_BETAS,
+                                      state_formats=config.state_formats, model=model)
     scaler = LossScaler.for_dtype(policy.compute_dtype, model=model)  # a no-op for bf16 and fp32
     guard = StepGuard(model, optimizer, stateful={"scaler": scaler},
                       config=GuardConfig(rollback_after=config.rollback_after, snapshot_every=config.snapshot_every))
