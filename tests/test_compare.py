@@ -283,3 +283,17 @@ def test_legend_names_every_preset_and_covers_no_axes(curves):
     box = legend.get_window_extent(canvas.get_renderer())
     for name, ax in axes.items():
         assert not box.overlaps(ax.get_window_extent(canvas.get_renderer())), name
+
+
+def test_the_table_is_whole_in_a_log(summary, monkeypatch):
+    """Output that is not a terminal (rich assumes 80 columns there) still gets every number whole."""
+    from minifloat.cli import common
+    from minifloat.cli.compare import print_table
+
+    _, result = summary
+    log = io.StringIO()
+    monkeypatch.setattr(common, "console", Console(file=log, width=80))
+    print_table(summary_table(result))
+    text = log.getvalue()
+    assert "…" not in text and all(f"{m['tokens_per_s']:,.0f}" in text for m in result["presets"].values())
+    assert common.console.width == 80  # restored

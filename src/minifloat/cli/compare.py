@@ -8,6 +8,7 @@ from rich.table import Table
 
 from minifloat.cli import common
 
+TABLE_WIDTH = 100  # columns the summary table fits in
 COLUMNS = ("preset", "train loss", "val loss", "Δ vs bf16", "tok/s", "skipped", "fallbacks")
 
 
@@ -32,12 +33,25 @@ def cmd_compare(args: argparse.Namespace) -> int:
     base = dataclasses.replace(DEFAULT_CONFIG, **{k: v for k, v in fields.items() if v is not None})
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     summary = compare(presets, base=base, out=args.out)
-    common.console.print(summary_table(summary))
+    print_table(summary_table(summary))
     for line in table_note(summary):
         common.console.print(line, highlight=False)
     for path in summary["files"].values():
         common.console.print(f"wrote {path}")
     return 0
+
+
+def print_table(table: Table) -> None:
+    """Print the summary table whole: where the output is not a terminal (a log, a pipe) rich assumes 80 columns and
+    would cut the numbers, so it gets the TABLE_WIDTH the table is made for."""
+    console = common.console
+    width = console.width
+    if not console.is_terminal:
+        console.width = max(width, TABLE_WIDTH)
+    try:
+        console.print(table)
+    finally:
+        console.width = width
 
 
 def summary_table(summary: dict) -> Table:
