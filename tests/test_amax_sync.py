@@ -5,7 +5,6 @@ StepGuard reaches one verdict on all ranks. One spawn runs every scenario (proce
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
@@ -14,6 +13,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import minifloat as mf
+from gloo_ranks import free_port
 from minifloat.fp8 import step as fp8_step_module
 from minifloat.fp8.scaling import scaling_states
 
@@ -105,17 +105,11 @@ def _worker(rank: int, port: int, results: dict) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results() -> dict:
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(_free_port(), shared), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(free_port(), shared), nprocs=WORLD, join=True)
         return dict(shared)
 
 

@@ -11,7 +11,6 @@ import math
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from gloo_ranks import free_port
 from minifloat.training import loop
 from minifloat.training.loop import TrainConfig, build, train
 from minifloat.training.parallel import World
@@ -39,12 +39,6 @@ SMALL = dict(model="tiny", preset="fp8-delayed", batch_size=2, seq_len=32, warmu
 LOSS_RTOL = 1e-4
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _worker(rank: int, port: int, fn, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
@@ -57,7 +51,7 @@ def _worker(rank: int, port: int, fn, args) -> None:
 
 def _spawn(fn, *args) -> None:
     """Run fn(rank, *args) on NPROC gloo ranks (module-level functions only: the ranks are spawned)."""
-    mp.spawn(_worker, args=(_free_port(), fn, args), nprocs=NPROC)
+    mp.spawn(_worker, args=(free_port(), fn, args), nprocs=NPROC)
 
 
 def _train_rank(rank: int, config: TrainConfig, folder: str) -> None:

@@ -14,17 +14,15 @@ below read it. Claims checked:
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 
 import minifloat as mf
+from gloo_ranks import spawn_ranks
 from minifloat.distributed.fsdp import Fp8GatheredWeight, count_fsdp_bytes, precompute_fp8_scales, shard
 from minifloat.fp8.recipes import Role
 from minifloat.fp8.scaling import scaling_states
@@ -37,25 +35,8 @@ FP8_GATHERED = ("delayed", "current")  # per-tensor weight scales: the gather mo
 MAX_FP8_TO_BF16_BYTES = 0.55  # issue 10's target: FP8 all-gather about half of bf16's
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker, tmp_path, world: int = WORLD) -> list[dict]:
-    """Run `worker(rank, world, out_dir)` on `world` gloo ranks; returns what each rank saved."""
-    mp.spawn(_entry, args=(worker, world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def _entry(rank: int, worker, world: int, port: int, out: str) -> None:
-    os.environ["MINIFLOAT_COMPILE"] = "0"  # eager kernels: the same results, no compile time in each process
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(worker(rank, world), os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    return spawn_ranks(worker, tmp_path, world)
 
 
 class _Unit(nn.Sequential):

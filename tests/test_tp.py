@@ -17,19 +17,17 @@ and the tests below read it. Claims checked:
 from __future__ import annotations
 
 import copy
-import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate
 from torch.distributed.tensor.parallel import parallelize_module
 
 import minifloat as mf
+from gloo_ranks import spawn_ranks
 from minifloat.amp.norms import RMSNorm
 from minifloat.distributed.tp import Fp8ColwiseParallel, Fp8RowwiseParallel
 from minifloat.fp8.scaling import scaling_states
@@ -58,26 +56,8 @@ SPLIT_LOSS_RTOL = 3e-4
 SPLIT_LR = 1e-3
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(worker, tmp_path, world: int = WORLD) -> list[dict]:
-    """Run `worker(rank, world)` on `world` gloo ranks; returns what each rank returned."""
-    mp.spawn(_entry, args=(worker, world, _free_port(), str(tmp_path)), nprocs=world, join=True)
-    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
-
-
-def _entry(rank: int, worker, world: int, port: int, out: str) -> None:
-    os.environ["MINIFLOAT_COMPILE"] = "0"  # eager kernels: the same results, no compile time in each process
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
-    try:
-        torch.save(worker(rank, world), os.path.join(out, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    return spawn_ranks(worker, tmp_path, world)
 
 
 def _state(model: nn.Module) -> torch.Tensor:
