@@ -21,17 +21,19 @@ from minifloat.numerics.intquant import (
 FP32_SLACK = 1e-6  # relative slack for the float32 divide / multiply around the integer rounding
 
 
-def reference_dynamic_map(signed: bool) -> list[float]:
-    """bitsandbytes' create_dynamic_map(signed, max_exponent_bits=7, total_bits=8), transcribed loop for loop."""
+def reference_dynamic_map(signed: bool, total_bits: int = 8, max_exponent_bits: int = 7) -> list[float]:
+    """bitsandbytes' create_dynamic_map(signed, max_exponent_bits, total_bits), transcribed loop for loop (without
+    its zero padding to 256 entries)."""
     data = []
-    non_sign_bits = 8 - 1
-    for i in range(7):
-        fraction_items = int(2 ** (i + non_sign_bits - 7) + 1 if signed else 2 ** (i + non_sign_bits - 7 + 1) + 1)
+    non_sign_bits = total_bits - 1
+    e = max_exponent_bits
+    for i in range(e):
+        fraction_items = int(2 ** (i + non_sign_bits - e) + 1 if signed else 2 ** (i + non_sign_bits - e + 1) + 1)
         boundaries = torch.linspace(0.1, 1, fraction_items, dtype=torch.float64)
         means = (boundaries[:-1] + boundaries[1:]) / 2.0
-        data += ((10 ** (-(7 - 1) + i)) * means).tolist()
+        data += ((10 ** (-(e - 1) + i)) * means).tolist()
         if signed:
-            data += (-(10 ** (-(7 - 1) + i)) * means).tolist()
+            data += (-(10 ** (-(e - 1) + i)) * means).tolist()
     data += [0, 1.0]
     return sorted(data)
 
@@ -82,6 +84,39 @@ def test_dynamic_map_matches_reference(signed):
     assert code.shape == (256,) and torch.equal(code, reference)
     assert code[-1].item() == 1.0 and (code == 0).sum().item() == 1
     assert (code >= 0).all() if not signed else (code < 0).sum().item() == 127
+
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_4bit_dynamic_map_matches_reference(signed):
+    code = dynamic_map(signed=signed, bits=4)
+    reference = torch.tensor(reference_dynamic_map(signed, total_bits=4, max_exponent_bits=3), dtype=torch.float32)
+    assert code.shape == (16,) and torch.equal(code, reference)
+
+
+def test_zero_free_dynamic_map_drops_only_zero():
+    full, zero_free = dynamic_map(signed=False, bits=4), dynamic_map(signed=False, bits=4, zero=False)
+    assert torch.equal(zero_free, full[1:]) and full[0].item() == 0 and (zero_free > 0).all()
+    with pytest.raises(ValueError, match="unsigned"):
+        dynamic_map(signed=True, zero=False)
+    with pytest.raises(ValueError, match="bits"):
+        dynamic_map(signed=True, bits=6)
+
+
+@settings(max_examples=60, deadline=None)
+@given(xb=blocks, bits=st.sampled_from([8, 4]))
+def test_zero_free_linear_codes_never_decode_to_zero(xb, bits):
+    # codes stand for (c + 1)·s, s = amax / 2^bits: half a step for x >= s / 2, else rounded up to s; never 0
+    xb = xb.abs()
+    codes, scale = linear_encode(xb, bits, signed=False, zero_free=True)
+    back = linear_decode(codes, scale, bits, signed=False, zero_free=True)
+    s = scale[:, None]
+    bound = torch.where(xb >= s / 2, s / 2, s - xb)
+    assert ((back - xb).abs() <= bound * (1 + FP32_SLACK) + 1e-30).all()
+    nonzero_block = xb.amax(dim=-1) > 0
+    assert (back[nonzero_block] > 0).all() and (back[~nonzero_block] == 0).all()
+    assert codes.max().item() < 2**bits
+    with pytest.raises(ValueError, match="unsigned"):
+        linear_encode(xb, bits, signed=True, zero_free=True)
 
 
 @settings(max_examples=40, deadline=None)

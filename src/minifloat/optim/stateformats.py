@@ -10,9 +10,12 @@ the end; a block-scaled format stores per block one float32 scale beside the cod
     int8          int8 / uint8 (n_blocks, block)     scale           numerics.intquant linear, symmetric
     int8-dynamic  uint8 (n_blocks, block)            absmax          numerics.intquant dynamic map, nearest code
     int4          uint8 (n_blocks, block / 2)        scale           numerics.intquant linear, two codes per byte
+    int4-dynamic  uint8 (n_blocks, block / 2)        absmax          4-bit dynamic map, two codes per byte
 
 Moments that are never negative (Adam's second moment) use the unsigned variants of the integer codes (the
-unsigned dynamic map; linear codes 0..2^bits-1), which spend the sign bit on resolution.
+unsigned dynamic map; linear codes 0..2^bits-1), which spend the sign bit on resolution. At 4 bits those codes are
+zero-free (numerics.intquant): a second moment rounded to 0 would turn Adam's update into m / eps, which is what
+made 4-bit second moments diverge; zero-free codes round the smallest values up to the first code instead.
 
 Dynamic range expansion (COAT, Xi et al. 2024, arXiv 2410.19313 §4.2): before quantization a block is normalised by
 its absmax, u = x / amax, and expanded, y = sign(u)·|u|^k, with k chosen per block so that the block's dynamic range
@@ -56,6 +59,7 @@ class StateFormat(str, enum.Enum):
     INT8 = "int8"
     INT8_DYNAMIC = "int8-dynamic"
     INT4 = "int4"
+    INT4_DYNAMIC = "int4-dynamic"
 
     def __str__(self) -> str:
         return self.value
@@ -104,6 +108,7 @@ STATE_FORMATS: dict[StateFormat, StateFormatInfo] = {
     StateFormat.INT8: StateFormatInfo(Coding.LINEAR, 8),
     StateFormat.INT8_DYNAMIC: StateFormatInfo(Coding.DYNAMIC, 8),
     StateFormat.INT4: StateFormatInfo(Coding.LINEAR, 4),
+    StateFormat.INT4_DYNAMIC: StateFormatInfo(Coding.DYNAMIC, 4),
 }
 
 
@@ -128,11 +133,16 @@ def dynamic_range(fmt: StateFormat | str, *, signed: bool) -> float:
     if info.coding == Coding.FLOAT:
         return info.number_format.max / info.number_format.min_normal
     if info.coding == Coding.LINEAR:
-        return float(linear_qmax(info.bits, signed=signed))
+        return 2.0**info.bits if _zero_free(info, signed) else float(linear_qmax(info.bits, signed=signed))
     if info.coding == Coding.DYNAMIC:
-        code = dynamic_map(signed=signed)
+        code = dynamic_map(signed=signed, bits=info.bits, zero=not _zero_free(info, signed))
         return 1.0 / code[code > 0].min().item()
     raise ValueError(f"the {fmt} state format has no block scale to expand into")
+
+
+def _zero_free(info: StateFormatInfo, signed: bool) -> bool:
+    """Unsigned 4-bit integer codes leave out 0 (see the module docstring)."""
+    return not signed and info.bits == 4 and info.coding in (Coding.LINEAR, Coding.DYNAMIC)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -190,21 +200,25 @@ class BlockCodec:
         if info.coding == Coding.FLOAT:
             q = quantize(xb, info.number_format, granularity="row")
             return {"": q.data, "_scale": q.scale.reshape(-1)}
+        zero_free = _zero_free(info, self.signed)
         if info.coding == Coding.LINEAR:
-            codes, scale = linear_encode(xb, info.bits, signed=self.signed)
-            return {"": pack_nibbles(codes) if info.bits == 4 else codes, "_scale": scale}
-        codes, scale = dynamic_encode(xb, dynamic_map(signed=self.signed).to(xb.device))
-        return {"": codes, "_scale": scale}
+            codes, scale = linear_encode(xb, info.bits, signed=self.signed, zero_free=zero_free)
+        else:
+            codes, scale = dynamic_encode(xb, self._map(info).to(xb.device))
+        return {"": pack_nibbles(codes) if info.bits == 4 else codes, "_scale": scale}
+
+    def _map(self, info: StateFormatInfo) -> torch.Tensor:
+        return dynamic_map(signed=self.signed, bits=info.bits, zero=not _zero_free(info, self.signed))
 
     def _decode_plain(self, parts: dict[str, torch.Tensor]) -> torch.Tensor:
         info = STATE_FORMATS[self.fmt]
         codes, scale = parts[""], parts["_scale"]
         if info.coding == Coding.FLOAT:
             return codes.float() * scale[:, None]
+        codes = unpack_nibbles(codes) if info.bits == 4 else codes
         if info.coding == Coding.LINEAR:
-            codes = unpack_nibbles(codes) if info.bits == 4 else codes
-            return linear_decode(codes, scale, info.bits, signed=self.signed)
-        return dynamic_decode(codes, scale, dynamic_map(signed=self.signed).to(codes.device))
+            return linear_decode(codes, scale, info.bits, signed=self.signed, zero_free=_zero_free(info, self.signed))
+        return dynamic_decode(codes, scale, self._map(info).to(codes.device))
 
 
 def round_plain(x: torch.Tensor, fmt: StateFormat) -> torch.Tensor:
