@@ -126,16 +126,15 @@ def mx_scale(amax: torch.Tensor, fmt: NumberFormat, *, rule: str = "up") -> torc
 
     rule="up": e = ceil(log2(amax / fmt.max)), the smallest power of two that keeps every element <= fmt.max.
     rule="floor": OCP MX v1.0 §6.3, e = floor(log2(amax)) - emax(fmt); the largest elements may saturate.
-    All-zero or non-finite blocks get e = 0.
+    All-zero or non-finite blocks get e = 0. Exact: the exponent comes from frexp (float32 log2 of 8·(1 - 2^-24) is 3).
     """
-    amax = amax.float()
-    if rule == "up":
-        e = torch.ceil(torch.log2(amax / fmt.max))
-    elif rule == "floor":
-        e = torch.floor(torch.log2(amax)) - fmt.emax
-    else:
+    if rule not in MX_RULES:
         raise ValueError(f"mx rule must be one of {MX_RULES}, got {rule!r}")
-    e = torch.where(torch.isfinite(e), e, torch.zeros_like(e)).clamp(E8M0.emin, E8M0.emax)
+    m, k = torch.frexp(amax.float())  # amax = m·2^k, m in [0.5, 1): floor(log2(amax)) = k - 1
+    e = (k - 1 - fmt.emax).float()  # the "floor" rule
+    if rule == "up":  # amax / 2^e = 2m·2^emax (exact); above fmt.max the block needs the next binade
+        e = e + (2.0 * m * 2.0**fmt.emax > fmt.max).float()
+    e = torch.where(torch.isfinite(amax) & (amax > 0), e, torch.zeros_like(e)).clamp(E8M0.emin, E8M0.emax)
     return torch.exp2(e)
 
 

@@ -1,0 +1,265 @@
+"""NVFP4: E2M1 elements with two levels of scale, an E4M3 scale per 16-element block and an fp32 scale per tensor.
+
+A block of 16 consecutive elements along the last dim (or, for weights, a 16×16 tile of the last two dims) shares
+one E4M3 scale; the whole tensor shares one fp32 scale, chosen so that the largest block scale lands on E4M3's max
+(NVIDIA, "Pretraining Large Language Models with NVFP4", arXiv 2509.25149, §2 and Appendix B; Transformer Engine's
+NVFP4 recipe). With A the tensor's amax and a_b a block's, in float32 arithmetic (each operation rounded to nearest):
+
+    s_enc = (E4M3.max · E2M1.max) / A = 2688 / A        global encode scale (1 when A is 0, inf or NaN)
+    g     = 1 / s_enc                                   global decode scale, stored (≈ A / 2688)
+    s_b   = e4m3((a_b / E2M1.max) · s_enc)              block decode scale, stored in E4M3 (saturating RNE)
+    r_b   = 1 / (s_b · g)                               the block's encode multiplier (0 for s_b = 0)
+    q     = e2m1(x · r_b)                               elements (saturating; RNE or stochastic)
+    x̂     = (q · s_b) · g                               decoded: q · s_b is exact in float32 (2 + 4 significant
+                                                        bits), so x̂ is the exact product rounded once
+
+Divisions are correctly rounded (tensor / tensor: torch computes `float / tensor` as a reciprocal times the float).
+(a_b / 6) · s_enc is the paper's order; Transformer Engine's kernel computes a_b · (s_enc / 6), which can differ by
+one float32 ulp before the E4M3 rounding.
+
+Non-finite input follows `quantize` (docs/fp8.md, "Non-finite values"): a NaN or ±inf anywhere makes the global
+scale fall back to 1 (as a per-tensor cast's scale does), its block's scale falls back to 1, NaN stays NaN in the
+elements and in `dequantize()` (so guards see it) and ±inf saturates to ±6.
+
+Rounding goes through `minifloat.numerics.quantize.cast`, the one rounding path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from minifloat.core.validate import check_bool, check_choice
+from minifloat.numerics.formats import E2M1, E4M3, FP32, NumberFormat
+from minifloat.numerics.granularity import pad_to_multiple
+from minifloat.numerics.intquant import pack_nibbles, unpack_nibbles
+from minifloat.numerics.quantize import abs_max, cast
+from minifloat.numerics.rounding import ROUNDINGS
+
+NVFP4_BLOCK = 16  # arXiv 2509.25149 §2: 16 elements (1×16, or a 16×16 weight tile) share one E4M3 scale
+GLOBAL_RANGE = E4M3.max * E2M1.max  # 448 · 6 = 2688: the largest block scale times the largest element
+
+
+# ---------------------------------------------------------------------------------------------------- E2M1 codes
+
+
+@functools.lru_cache(maxsize=None)
+def _magnitudes(fmt: NumberFormat) -> tuple[float, ...]:
+    """The 2^(ebits+mbits) non-negative values of a format without specials, in code order (ascending)."""
+    values = []
+    for code in range(2 ** (fmt.ebits + fmt.mbits)):
+        e, m = code >> fmt.mbits, code & (2**fmt.mbits - 1)
+        if e == 0:  # subnormal: m · 2^(emin - mbits)
+            values.append(m * fmt.min_subnormal)
+        else:
+            values.append((1 + m / 2**fmt.mbits) * 2.0 ** (e - fmt.bias))
+    return tuple(values)
+
+
+def e2m1_values(device: torch.device | str | None = None) -> torch.Tensor:
+    """The 16 E2M1 values in code order (sign bit 3, exponent bits 2-1, mantissa bit 0), float32: 0, 0.5, ... 6,
+    -0, -0.5, ... -6 (OCP MX v1.0 §5.3.3)."""
+    half = torch.tensor(_magnitudes(E2M1), dtype=torch.float32, device=device)
+    return torch.cat([half, -half])
+
+
+def encode_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """uint8 E2M1 codes (0..15) of float values that lie on the E2M1 grid; -0.0 gets the code 8.
+
+    Raises:
+        ValueError for NaN, which E2M1 has no code for (a data-dependent check: it synchronises with the device).
+    """
+    v = values.float()
+    if bool(torch.isnan(v).any()):
+        raise ValueError("E2M1 has no NaN code: NaN cannot be encoded")
+    magnitudes = torch.tensor(_magnitudes(E2M1), dtype=torch.float32, device=v.device)
+    code = torch.bucketize(v.abs(), magnitudes).clamp(max=len(magnitudes) - 1)  # |v|'s index among the magnitudes
+    if bool((magnitudes[code] != v.abs()).any()):
+        raise ValueError("encode_e2m1 needs values on the E2M1 grid; cast them first")
+    return (code | (torch.signbit(v).to(torch.int64) << 3)).to(torch.uint8)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """float32 values of uint8 E2M1 codes (the inverse of `encode_e2m1`)."""
+    return e2m1_values(codes.device)[codes.long()]
+
+
+def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
+    """E2M1 grid values packed two per byte along the last dim (element 2i in the low nibble), uint8.
+
+    An odd last dim is padded with one +0 code; `unpack_e2m1(packed, n)` trims it.
+    """
+    codes = pad_to_multiple(encode_e2m1(values), 2)
+    if codes.numel() == 0:  # no pairs to form: reshape(..., -1, 2) is ambiguous for zero elements
+        return codes[..., : codes.shape[-1] // 2]
+    return pack_nibbles(codes)
+
+
+def unpack_e2m1(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
+    """float32 values of `pack_e2m1`'s bytes; `n` keeps the first n elements of the last dim (all when None)."""
+    if packed.numel() == 0:
+        return torch.zeros(*packed.shape[:-1], 2 * packed.shape[-1], device=packed.device)[..., :n]
+    values = decode_e2m1(unpack_nibbles(packed))
+    return values if n is None else values[..., :n]
+
+
+# ---------------------------------------------------------------------------------------------------- scales
+
+
+def _divide(numerator: float, t: torch.Tensor) -> torch.Tensor:
+    """numerator / t correctly rounded: torch evaluates `float / tensor` as t.reciprocal() · float, two roundings."""
+    return torch.full_like(t, numerator) / t
+
+
+def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+    """s_enc = 2688 / amax in float32 (at most float32's max); 1 for a zero, infinite or NaN amax."""
+    amax = amax.float()
+    s = _divide(GLOBAL_RANGE, amax).clamp(max=FP32.max)
+    return torch.where(torch.isfinite(amax) & (amax > 0), s, torch.ones_like(s))
+
+
+def block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
+    """E4M3 block decode scales s_b = e4m3((a_b / 6) · s_enc) as float32 values; 1 for a non-finite block amax."""
+    s_b = cast((block_amax.float() / E2M1.max) * s_enc, E4M3)  # saturates at 448: a given global amax may be small
+    return torch.where(torch.isfinite(block_amax), s_b, torch.ones_like(s_b))
+
+
+def encode_multipliers(s_b: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """r_b = 1 / (s_b · g), at most float32's max; 0 where s_b · g is 0 (the block then encodes to zeros)."""
+    d = s_b * g
+    r = _divide(1.0, d).clamp(max=FP32.max)
+    return torch.where(d > 0, r, torch.zeros_like(r))
+
+
+# ---------------------------------------------------------------------------------------------------- layout
+
+
+def _blocked(x: torch.Tensor, block_2d: bool) -> torch.Tensor:
+    """x zero-padded and viewed as (..., K/16, 16), or (..., M/16, 16, K/16, 16) for 16×16 tiles."""
+    xp = pad_to_multiple(x, NVFP4_BLOCK, -1)
+    if not block_2d:
+        return xp.reshape(*xp.shape[:-1], xp.shape[-1] // NVFP4_BLOCK, NVFP4_BLOCK)
+    xp = pad_to_multiple(xp, NVFP4_BLOCK, -2)
+    *lead, m, k = xp.shape
+    return xp.reshape(*lead, m // NVFP4_BLOCK, NVFP4_BLOCK, k // NVFP4_BLOCK, NVFP4_BLOCK)
+
+
+def _unblocked(y: torch.Tensor, shape: torch.Size, block_2d: bool) -> torch.Tensor:
+    """Inverse of `_blocked`: back to `shape`, padding trimmed."""
+    if not block_2d:
+        return y.reshape(*shape[:-1], y.shape[-2] * NVFP4_BLOCK)[..., : shape[-1]]
+    *lead, mb, _, kb, _ = y.shape
+    return y.reshape(*lead, mb * NVFP4_BLOCK, kb * NVFP4_BLOCK)[..., : shape[-2], : shape[-1]]
+
+
+def expand_block_scale(scale: torch.Tensor, shape: torch.Size, block_2d: bool) -> torch.Tensor:
+    """Block scales repeated over their blocks and trimmed to `shape`."""
+    s = scale.repeat_interleave(NVFP4_BLOCK, dim=-1)[..., : shape[-1]]
+    if block_2d:
+        s = s.repeat_interleave(NVFP4_BLOCK, dim=-2)[..., : shape[-2], :]
+    return s
+
+
+# ---------------------------------------------------------------------------------------------------- NVFP4Quantized
+
+
+@dataclasses.dataclass
+class NVFP4Quantized:
+    """A tensor in NVFP4: x ≈ (data · scale) · global_scale, the scale broadcast over its block.
+
+    Attributes:
+        data: the E2M1 element values, float32, of x's shape (NaN where x was NaN); `codes()` / `packed()` give
+            their 4-bit encodings.
+        scale: E4M3 block decode scales, torch.float8_e4m3fn: (..., ceil(K/16)) for 1×16 blocks along the last
+            dim, (..., ceil(M/16), ceil(K/16)) for 16×16 tiles (block_2d).
+        global_scale: float32 0-d decode scale g = 1 / s_enc, s_enc = 2688 / amax (see the module docstring).
+        amax: float32 0-d amax the global scale was computed from (measured, or the one given).
+        block_2d: 16×16 tiles over the last two dims instead of 1×16 blocks along the last.
+    """
+
+    data: torch.Tensor
+    scale: torch.Tensor
+    global_scale: torch.Tensor
+    amax: torch.Tensor
+    block_2d: bool = False
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.data.shape
+
+    @property
+    def block(self) -> tuple[int, int]:
+        """(rows, cols) of one scale block along the last two dims."""
+        return (NVFP4_BLOCK, NVFP4_BLOCK) if self.block_2d else (1, NVFP4_BLOCK)
+
+    def expanded_scale(self) -> torch.Tensor:
+        """The E4M3 block scales as float32, broadcast to data's shape."""
+        return expand_block_scale(self.scale.float(), self.shape, self.block_2d)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """(data · scale) · global_scale in float32 (the first product exact, the second rounded once), in `dtype`."""
+        return ((self.data * self.expanded_scale()) * self.global_scale).to(dtype)
+
+    def codes(self) -> torch.Tensor:
+        """uint8 E2M1 codes of data (ValueError if data holds NaN, which E2M1 cannot encode)."""
+        return encode_e2m1(self.data)
+
+    def packed(self) -> torch.Tensor:
+        """data as E2M1 codes packed two per byte along the last dim (see `pack_e2m1`)."""
+        return pack_e2m1(self.data)
+
+    def t(self) -> NVFP4Quantized:
+        """Transpose of a 2-D tensor with 16×16 tiles: bitwise quantize_nvfp4(x.t(), block_2d=True)."""
+        if not self.block_2d or len(self.shape) != 2:
+            raise ValueError(f"only 2-D tensors with 16×16 blocks (block_2d=True) transpose exactly; 1×16 blocks "
+                             f"run along K, so xᵀ must be quantized from x (got block_2d={self.block_2d}, "
+                             f"shape {tuple(self.shape)})")
+        return NVFP4Quantized(self.data.t(), self.scale.t(), self.global_scale, self.amax, True)
+
+    def nbytes(self) -> int:
+        """Bytes of packed elements, E4M3 block scales and the fp32 global scale."""
+        k = self.shape[-1]
+        rows = self.data.numel() // k if k else 0
+        return rows * -(-k // 2) + self.scale.numel() + 4
+
+
+def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "nearest",
+                   generator: torch.Generator | None = None, global_amax: torch.Tensor | None = None
+                   ) -> NVFP4Quantized:
+    """Quantize `x` to NVFP4 with the two-level scales of the module docstring.
+
+    Args:
+        x: floating tensor; blocks of 16 run along the last dim, or tile the last two dims with `block_2d`. Ragged
+            edges are zero-padded for the block amax and trimmed from the result.
+        block_2d: 16×16 tiles (weights), so that x and xᵀ share their blocks: quantize_nvfp4(x, block_2d=True).t()
+            is bitwise quantize_nvfp4(x.t(), block_2d=True) (arXiv 2509.25149 §4.2).
+        rounding: "nearest" (ties to even) or "stochastic" (unbiased; gradients, §4.4) for the elements. Block
+            scales are always rounded to nearest.
+        generator: the torch.Generator stochastic rounding draws from (None: torch's default one).
+        global_amax: a per-tensor amax the caller has (e.g. the whole tensor's, for one shard of it); None measures
+            x's own.
+    Returns:
+        NVFP4Quantized with data of x's shape.
+    """
+    check_bool("block_2d", block_2d)
+    check_choice("rounding", rounding, ROUNDINGS)
+    if not x.is_floating_point():
+        raise TypeError(f"quantize_nvfp4 expects a floating tensor, got {x.dtype}")
+    if x.dim() < (2 if block_2d else 1):
+        raise ValueError(f"quantize_nvfp4 needs a tensor of at least {2 if block_2d else 1} dims "
+                         f"(block_2d={block_2d}), got shape {tuple(x.shape)}")
+    x = x.detach()
+    amax = abs_max(x, None) if global_amax is None else global_amax.detach().float().reshape(())
+    s_enc = global_encode_scale(amax)
+    g = _divide(1.0, s_enc)
+
+    xb = _blocked(x.float(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
+    dims = (-3, -1) if block_2d else (-1,)
+    block_amax = xb.abs().amax(dim=dims, keepdim=True)  # NaN propagates through amax
+    s_b = block_scales(block_amax, s_enc)
+    data = cast(xb * encode_multipliers(s_b, g), E2M1, rounding=rounding, generator=generator)
+
+    scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
+    return NVFP4Quantized(_unblocked(data, x.shape, block_2d), scale.to(E4M3.torch_dtype), g, amax, block_2d)

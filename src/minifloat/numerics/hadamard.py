@@ -1,0 +1,87 @@
+"""The random Hadamard transform (RHT): an orthogonal 16×16 mix of each block of 16 elements along the last dim.
+
+NVFP4 training applies it to both operands of the weight-gradient GEMM along their shared (token) dimension, where
+it spreads a block's outliers over the block so that they no longer dictate its scale (arXiv 2509.25149 §4.3;
+Tseng et al., "QuIP#", arXiv 2402.04396, for the random-sign Hadamard). With H the n×n Sylvester Hadamard matrix
+(entries ±1, H·H = n·I) and S = diag(signs), signs a fixed random ±1 vector:
+
+    T = H·S / √n        orthogonal: Tᵀ·T = S·H·H·S / n = I
+    rht(x)   = x·Tᵀ     each block of n elements along the last dim, as a row vector: y_b = T·x_b
+    inverse  = y·T      x_b = Tᵀ·y_b
+
+For a GEMM contracting the transformed dimension, (A·Tᵀ)·(B·Tᵀ)ᵀ = A·Tᵀ·T·Bᵀ = A·Bᵀ: the transform changes what is
+quantized, not the product (up to rounding). For n = 16, 1/√n = 1/4 is a power of two, so the scaling is exact and
+inputs whose block sums are exact in the compute dtype (e.g. small integers) round-trip bitwise.
+
+The signs come from `rht_signs(seed)`: one seeded draw, to be stored with the scaling state.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from minifloat.core.validate import check_int
+
+RHT_BLOCK = 16  # arXiv 2509.25149 §4.3: 16×16 transforms, matching NVFP4's 16-element blocks
+
+
+@functools.lru_cache(maxsize=None)
+def _sylvester(n: int) -> tuple[tuple[float, ...], ...]:
+    h = [[1.0]]
+    while len(h) < n:  # H_2k = [[H, H], [H, -H]]
+        h = [row + row for row in h] + [row + [-v for v in row] for row in h]
+    return tuple(tuple(row) for row in h)
+
+
+def hadamard_matrix(n: int = RHT_BLOCK, *, dtype: torch.dtype = torch.float32,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The n×n Sylvester Hadamard matrix (entries ±1, symmetric, H·H = n·I); n a power of two."""
+    check_int("n", n, low=1)
+    if n & (n - 1):
+        raise ValueError(f"n must be a power of two, got {n}")
+    return torch.tensor(_sylvester(n), dtype=dtype, device=device)
+
+
+def rht_signs(seed: int, n: int = RHT_BLOCK) -> torch.Tensor:
+    """n random signs (±1.0, float32) drawn from a CPU generator seeded with `seed`: the same on every machine."""
+    check_int("seed", seed, low=0)
+    check_int("n", n, low=1)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
+
+
+def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool) -> torch.Tensor:
+    check_int("block", block, low=1)
+    if signs.shape != (block,):
+        raise ValueError(f"signs must have shape ({block},), got {tuple(signs.shape)}")
+    if x.dim() == 0 or x.shape[-1] % block:
+        raise ValueError(f"the last dim must be a multiple of the block {block}, got shape {tuple(x.shape)}")
+    dtype = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 input
+    h = hadamard_matrix(block, dtype=dtype, device=x.device)
+    s = signs.to(dtype=dtype, device=x.device)
+    xb = x.to(dtype).reshape(*x.shape[:-1], -1, block)  # (..., K/n, n): one block per row
+    norm = 1.0 / math.sqrt(block)  # 1/4 for n = 16: exact
+    # rows: y_b = x_b·(H·S)ᵀ/√n = (x_b ⊙ s)·H/√n (H symmetric); inverse x_b = y_b·H·S/√n = (y_b·H ⊙ s)/√n
+    yb = (xb @ h) * s if inverse else (xb * s) @ h
+    return (yb * norm).reshape(x.shape).to(x.dtype)
+
+
+def rht(x: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK) -> torch.Tensor:
+    """H·diag(signs)/√block applied to each block of `block` elements along the last dim.
+
+    Args:
+        x: floating tensor whose last dim is a multiple of `block`.
+        signs: (block,) tensor of ±1 (see `rht_signs`).
+        block: transform size, a power of two (16 in NVFP4 training).
+    Returns:
+        A tensor of x's shape and dtype, computed in float32 (float64 for float64 input).
+    """
+    return _transform(x, signs, block, inverse=False)
+
+
+def rht_inverse(y: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK) -> torch.Tensor:
+    """The inverse (= transpose) of `rht` with the same signs: rht_inverse(rht(x, s), s) = x up to rounding."""
+    return _transform(y, signs, block, inverse=True)
