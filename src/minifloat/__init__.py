@@ -17,6 +17,8 @@ from minifloat.fp8.scaling import ScalingState, reduce_amax
 from minifloat.fp8.step import fp8_step
 from minifloat.safety.shadow import ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
+from minifloat.inference.prepare import prepare_inference
+from minifloat.inference.quantized_io import load_quantized, save_quantized
 
 
 __all__ = [
@@ -27,6 +29,7 @@ __all__ = [
     "Fp8Linear", "convert", "autocast", "fp8_layers", "telemetry",
     "PrecisionPolicy", "LossScaler", "StepRecord", "RMSNorm", "LayerNorm", "MasterWeights", "MasterWeightOptimizer",
     "StepGuard", "GuardConfig", "ShadowCheck", "ShadowConfig", "StabilityConfig",
+    "prepare_inference", "save_quantized", "load_quantized",
 ]
 # the reference model, data, trainer, checkpoints and comparison live in their modules: minifloat.training.model,
 # minifloat.training.data, minifloat.training.loop, minifloat.training.checkpoint, minifloat.training.compare

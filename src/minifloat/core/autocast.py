@@ -13,3 +13,10 @@ def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     if torch.amp.is_autocast_available(device_type):
         return torch.autocast(device_type, enabled=False)
     return contextlib.nullcontext()
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype torch.autocast computes x's device's matmuls in, or x's dtype (no autocast there: also meta)."""
+    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype

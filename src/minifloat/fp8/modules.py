@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from minifloat.core.autocast import compute_dtype
 from minifloat.fp8 import step as fp8_steps
 from minifloat.fp8.autograd import Fp8LinearFunction, LayerCaster, WeightCache, recording_linear
 from minifloat.fp8.gemm import BACKENDS
@@ -72,13 +73,6 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's shard of a DTensor parameter (tensor parallel), else `t`; the shard's gradient flows back to the
     DTensor with its placements."""
     return t.to_local() if isinstance(t, DTensor) else t
-
-
-def _compute_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype torch.autocast computes x's device's matmuls in, or x's dtype (no autocast there: also meta)."""
-    if torch.amp.is_autocast_available(x.device.type) and torch.is_autocast_enabled(x.device.type):
-        return torch.get_autocast_dtype(x.device.type)
-    return x.dtype
 
 
 class Fp8Linear(nn.Linear):
@@ -160,7 +154,7 @@ class Fp8Linear(nn.Linear):
                              recording, self._weights if self.cache_weight else None, self.amax_reduce)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
-        return Fp8LinearFunction.apply(x, weight, bias, caster, _compute_dtype(x))
+        return Fp8LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -1,0 +1,65 @@
+"""`minifloat export`: a run's model as a Hugging Face checkpoint (bf16, or FP8 as vLLM / DeepSeek-V3 store it)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+
+from minifloat.cli import common
+
+FORMATS = ("hf", "hf-fp8", "hf-fp8-block")  # minifloat.inference.hf.FORMATS (checked against it in tests)
+DTYPES = ("bfloat16", "float16", "float32")
+ACTIVATIONS = ("auto", "static", "dynamic")
+
+
+def _choice(flag: str, value: str, choices: tuple[str, ...]) -> None:
+    """Checked here, not by argparse, whose error is a usage block: a bad value is the command's one error line."""
+    if value not in choices:
+        raise common.CliError(f"invalid option: {flag} must be one of {', '.join(choices)}, got {value!r}")
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Write a run's model (its latest checkpoint, or --checkpoint) as a Hugging Face checkpoint in --out:
+    config.json, generation_config.json and model.safetensors with LlamaForCausalLM's tensor names
+    (Qwen3ForCausalLM's for a QK-norm model). --format hf stores plain --dtype tensors (transformers'
+    from_pretrained reads them); hf-fp8 stores each quantized linear as float8_e4m3fn with one fp32 weight_scale
+    (vLLM's / AutoFP8's "fp8" layout) and, when the run trained with delayed scaling, its static input_scale;
+    hf-fp8-block stores DeepSeek-V3's 128×128 blocks with fp32 weight_scale_inv. Embeddings, norms, lm_head and the
+    layers training kept in high precision stay --dtype. An --out that exists and is not empty is refused unless
+    --overwrite. Exits with status 2 on a bad option, run folder or checkpoint."""
+    from minifloat.inference.export import export_hf
+
+    _choice("--format", args.format, FORMATS)
+    _choice("--dtype", args.dtype, DTYPES)
+    _choice("--activations", args.activations, ACTIVATIONS)
+    out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
+                    activations=args.activations, overwrite=args.overwrite)
+    config = json.loads((pathlib.Path(out) / "config.json").read_text(encoding="utf-8"))
+    quant = config.get("quantization_config")
+    detail = config["architectures"][0]
+    if quant is not None:
+        kept = quant["ignored_layers"]
+        detail += (f", {quant['activation_scheme']} activations, kept in {args.dtype}: "
+                   f"{', '.join(kept) if kept else 'none'}")
+    common.console.print(f"wrote {out} ({args.format}: {detail})", highlight=False, soft_wrap=True)
+    return 0
+
+
+def add_parser(sub) -> None:
+    e = sub.add_parser("export", help="write a run's model as a Hugging Face checkpoint (bf16 or FP8)",
+                       description=cmd_export.__doc__)
+    e.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
+    e.add_argument("--format", default="hf", metavar="FORMAT",
+                   help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8') or hf-fp8-block (128×128 block "
+                        "FP8, DeepSeek-V3's) (default hf)")
+    e.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty, or --overwrite)")
+    e.add_argument("--checkpoint", default="latest", metavar="NAME",
+                   help="latest (the run's ckpt/, default), or a checkpoint folder inside the run or elsewhere")
+    e.add_argument("--dtype", default="bfloat16", metavar="DTYPE",
+                   help="dtype of the tensors that are not FP8: bfloat16 (default), float16 or float32")
+    e.add_argument("--activations", default="auto", metavar="SCHEME",
+                   help="hf-fp8's activation scales: static (the run's delayed input scales; an error without "
+                        "them), dynamic, or auto (static when the run has them; default)")
+    e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the export is complete")
+    e.set_defaults(func=cmd_export)

@@ -1,0 +1,294 @@
+"""Calibration: statistics of the inputs of a model's linear layers over sample batches, and what inference makes of
+them — static activation scales (with a clip rule) and SmoothQuant scales.
+
+A pass runs the model on every batch (minifloat.core.batch.call_model: a tensor, a tuple of positional arguments or
+a dict of keyword arguments) in eval mode, without gradients and with FP8 off (Fp8Linear layers run in high
+precision), while forward pre-hooks record each layer's input: its amax, per-channel amaxes (for SmoothQuant) and a
+histogram of |x| (for the percentile and MSE clip rules).
+
+Clip rules, for the static scale fp8_max / amax' (minifloat.numerics.quantize.scale_from_amax):
+    max         amax' = the largest |x| over all batches (nothing saturates)
+    percentile  amax' = the p-th percentile of |x| over all batches (read from a HISTOGRAM_BINS-bin histogram on
+                [0, amax]); the rarer values above it saturate
+    mse         amax' = the candidate amax·2^(-i/16), i < MSE_CANDIDATES, whose quantize-dequantize error
+                Σ_bins count·(x̂ - x)² over the histogram is least (through minifloat's quantize)
+
+SmoothQuant (Xiao et al., arXiv 2211.10438 §4) moves activation outliers into the weights: per input channel j,
+s_j = max|X_j|^α / max|W_j|^(1-α); the layer computes (X / s) @ (W · s)ᵀ = X @ Wᵀ, and X / s has flatter
+channels. When a layer's input is the output of an affine norm and every linear layer reading that output is
+being converted, s is folded into the norm's gain (and bias): the norm then outputs X / s for free. A fold is
+kept only if the model's output on the first batch stays within FOLD_CHECK_SQNR_DB of the unfolded model's (a norm
+output that also feeds something else, e.g. a post-norm residual, fails the check); otherwise the layers apply s.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import logging
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from minifloat.core import roles
+from minifloat.core.batch import call_model
+from minifloat.fp8.modules import autocast as fp8_autocast
+from minifloat.fp8.recipes import CastSpec
+from minifloat.numerics.granularity import Granularity
+from minifloat.numerics.quantize import abs_max, quantize, scale_from_amax, sqnr_db
+
+log = logging.getLogger("minifloat")
+
+HISTOGRAM_BINS = 2048
+MSE_CANDIDATES = 64  # amax · 2^(-i/16): down to amax / 16 (E4M3's relative grid makes larger clips pointless)
+SMOOTH_MIN = 1e-5  # SmoothQuant's floor on channel maxima (a dead channel would make s_j zero or infinite)
+FOLD_CHECK_SQNR_DB = 40.0  # a correct fold changes only roundings (≥ 50 dB even in bfloat16); a wrong one ~0 dB
+
+
+class Clip(str, enum.Enum):
+    MAX = "max"
+    PERCENTILE = "percentile"
+    MSE = "mse"
+
+
+class Observer:
+    """Statistics of one layer's input over the batches of a pass.
+
+    Args:
+        channels: also keep per-channel amaxes (K,).
+        hist_range: keep a histogram of |x| on [0, hist_range] (values above fall in the last bin).
+        divide: divide the input by these (K,) scales first (SmoothQuant applied in the layer).
+    """
+
+    def __init__(self, *, channels: bool = False, hist_range: torch.Tensor | None = None,
+                 divide: torch.Tensor | None = None):
+        self.channels, self.hist_range, self.divide = channels, hist_range, divide
+        self.amax: torch.Tensor | None = None
+        self.channel_amax: torch.Tensor | None = None
+        self.hist: torch.Tensor | None = None
+
+    @torch.no_grad()
+    def observe(self, x: torch.Tensor) -> None:
+        x2 = x.detach().reshape(-1, x.shape[-1])  # (tokens, K)
+        if self.divide is not None:
+            x2 = x2.float() / self.divide
+        amax = abs_max(x2, None)
+        self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
+        if self.channels:
+            ch = abs_max(x2, 0).reshape(-1)
+            self.channel_amax = ch if self.channel_amax is None else torch.maximum(self.channel_amax, ch)
+        if self.hist_range is not None:
+            width = self.hist_range.float().clamp(min=torch.finfo(torch.float32).tiny) / HISTOGRAM_BINS
+            index = (x2.abs().float() / width).floor().clamp(max=HISTOGRAM_BINS - 1).long().reshape(-1)
+            counts = torch.bincount(index, minlength=HISTOGRAM_BINS).double()
+            self.hist = counts if self.hist is None else self.hist + counts
+
+
+def check_batches(calibration) -> list:
+    """The calibration batches as a list (a generator is read once); ValueError for a single batch or none."""
+    if isinstance(calibration, (torch.Tensor, Mapping)):
+        raise ValueError(f"calibration must be an iterable of model inputs (e.g. a list of batches), not a single "
+                         f"{type(calibration).__name__}; wrap it in a list")
+    try:
+        batches = list(calibration)
+    except TypeError:
+        raise ValueError(f"calibration must be an iterable of model inputs, got {type(calibration).__name__}"
+                         ) from None
+    if not batches:
+        raise ValueError("calibration yielded no batches")
+    return batches
+
+
+@contextlib.contextmanager
+def calibrating(model: nn.Module):
+    """Eval mode, no gradients, FP8 off; the model's training mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), fp8_autocast(enabled=False):
+            yield
+    finally:
+        model.train(was_training)
+
+
+def run_pass(model: nn.Module, batches: list, observers: dict[str, Observer], *, producers: bool = False):
+    """Run `model` on every batch with each named layer's input observed.
+
+    Returns:
+        (the first batch's output, {linear layer: names of the norms whose output it read, None for any other
+        input}); the second is filled for every nn.Linear of the model when `producers`, else empty.
+    """
+    produced: dict[int, tuple[str, torch.Tensor]] = {}  # id(norm output) -> (norm name, the output, kept alive)
+    readers: dict[str, set[str | None]] = {}
+
+    def pre_hook(name):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs.get("input")
+            if name in observers:
+                observers[name].observe(x)
+            if producers:
+                source = produced.get(id(x))
+                readers.setdefault(name, set()).add(source[0] if source is not None and source[1] is x else None)
+        return hook
+
+    def norm_hook(name):
+        def hook(module, args, output):
+            if isinstance(output, torch.Tensor):
+                produced[id(output)] = (name, output)
+        return hook
+
+    watched = [n for n, _ in roles.named_linears(model)] if producers else []
+    handles = [model.get_submodule(n).register_forward_pre_hook(pre_hook(n), with_kwargs=True)
+               for n in dict.fromkeys([*observers, *watched])]
+    if producers:
+        handles += [m.register_forward_hook(norm_hook(n)) for n, m in model.named_modules() if roles.is_norm(m)]
+    first = None
+    try:
+        with calibrating(model):
+            for i, batch in enumerate(batches):
+                out = call_model(model, batch)
+                first = out if i == 0 else first
+                produced.clear()
+    finally:
+        for h in handles:
+            h.remove()
+    return first, readers
+
+
+def clipped_amax(obs: Observer, clip: Clip, percentile: float, spec: CastSpec) -> torch.Tensor:
+    """amax' of the clip rule (see the module docstring) from a pass's statistics."""
+    if clip == Clip.MAX or obs.hist is None or not bool(obs.amax > 0):  # (an all-zero input keeps amax 0)
+        return obs.amax
+    width = obs.hist_range.float() / HISTOGRAM_BINS
+    if clip == Clip.PERCENTILE:
+        cdf = obs.hist.cumsum(0) / obs.hist.sum()
+        index = torch.searchsorted(cdf, torch.tensor(percentile / 100, dtype=cdf.dtype, device=cdf.device))
+        return torch.minimum((index.float() + 1) * width, obs.amax)
+    centers = (torch.arange(HISTOGRAM_BINS, device=obs.hist.device) + 0.5) * width  # (bins,)
+    candidates = obs.amax * torch.exp2(-torch.arange(MSE_CANDIDATES, device=obs.hist.device) / 16)  # (C,)
+    dscale = 1.0 / scale_from_amax(candidates, spec.fmt, margin=spec.margin, power_of_two=spec.power_of_two)
+    rows = centers.expand(MSE_CANDIDATES, HISTOGRAM_BINS)
+    q = quantize(rows, spec.fmt, granularity=Granularity.ROW, scale=dscale).dequantize()  # (C, bins)
+    error = ((q - rows).double().pow(2) * obs.hist).sum(1)
+    return candidates[torch.argmin(error)]  # the first minimum: the largest such amax
+
+
+def static_scale(amax: torch.Tensor, spec: CastSpec) -> torch.Tensor:
+    """The static input's dequantization scale: 1 / (fp8_max / amax / 2^margin), as delayed scaling derives it."""
+    return 1.0 / scale_from_amax(amax, spec.fmt, margin=spec.margin, power_of_two=spec.power_of_two)
+
+
+def smoothing_scales(channel_amax: torch.Tensor, weights: list[torch.Tensor], alpha: float) -> torch.Tensor:
+    """s_j = max|X_j|^α / max|W_j|^(1-α) over the weights that read X (SmoothQuant eq. 4); 1 for dead channels."""
+    w_amax = torch.stack([abs_max(w.detach(), 0).reshape(-1) for w in weights]).amax(0).float()
+    x_amax = channel_amax.float()
+    s = x_amax.clamp(min=SMOOTH_MIN).pow(alpha) / w_amax.clamp(min=SMOOTH_MIN).pow(1 - alpha)
+    return torch.where((x_amax > 0) & (w_amax > 0) & torch.isfinite(s), s, torch.ones_like(s))
+
+
+def _set_weight(linear: nn.Module, value: torch.Tensor) -> None:
+    # a new Parameter rather than an in-place update: a weight shared with another module stays as it was
+    linear.weight = nn.Parameter(value.to(linear.weight.dtype), requires_grad=linear.weight.requires_grad)
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """The floating tensors of a model output (tensors, tuples, lists, dicts and Hugging Face ModelOutputs)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj] if obj.is_floating_point() else []
+    if isinstance(obj, Mapping):
+        obj = list(obj.values())
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    return []
+
+
+def _same_output(reference, output) -> bool:
+    ref, out = _tensors(reference), _tensors(output)
+    if not ref or len(ref) != len(out):
+        return False
+    return all(r.shape == o.shape and sqnr_db(r, o) >= FOLD_CHECK_SQNR_DB for r, o in zip(ref, out))
+
+
+def smooth(model: nn.Module, batches: list, observers: dict[str, Observer], readers: dict[str, set],
+           reference, alpha: float) -> tuple[dict[str, torch.Tensor], set[str]]:
+    """Apply SmoothQuant to the observed layers (see the module docstring): W <- W·s, and X / s folded into the norm
+    producing X or left to the layer.
+
+    Args:
+        observers: the layers, with per-channel amaxes from a pass over `batches`.
+        readers: that pass's {linear: producing norms}; reference: its first output.
+    Returns:
+        ({layer: s}, the layers that must divide their input by s themselves).
+    """
+    groups: dict[str, list[str]] = {}  # norm -> the layers reading its output
+    in_layer: set[str] = set()
+    for name, obs in observers.items():
+        sources = readers.get(name, set())
+        producer = next(iter(sources)) if len(sources) == 1 else None
+        weight = getattr(model.get_submodule(producer), "weight", None) if producer is not None else None
+        foldable = isinstance(weight, torch.Tensor) and weight.shape == obs.channel_amax.shape
+        # every linear reading the norm's output must be converted: a high-precision one would see X / s too
+        if foldable and all(r in observers for r, sources in readers.items() if producer in sources):
+            groups.setdefault(producer, []).append(name)
+        else:
+            in_layer.add(name)
+    scales = {}
+    for members in [*groups.values(), *([n] for n in sorted(in_layer))]:
+        channel_amax = torch.stack([observers[n].channel_amax for n in members]).amax(0)
+        s = smoothing_scales(channel_amax, [model.get_submodule(n).weight for n in members], alpha)
+        scales.update(dict.fromkeys(members, s))
+    folded = [n for members in groups.values() for n in members]
+    saved = [(model.get_submodule(n), model.get_submodule(n).weight) for n in folded]
+    for producer, members in groups.items():
+        norm, s = model.get_submodule(producer), scales[members[0]]
+        for p in (norm.weight, getattr(norm, "bias", None)):
+            if isinstance(p, torch.Tensor):
+                saved.append((p, p.data.clone()))
+                p.data = (p.data.float() / s).to(p.dtype)
+    for n in folded:
+        _set_weight(model.get_submodule(n), model.get_submodule(n).weight.detach().float() * scales[n])
+    if groups:  # the model with only the folds applied must compute what it did before
+        with calibrating(model):
+            folded_ok = _same_output(reference, call_model(model, batches[0]))
+        if not folded_ok:
+            for target, value in saved:
+                if isinstance(target, nn.Module):
+                    target.weight = value
+                else:
+                    target.data = value
+            log.warning("minifloat.prepare_inference: folding SmoothQuant scales into %d norm(s) changed the model's "
+                        "output (a norm output feeds more than linear layers); the layers apply them instead",
+                        len(groups))
+            in_layer |= set(folded)
+    for n in in_layer:
+        _set_weight(model.get_submodule(n), model.get_submodule(n).weight.detach().float() * scales[n])
+    return scales, in_layer
+
+
+def calibrated_amaxes(model: nn.Module, batches: list, names: list[str], *, clip: Clip, percentile: float,
+                      alpha: float | None, specs: dict[str, CastSpec], static: bool
+                      ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The calibration passes prepare_inference needs: statistics; SmoothQuant (if `alpha`); for static
+    activations, statistics of what the layers will quantize (again after smoothing, or for the histogram).
+
+    Returns:
+        ({layer: amax' of the clip rule} (empty unless `static`), {layer: s it divides its input by}).
+    """
+    first = {n: Observer(channels=alpha is not None) for n in names}
+    reference, readers = run_pass(model, batches, first, producers=alpha is not None)
+    scales, in_layer = smooth(model, batches, first, readers, reference, alpha) if alpha is not None else ({}, set())
+    divide = {n: scales[n] for n in in_layer}
+    if not static:
+        return {}, divide
+    if alpha is None and clip == Clip.MAX:
+        return {n: first[n].amax for n in names}, divide
+    second = {}
+    for n in names:
+        hist_range = None
+        if clip != Clip.MAX:  # a bound of |X / s| from the first pass (a little above it for folded norms, whose
+            # X / s the norm computes with its own rounding; values above fall in the last bin)
+            hist_range = first[n].amax if alpha is None else (first[n].channel_amax / scales[n]).amax() * (1 + 2**-6)
+        second[n] = Observer(divide=divide.get(n), hist_range=hist_range)
+    run_pass(model, batches, second)
+    return {n: clipped_amax(second[n], clip, percentile, specs[n]) for n in names}, divide

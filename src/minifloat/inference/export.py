@@ -1,0 +1,313 @@
+"""Export the reference Llama as a Hugging Face checkpoint, in bf16 or in the FP8 layouts serving stacks read.
+
+    export_hf(model, "out/hf")                                   # bf16: LlamaForCausalLM.from_pretrained reads it
+    export_hf("runs/a", "out/fp8", format="hf-fp8")              # a run folder's latest checkpoint, per-tensor FP8
+    model = load_hf_export("out/fp8")                            # back to minifloat's Llama (minifloat.inference.hf)
+
+An export is a folder: config.json (transformers' LlamaConfig fields, or Qwen3's for a QK-norm model: see
+minifloat.inference.hf), generation_config.json and model.safetensors with Hugging Face's tensor names. In the FP8
+formats each quantized linear layer stores
+
+    format          tensors of <layer>                                      quantization_config
+    hf              weight (bf16)                                           -
+    hf-fp8          weight  float8_e4m3fn (out, in)                         quant_method "fp8", weight_block_size null,
+                    weight_scale  fp32 ()   W ≈ weight · weight_scale       activation_scheme "static" (with
+                    input_scale   fp32 ()   static: x_fp8 = x / input_scale  input_scale) or "dynamic" (without)
+    hf-fp8-block    weight  float8_e4m3fn (out, in)                         quant_method "fp8", fmt "e4m3",
+                    weight_scale_inv  fp32 (ceil(out/128), ceil(in/128))    weight_block_size [128, 128],
+                    W ≈ weight · weight_scale_inv per 128×128 block         activation_scheme "dynamic"
+
+hf-fp8 is vLLM's / AutoFP8's per-tensor "fp8" checkpoint; hf-fp8-block is DeepSeek-V3's, whose `weight_scale_inv`
+is, despite its name, the dequantization multiplier (transformers' finegrained_fp8 multiplies by it). Embeddings,
+norms and lm_head stay in `dtype`; the linears kept in high precision are listed under both "ignored_layers" (vLLM)
+and "modules_to_not_convert" (transformers). Weights are cast through minifloat's one rounding path
+(minifloat.numerics.quantize, E4M3, "tensor" / "block" granularity). A static input scale comes from calibration
+batches (amax / 448) or, for a model trained with delayed scaling, from each layer's delayed input scale: exactly
+the scale its FP8 forward used.
+
+Which linears are quantized: a model trained in FP8 keeps its own choice (its Fp8Linear layers), a model prepared
+for FP8 inference its Fp8InferenceLinear layers (their stored weights are written as they are when the layout
+matches); any other model gets the choice `convert` would make (minifloat.fp8.convert.fp8_plan: the first block's
+q/k/v and lm_head stay in high precision).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterable
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from minifloat.core.rng import restoring_rng
+from minifloat.core.validate import check_choice
+from minifloat.fp8.modules import Fp8Linear
+from minifloat.inference import hf
+from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
+from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
+from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
+from minifloat.numerics.granularity import TILE, Granularity
+from minifloat.numerics.quantize import Quantized, quantize
+from minifloat.training.checkpoint import fsync_path, load_checkpoint, move_into_place
+from minifloat.training.config import TrainConfig
+from minifloat.training.loop import build
+from minifloat.training.model import Llama
+from minifloat.training.rundir import CHECKPOINT_DIR
+from minifloat.training.sharded import is_sharded, load_sharded, read_extra
+
+log = logging.getLogger("minifloat")
+
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+ACTIVATIONS = ("auto", "static", "dynamic")
+
+
+def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    check_choice("dtype", dtype, list(DTYPES))
+    return DTYPES[dtype]
+
+
+# ------------------------------------------------------------------------------------------------------ runs
+
+
+def run_checkpoint(run: str | os.PathLike, checkpoint: str = "latest") -> Path:
+    """The checkpoint folder `checkpoint` names in a run folder: "latest" is RUN/ckpt; another name is a folder
+    inside the run, or a path of its own."""
+    run = Path(run)
+    if not run.is_dir():
+        raise FileNotFoundError(f"run folder {run} does not exist")
+    inside = run / (CHECKPOINT_DIR if checkpoint == "latest" else checkpoint)
+    for ckpt in (inside, Path(checkpoint)) if checkpoint != "latest" else (inside,):
+        if ckpt.is_dir():
+            return ckpt
+    raise FileNotFoundError(f"{run} has no checkpoint {checkpoint!r} (no folder {inside}); train the run first "
+                            f"or name a checkpoint folder")
+
+
+def load_run(run: str | os.PathLike, *, checkpoint: str = "latest") -> Llama:
+    """A run folder's model as it trained: rebuilt under its precision policy (FP8 layers and their scaling state
+    included), on the CPU, in eval mode, with the checkpoint's weights.
+
+    Args:
+        run: the run folder (`minifloat train --out`).
+        checkpoint: "latest" (the run's ckpt/), or another checkpoint folder (see `run_checkpoint`).
+    Raises:
+        FileNotFoundError: no such run folder or checkpoint.
+        CheckpointError (a ValueError): the checkpoint is corrupt or does not fit its own config.
+    """
+    ckpt = run_checkpoint(run, checkpoint)
+    saved = read_extra(ckpt).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+              if k in TrainConfig.__dataclass_fields__}
+    config = dataclasses.replace(TrainConfig(**fields), nproc=1, parallel=None, resume=False, device="cpu")
+    with restoring_rng():  # build seeds torch's generator; loading a model leaves it alone
+        objects = build(config, torch.device("cpu"))  # the run's own objects: the checkpoint's keys and dtypes fit
+    if is_sharded(ckpt):  # written by several ranks: DCP reads model and optimizer together
+        load_sharded(ckpt, model=objects.model, optimizer=objects.optimizer)
+    else:
+        load_checkpoint(ckpt, model=objects.model, restore_rng=False)
+    return objects.model.eval()
+
+
+# ------------------------------------------------------------------------------------------------ activations
+
+
+def quantized_layers(model: Llama) -> list[str]:
+    """The linears an FP8 export quantizes, in module order: the model's Fp8InferenceLinear layers and those
+    prepare_inference would convert (minifloat.inference.prepare.inference_plan; see the module docstring)."""
+    planned = set(inference_plan(model))
+    return [name for name, m in model.named_modules() if isinstance(m, Fp8InferenceLinear) or name in planned]
+
+
+def model_input_scales(model: Llama, layers: list[str], spec: LayerSpec) -> dict[str, torch.Tensor] | None:
+    """The static input scales (dequantization multipliers) the model's own FP8 layers imply: a static
+    Fp8InferenceLinear's input_scale, or a layer trained with minifloat's (prepare.training_input_scale: its delayed
+    input scale, else one from its input amax history). None unless every one of `layers` has one."""
+    scales = {}
+    for name in layers:
+        module = model.get_submodule(name)
+        if isinstance(module, Fp8Linear):
+            scale = training_input_scale(module, spec)
+        elif (isinstance(module, Fp8InferenceLinear) and module.spec.activations == Activations.STATIC
+              and module.spec.input.fmt == spec.input.fmt and not module.spec.smooth):
+            scale = module.input_scale
+        else:
+            scale = None
+        if scale is None:
+            return None
+        scales[name] = scale.detach().float().cpu().reshape(())
+    return scales
+
+
+def _check_activations(fmt: hf.ExportFormat, activations: str, calibration: Iterable | None, clip: str) -> None:
+    """The activation options, checked before any work."""
+    check_choice("activations", activations, ACTIVATIONS)
+    check_choice("clip", clip, [c.value for c in Clip])
+    if calibration is not None and not fmt.static:
+        raise ValueError(f"calibration gives static activation scales, which format {fmt.name!r} does not store "
+                         f"(only 'hf-fp8' does)")
+    if activations == "static" and not fmt.static:
+        raise ValueError(f"format {fmt.name!r} stores no static activation scales (only 'hf-fp8' does)")
+
+
+def _input_scales(model: Llama, fmt: hf.ExportFormat, layers: list[str], activations: str,
+                  calibration: Iterable | None, clip: str, percentile: float) -> dict[str, torch.Tensor] | None:
+    if activations == "dynamic" or not fmt.static or not layers:
+        return None
+    spec = fmt.layer_spec(static=True)
+    if calibration is None:
+        scales = model_input_scales(model, layers, spec)
+    else:  # minifloat.inference.calibrate's pass, as prepare_inference calibrates
+        amaxes, _ = calibrated_amaxes(model, check_batches(calibration), layers, clip=Clip(clip),
+                                      percentile=percentile, alpha=None, specs=dict.fromkeys(layers, spec.input),
+                                      static=True)
+        scales = {n: static_scale(a, spec.input).float().cpu().reshape(()) for n, a in amaxes.items()}
+    if scales is None and activations == "static":
+        raise ValueError("static activation scales need calibration batches or a model whose FP8 layers carry "
+                         "them (trained with minifloat, or prepared with static activations); use "
+                         "activations='dynamic' otherwise")
+    return scales
+
+
+# ------------------------------------------------------------------------------------------------------ write
+
+
+def _weight(module: nn.Module) -> torch.Tensor:
+    """A linear's weight in high precision (an Fp8InferenceLinear's dequantized)."""
+    if isinstance(module, Fp8InferenceLinear):
+        return module.dequantized_weight(torch.float32)
+    return module.weight.detach()
+
+
+def _quantized_weight(module: nn.Module, fmt: hf.ExportFormat) -> Quantized:
+    """The layer's weight on the layout's grid: an Fp8InferenceLinear's stored weight and scales as they are when
+    they are E4M3 at the layout's granularity (any fp32 scales: a margin or power-of-two scales change nothing
+    the layout records), else the weight quantized through minifloat.numerics.quantize."""
+    weight = module.spec.weight if isinstance(module, Fp8InferenceLinear) else None
+    if weight is not None and not module.spec.smooth and weight.fmt == hf.WEIGHT_FORMAT \
+            and weight.granularity == fmt.granularity:
+        return module.quantized_weight()
+    return quantize(_weight(module).float().cpu(), hf.WEIGHT_FORMAT, granularity=fmt.granularity)
+
+
+def hf_tensors(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str],
+               input_scales: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
+    """model.safetensors' tensors under Hugging Face's names (see the module docstring)."""
+    config = model.config
+    with torch.device("meta"):
+        keys = list(Llama(config).state_dict())  # the reference Llama's own tensors: no FP8 scaling buffers
+    modules = dict(model.named_modules())
+    quantized = set(layers) if fmt.granularity is not None else set()
+    out = {}
+    for key in keys:
+        if key == "lm_head.weight" and config.tie_embeddings:
+            continue  # tied to embed_tokens (tie_word_embeddings), as save_pretrained leaves it out
+        layer, _, leaf = key.rpartition(".")
+        name = hf.hf_name(key)
+        if layer not in quantized:
+            module = modules.get(layer)
+            if module is None or not isinstance(getattr(module, leaf, None), torch.Tensor):
+                raise ValueError(f"the model lacks {key}, a tensor of minifloat's reference Llama")
+            tensor = _weight(module) if leaf == "weight" else getattr(module, leaf).detach()
+            out[name] = tensor.to(device="cpu", dtype=dtype).contiguous()
+            continue
+        q = _quantized_weight(modules[layer], fmt)
+        prefix = name.removesuffix(".weight")
+        out[name] = q.data.cpu().contiguous()
+        out[f"{prefix}.{fmt.scale_name}"] = q.scale.float().cpu().contiguous()
+        if input_scales is not None:
+            out[f"{prefix}.input_scale"] = input_scales[layer].float().reshape(())
+    return out
+
+
+def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str], static: bool) -> dict:
+    config = hf.hf_config(model.config, dtype=str(dtype).removeprefix("torch."))
+    if fmt.granularity is not None:
+        kept = [hf.hf_name(name) for name, m in model.named_modules()
+                if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers]
+        config["quantization_config"] = {**dict(fmt.config), "activation_scheme": "static" if static else "dynamic",
+                                         "ignored_layers": kept, "modules_to_not_convert": kept}
+    return config
+
+
+def _check_out(out: Path, overwrite: bool) -> None:
+    if out.exists() and not out.is_dir():
+        raise FileExistsError(f"{out} is a file; choose a folder for the export")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose a new path, or pass --overwrite "
+                              f"(overwrite=True) to replace it")
+
+
+def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "hf",
+              dtype: str | torch.dtype = "bfloat16", checkpoint: str = "latest", activations: str = "auto",
+              calibration: Iterable | None = None, clip: str = "max", percentile: float = DEFAULT_PERCENTILE,
+              overwrite: bool = False) -> Path:
+    """Write a Hugging Face checkpoint of the reference Llama (see the module docstring for the layouts).
+
+    Args:
+        model_or_run: a minifloat Llama (under any precision policy, or prepared for FP8 inference) or a run folder.
+        out_dir: the export folder: written in a temporary sibling, then renamed into place.
+        format: "hf" (plain `dtype` tensors), "hf-fp8" (per-tensor FP8) or "hf-fp8-block" (128×128 block FP8).
+        dtype: of the unquantized tensors: "bfloat16", "float16" or "float32".
+        checkpoint: with a run folder, "latest" or another checkpoint folder (see `run_checkpoint`).
+        activations: "hf-fp8" only: "static" (input scales from `calibration` or the model's own static / delayed
+            scales, else an error), "dynamic" (none written), or "auto" (static when such scales exist).
+        calibration: model inputs (e.g. a list of (B, T) token batches) for static input scales: amax / 448 of each
+            quantized layer's input over them, amax as `clip` ("max", "percentile" or "mse") and `percentile` set
+            it (minifloat.inference.calibrate, as prepare_inference calibrates).
+        overwrite: replace a non-empty `out_dir` (only once the new export is complete).
+    Returns:
+        The export folder.
+    Raises:
+        FileExistsError: `out_dir` is a file, or a non-empty folder and not `overwrite`.
+        FileNotFoundError: no such run folder or checkpoint.
+        ValueError: an unknown format / dtype / activations, static scales that cannot be had, another model.
+    """
+    check_choice("format", format, list(hf.FORMATS))
+    fmt, dtype = hf.FORMATS[format], _dtype(dtype)
+    _check_activations(fmt, activations, calibration, clip)
+    out = Path(out_dir)
+    _check_out(out, overwrite)
+    model = model_or_run if isinstance(model_or_run, nn.Module) else load_run(model_or_run, checkpoint=checkpoint)
+    if not isinstance(model, Llama):
+        raise ValueError(f"export_hf exports minifloat's reference Llama, got a {type(model).__name__}")
+    layers = quantized_layers(model) if fmt.granularity is not None else []
+    input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
+    tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
+    # transformers' CPU dequantization takes a block to be size // blocks: wrong for a size over 128 that 128 does
+    # not divide (vLLM reads the partial last block as written)
+    ragged = [n for n in layers if fmt.granularity == Granularity.BLOCK
+              and any(d > TILE and d % TILE for d in tensors[hf.hf_name(f"{n}.weight")].shape)]
+    if ragged:
+        log.warning("minifloat: %d layer(s) of %s have a size over %d that %d does not divide (e.g. %s): vLLM reads "
+                    "their partial blocks, transformers' CPU dequantization misplaces them (docs/inference.md)",
+                    len(ragged), out, TILE, TILE, hf.hf_name(ragged[0]))
+    files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None),
+             hf.GENERATION_FILE: hf.generation_config(model.config)}
+
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
+        for name, content in files.items():
+            (tmp / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+        for path in (*tmp.iterdir(), tmp):
+            fsync_path(path)
+        _check_out(out, overwrite)  # nothing appeared there meanwhile
+        move_into_place(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    fsync_path(out.parent)
+    log.info("minifloat: exported %s (%s, %d tensors, %d FP8 linears)", out, fmt.name, len(tensors), len(layers))
+    return out

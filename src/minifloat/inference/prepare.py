@@ -1,0 +1,153 @@
+"""prepare_inference: turn a model's linear layers into FP8 inference layers, in place.
+
+    model = mf.prepare_inference(model, recipe=mf.BlockScaling())                              # dynamic activations
+    model = mf.prepare_inference(model, recipe=mf.CurrentScaling(), activations="static",
+                                 calibration=batches, clip="percentile", smooth=0.5)
+
+Which layers: those `mf.convert` converts (minifloat.fp8.convert.fp8_plan: the input projections and the output head
+stay high precision, by role; features must be multiples of 16), and every Fp8Linear a model was trained with, less
+the `keep` patterns. Embeddings, norms and everything else are left as they are.
+
+Static activation scales come from calibration (minifloat.inference.calibrate), or, for a model trained with
+minifloat (Fp8Linear layers), from training: a delayed-scaling layer's input scale as it stands, or the scale
+delayed scaling would derive from the layer's amax history (fp8_max / max(history) / 2^margin).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import logging
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from minifloat.core import roles
+from minifloat.core.validate import check_bool, check_choice, check_number
+from minifloat.fp8.convert import fp8_plan
+from minifloat.fp8.gemm import BACKENDS
+from minifloat.fp8.modules import Fp8Linear
+from minifloat.fp8.recipes import Recipe, Role, check_recipe
+from minifloat.fp8.scaling import ROLE_INDEX
+from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
+from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
+
+log = logging.getLogger("minifloat")
+
+DEFAULT_PERCENTILE = 99.99  # of |x| over the calibration tokens (TensorRT's and ModelOpt's default)
+
+
+def _patterns(keep) -> tuple[str, ...]:
+    keep = (keep,) if isinstance(keep, str) else keep
+    if not isinstance(keep, (list, tuple)) or not all(isinstance(p, str) for p in keep):
+        raise ValueError(f"keep must be a module name / glob pattern or a list of them, got {keep!r}")
+    return tuple(keep)
+
+
+def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_last: bool = True) -> list[str]:
+    """The layers prepare_inference converts, by name, in module order (see the module docstring).
+
+    Raises:
+        ValueError: a `keep` pattern that matches no linear layer (a typo would otherwise convert silently).
+    """
+    keep = _patterns(keep)
+    linears = [n for n, _ in roles.named_linears(model)]
+    if unmatched := [p for p in keep if not fnmatch.filter(linears, p)]:
+        raise ValueError(f"keep pattern {unmatched[0]!r} matches no linear layer of the model")
+    plan = fp8_plan(model, keep_first_last=keep_first_last)
+    if plan.misshapen:
+        log.warning("minifloat.prepare_inference: kept %d layer(s) in high precision, their features are not "
+                    "multiples of %d: %s", len(plan.misshapen), roles.MIN_DIM_MULTIPLE, ", ".join(plan.misshapen))
+    chosen = set(plan.convert) | {n for n, m in roles.named_linears(model) if isinstance(m, Fp8Linear)}
+    return [n for n in linears if n in chosen and not any(fnmatch.fnmatchcase(n, p) for p in keep)]
+
+
+def training_input_scale(layer: Fp8Linear, spec: LayerSpec) -> torch.Tensor | None:
+    """The static input scale (dequantization) a layer trained with minifloat implies, or None without one: its
+    delayed input scale, else the scale derived from its input amax history (which every recipe keeps)."""
+    qscale = layer.fp8_state.scale_for(Role.INPUT)
+    if layer.recipe.delayed and qscale is not None:
+        return 1.0 / qscale  # what the layer's own forward quantizes with (quantize takes the dequantization scale)
+    amax = layer.fp8_state.amax_history[:, ROLE_INDEX[Role.INPUT]].amax()
+    return static_scale(amax, spec.input) if bool(amax > 0) else None
+
+
+def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable | None = None,
+                      activations: str = "dynamic", clip: str = "max", percentile: float = DEFAULT_PERCENTILE,
+                      smooth: float | None = None, keep: str | Iterable[str] = (), keep_first_last: bool = True,
+                      backend: str | None = None) -> nn.Module:
+    """Replace the model's eligible linear layers (in place) by Fp8InferenceLinear layers whose weights are stored
+    in FP8 under `recipe`'s weight granularity; returns the model.
+
+    Args:
+        model: any nn.Module (the reference Llama, an MLP, a Hugging Face model); Fp8Linear layers included.
+        recipe: DelayedScaling / CurrentScaling (per tensor: weight per tensor, "row": per output channel),
+            BlockScaling (128×128 weight blocks, 1×128 activation tiles) or MXScaling (32-element E8M0 blocks).
+        calibration: an iterable of model inputs (a tensor, a tuple of positional arguments or a dict of keyword
+            arguments each), for static scales and SmoothQuant.
+        activations: "dynamic" (scaled per token at run time, at the recipe's activation granularity) or "static"
+            (one calibrated scale per layer; without calibration only for a model trained with minifloat).
+        clip: how calibration sets a static scale: "max", "percentile" or "mse" (minifloat.inference.calibrate).
+        percentile: the percentile of |x| for clip="percentile", in (0, 100].
+        smooth: SmoothQuant's migration strength α in [0, 1] (None: no smoothing); needs calibration.
+        keep: module names or glob patterns ("blocks.0.*") of linear layers to keep in high precision.
+        keep_first_last: keep the input projections and the output head in high precision (mf.convert's rule).
+        backend: GEMM backend of the new layers ("auto", "native", "emulated"; None: auto).
+    Returns:
+        The model, with its mode unchanged.
+    Raises:
+        ValueError: an invalid argument, or static activations without calibration for a model whose layers have
+            no training scales.
+    """
+    if not isinstance(model, nn.Module):
+        raise ValueError(f"model must be an nn.Module, got {type(model).__name__}")
+    recipe = check_recipe(recipe)
+    check_choice("activations", activations, [a.value for a in Activations])
+    check_choice("clip", clip, [c.value for c in Clip])
+    check_number("percentile", percentile, low=0, high=100, low_open=True)
+    check_number("smooth", smooth, low=0, high=1, allow_none=True)
+    check_bool("keep_first_last", keep_first_last)
+    check_choice("backend", backend, [None, *BACKENDS])
+    activations, clip = Activations(activations), Clip(clip)
+    static = activations == Activations.STATIC
+    if clip != Clip.MAX and not (static and calibration is not None):
+        raise ValueError(f"clip={clip.value!r} sets calibrated static scales; it needs activations='static' and "
+                         f"calibration")
+    if smooth is not None and calibration is None:
+        raise ValueError("smooth needs calibration: SmoothQuant's scales come from activation statistics")
+    batches = check_batches(calibration) if calibration is not None else None
+
+    names = inference_plan(model, keep=keep, keep_first_last=keep_first_last)
+    if not names:
+        log.warning("minifloat.prepare_inference: the %s has no linear layer to convert", type(model).__name__)
+        return model
+    specs = {n: LayerSpec.from_recipe(recipe, activations) for n in names}
+    input_scales: dict[str, torch.Tensor] = {}
+    if static and batches is None:
+        for n in names:
+            layer = model.get_submodule(n)
+            scale = training_input_scale(layer, specs[n]) if isinstance(layer, Fp8Linear) else None
+            if scale is None:
+                raise ValueError(f"activations='static' needs calibration: layer {n!r} has no training scales "
+                                 f"(only layers trained as Fp8Linear carry them)")
+            input_scales[n] = scale
+    divide: dict[str, torch.Tensor] = {}
+    if batches is not None:
+        if not static and smooth is None:
+            log.info("minifloat.prepare_inference: dynamic activations without smoothing use no calibration")
+        else:
+            amaxes, divide = calibrated_amaxes(model, batches, names, clip=clip, percentile=percentile, alpha=smooth,
+                                               specs={n: specs[n].input for n in names}, static=static)
+            input_scales = {n: static_scale(a, specs[n].input) for n, a in amaxes.items()}
+
+    for n in names:
+        parent_name, _, child = n.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        spec = LayerSpec.from_recipe(recipe, activations, smooth=n in divide)
+        old = getattr(parent, child)
+        layer = Fp8InferenceLinear.from_linear(old, spec, input_scale=input_scales.get(n),
+                                               smooth_scale=divide.get(n), backend=backend, recipe=recipe)
+        setattr(parent, child, layer.train(old.training))
+    log.info("minifloat.prepare_inference: %d layer(s) in FP8 (%s, %s activations)", len(names),
+             type(recipe).__name__, activations.value)
+    return model

@@ -1,0 +1,196 @@
+"""save_quantized / load_quantized: an FP8 inference model as a folder of safetensors and JSON, never pickled.
+
+The folder is a minifloat checkpoint (minifloat.training.checkpoint) holding only the model:
+
+    quantized/
+        tensors.safetensors   the model's state dict: FP8 weight codes (float8_e4m3fn), their scales (float32;
+                              float8_e8m0fnu for MX), static input scales, SmoothQuant scales, and every
+                              high-precision tensor (embeddings, norms, head, biases); tied weights stored once
+        manifest.json         sha256 and size of the tensor file, each tensor's dtype and shape, and under
+                              "extra" / "quantized" this module's config (FORMAT_VERSION, the recipe, activations,
+                              each FP8 layer's features and casts, the model's class and, for minifloat's Llama,
+                              its LlamaConfig and dtype)
+
+A load checks everything before the model is touched: the manifest's JSON and format versions, the tensor file's
+size and hash, that the tensors are the ones listed, and every key, shape, dtype and tie against the model; any
+problem raises a CheckpointError (a ValueError) of one line naming the file and the problem, and a model passed in
+is left as it was.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from minifloat.core.version import __version__
+from minifloat.fp8.recipes import RECIPE_TYPES, Recipe
+from minifloat.inference.layers import Fp8InferenceLinear, LayerSpec, inference_layers
+from minifloat.training.checkpoint import MANIFEST_FILE, checkpoint_extra, load_checkpoint, save_checkpoint
+from minifloat.training.jsonstate import CheckpointError
+from minifloat.training.model import Llama, LlamaConfig
+
+FORMAT = "minifloat-fp8-inference"
+FORMAT_VERSION = 1
+CONFIG_KEY = "quantized"  # the config's key in the checkpoint's `extra`
+_RECIPES = {cls.__name__: cls for cls in RECIPE_TYPES}
+
+
+def recipe_to_json(recipe: Recipe | None) -> dict | None:
+    if recipe is None:
+        return None
+    fields = {f.name: getattr(recipe, f.name) for f in dataclasses.fields(recipe)}
+    return {"type": type(recipe).__name__, **{k: v.value if isinstance(v, enum.Enum) else v for k, v in fields.items()}}
+
+
+def recipe_from_json(d: dict | None) -> Recipe | None:
+    if d is None:
+        return None
+    fields = dict(d)
+    kind = fields.pop("type", None)
+    if kind not in _RECIPES:
+        raise ValueError(f"recipe type must be one of {list(_RECIPES)}, got {kind!r}")
+    return _RECIPES[kind](**fields)
+
+
+def _common(values: list):
+    return values[0] if all(v == values[0] for v in values) else None
+
+
+def quantized_config(model: nn.Module) -> dict:
+    """The JSON config save_quantized writes for `model` (see the module docstring)."""
+    layers = inference_layers(model)
+    if not layers:
+        raise ValueError(f"the {type(model).__name__} has no FP8 inference layers; call prepare_inference first")
+    recipes = [recipe_to_json(layer.recipe) for _, layer in layers]
+    llama = isinstance(model, Llama)
+    return {
+        "format": FORMAT, "format_version": FORMAT_VERSION, "minifloat_version": __version__,
+        "recipe": _common(recipes), "activations": _common([layer.spec.activations.value for _, layer in layers]),
+        "layers": {name: {"in_features": layer.in_features, "out_features": layer.out_features,
+                          "bias": layer.bias is not None, "recipe": recipe, **layer.spec.to_json()}
+                   for (name, layer), recipe in zip(layers, recipes)},
+        "model": {"class": f"{type(model).__module__}.{type(model).__qualname__}",
+                  "llama_config": dataclasses.asdict(model.config) if llama else None,
+                  "dtype": str(model.wte.weight.dtype).removeprefix("torch.") if llama else None},
+    }
+
+
+def save_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
+    """Write an FP8 inference model (prepare_inference's) to the folder `path`, atomically (see the module docstring).
+
+    Returns:
+        The folder.
+    Raises:
+        ValueError: the model has no FP8 inference layers. FileExistsError: `path` is a folder of something else.
+    """
+    return save_checkpoint(path, model=model, extra={CONFIG_KEY: quantized_config(model)})
+
+
+def _read_config(directory: Path) -> tuple[dict, dict[str, tuple[int, int, bool, LayerSpec, Recipe | None]]]:
+    """The config and each layer's (in, out, bias, spec, recipe), after checking the format and version."""
+    where = directory / MANIFEST_FILE
+    config = checkpoint_extra(directory).get(CONFIG_KEY)
+    if not isinstance(config, dict) or config.get("format") != FORMAT:
+        raise CheckpointError(f"{where} holds no FP8 inference model (a training checkpoint?); save_quantized "
+                              f"writes one")
+    if config.get("format_version") != FORMAT_VERSION:
+        raise CheckpointError(f"{where}: FP8 inference format version {config.get('format_version')!r}, but this "
+                              f"minifloat reads format version {FORMAT_VERSION}")
+    layers = {}
+    try:
+        for name, entry in config["layers"].items():
+            entry = dict(entry)
+            shape = tuple(entry.pop(k) for k in ("in_features", "out_features", "bias"))
+            if not (isinstance(shape[0], int) and isinstance(shape[1], int) and isinstance(shape[2], bool)):
+                raise ValueError(f"in_features, out_features and bias must be int, int, bool, got {shape}")
+            recipe = recipe_from_json(entry.pop("recipe"))
+            layers[name] = (*shape, LayerSpec.from_json(entry), recipe)
+        recipe_from_json(config["recipe"])
+    except (KeyError, TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{where} is corrupt: its FP8 layer config is malformed ({type(err).__name__}: "
+                              f"{err})") from None
+    return config, layers
+
+
+def _rebuild(directory: Path, config: dict) -> nn.Module:
+    """minifloat's Llama of the saved LlamaConfig, unallocated (filled by the load)."""
+    saved = config.get("model") or {}
+    if saved.get("llama_config") is None:
+        raise CheckpointError(f"{directory / MANIFEST_FILE}: the model was a {saved.get('class', 'model')}, not "
+                              f"minifloat's Llama; pass model= an instance of its architecture to load into")
+    try:
+        llama_config = LlamaConfig(**saved["llama_config"])
+        dtype = getattr(torch, saved["dtype"])
+    except (TypeError, ValueError, AttributeError) as err:
+        raise CheckpointError(f"{directory / MANIFEST_FILE} is corrupt: its model config is malformed "
+                              f"({type(err).__name__}: {err})") from None
+    with torch.device("meta"):
+        return Llama(llama_config).to(dtype)
+
+
+def _convert(model: nn.Module, layers: dict, where: Path) -> list[tuple[nn.Module, str, nn.Module]]:
+    """Swap the named linear layers for empty Fp8InferenceLinear layers; returns what to put back on failure."""
+    plan = []
+    for name, (n_in, n_out, bias, spec, recipe) in layers.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise CheckpointError(f"{where} quantized a layer {name!r}, which the {type(model).__name__} given lacks"
+                                  ) from None
+        if isinstance(module, Fp8InferenceLinear) and module.spec == spec:
+            shape_ok = (module.in_features, module.out_features, module.bias is not None) == (n_in, n_out, bias)
+        else:
+            shape_ok = isinstance(module, nn.Linear) and (module.in_features, module.out_features,
+                                                          module.bias is not None) == (n_in, n_out, bias)
+        if not shape_ok:
+            raise CheckpointError(f"{where} quantized {name!r} as a linear layer {n_in}->{n_out} (bias={bias}), but "
+                                  f"the model's {name!r} is {module}")
+        if isinstance(module, nn.Linear):
+            new = Fp8InferenceLinear(n_in, n_out, bias, spec=spec, device=module.weight.device,
+                                     dtype=module.bias.dtype if bias else None, recipe=recipe)
+            parent_name, _, child = name.rpartition(".")
+            plan.append((model.get_submodule(parent_name) if parent_name else model, child, new))
+    undo = []
+    for parent, child, new in plan:
+        undo.append((parent, child, getattr(parent, child)))
+        setattr(parent, child, new)
+    return undo
+
+
+def load_quantized(path: str | os.PathLike, model: nn.Module | None = None) -> nn.Module:
+    """Load a save_quantized folder, bitwise: the FP8 codes, scales and high-precision tensors as saved.
+
+    Args:
+        path: the folder.
+        model: an unquantized (or already converted) instance of the saved architecture, e.g. a freshly loaded
+            Hugging Face model; its linear layers are converted and every tensor filled. None rebuilds minifloat's
+            Llama from the saved LlamaConfig.
+    Returns:
+        The model, in eval mode.
+    Raises:
+        FileNotFoundError: no such folder.
+        CheckpointError: another format or version, truncated or tampered files, or a model that does not fit
+            (missing, extra, reshaped or retyped tensors); `model` is then left as it was.
+    """
+    directory = Path(path)
+    config, layers = _read_config(directory)
+    rebuilt = model is None
+    if rebuilt:
+        model = _rebuild(directory, config)
+    undo = _convert(model, layers, directory / MANIFEST_FILE)
+    if rebuilt:
+        model = model.to_empty(device="cpu")
+        if model.config.tie_embeddings:  # to_empty makes new Parameters off the meta device: tie them again
+            model.lm_head.weight = model.wte.weight
+    try:
+        load_checkpoint(directory, model=model, restore_rng=False)
+    except BaseException:
+        for parent, child, old in undo:
+            setattr(parent, child, old)
+        raise
+    return model.eval()
