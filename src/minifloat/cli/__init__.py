@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Iterator
 
-from minifloat.cli import common, compare, export, memory, tools, train
+from minifloat.cli import common, compare, export, generate, memory, tools, train
 from minifloat.training.checkpoint import CheckpointError
 
 # errors that describe the user's input (options, files, folders, checkpoints), not a bug in minifloat
@@ -30,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_parser(sub)
     compare.add_parser(sub)
     memory.add_parser(sub)
+    generate.add_parser(sub)
     export.add_parser(sub)
     return p
 

@@ -15,11 +15,16 @@ of them into an FP8 GEMM; by role (minifloat.core.roles) they keep the first blo
 
     model = Llama(LlamaConfig.preset("tiny"))
     logits, loss = model(idx, targets)      # idx, targets: (B, T) int64; logits: (B, T, vocab_size)
+    logits, _ = model(idx, cache=cache)     # generation: positions after the cache's, which keeps this call's k, v
+
+A `cache` (minifloat.inference.kvcache.KVCache, or any object with `length`, `update(layer, k, v)` and
+`advance(T)`) is generation's only addition; without one, forward() is the training forward, unchanged.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import torch
@@ -165,13 +170,15 @@ class CausalSelfAttention(nn.Module):
         else:
             self.q_norm, self.k_norm = nn.Identity(), nn.Identity()
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         k = self.k_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if kv is not None:  # generation: the cache stores this call's k, v and returns every position's so far
+            k, v = kv(k, v)  # (B, H, T_cached + T, hd) each
         y = attention(q, k, v, causal=True)  # (B, H, T, hd); scores, softmax and scores·V in fp32
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C): heads side by side again (C/t under TP)
         return self.o_proj(y)
@@ -198,8 +205,8 @@ class Block(nn.Module):
         self.mlp_norm = RMSNorm(config.d_model, config.norm_eps)
         self.mlp = SwiGLU(config)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
+        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
         x = x + self.mlp(self.mlp_norm(x))
         return x
 
@@ -242,28 +249,34 @@ class Llama(nn.Module):
         """Number of parameters, a tied embedding counted once."""
         return sum(p.numel() for p in self.parameters())
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None, *, cache=None
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits for every position, and the mean cross-entropy against `targets` if given.
 
         Args:
-            idx: (B, T) token ids, 1 <= T <= max_seq_len.
+            idx: (B, T) token ids, 1 <= T and T + the cached positions <= max_seq_len.
             targets: (B, T) next-token ids (-1 is ignored), or None.
+            cache: for generation, a KV cache holding `cache.length` earlier positions (see the module docstring):
+                idx continues them, and its keys and values are appended to it.
         Returns:
             logits (B, T, vocab_size) in the compute dtype, and the loss (fp32 scalar) or None.
         """
         if idx.dim() != 2:
             raise ValueError(f"idx must be (B, T) token ids, got shape {tuple(idx.shape)}")
         B, T = idx.shape
-        if not 1 <= T <= self.config.max_seq_len:
-            raise ValueError(f"sequence length T={T} must be in [1, max_seq_len={self.config.max_seq_len}]")
+        start = 0 if cache is None else cache.length  # position of idx[:, 0]
+        if not 1 <= T <= self.config.max_seq_len - start:
+            cached = f" after {start} cached positions" if start else ""
+            raise ValueError(f"sequence length T={T}{cached} must be in [1, max_seq_len={self.config.max_seq_len}]")
         if targets is not None and targets.shape != idx.shape:
             raise ValueError(f"targets must have idx's shape {tuple(idx.shape)}, got {tuple(targets.shape)}")
-        cos, sin = rope_tables(torch.arange(T, device=idx.device), self.config.head_dim,
+        cos, sin = rope_tables(torch.arange(start, start + T, device=idx.device), self.config.head_dim,
                                theta=self.config.rope_theta)  # (T, hd/2) each, shared by every layer
         x = self.wte(idx)  # (B, T, C)
-        for block in self.blocks:
-            x = block(x, cos, sin)  # (B, T, C)
+        for i, block in enumerate(self.blocks):
+            x = block(x, cos, sin, None if cache is None else functools.partial(cache.update, i))  # (B, T, C)
+        if cache is not None:
+            cache.advance(T)
         logits = self.lm_head(self.norm(x))  # (B, T, vocab_size)
         loss = None
         if targets is not None:

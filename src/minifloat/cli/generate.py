@@ -1,0 +1,107 @@
+"""`minifloat generate`: continue a prompt with a trained run's model."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import unicodedata
+
+from rich.text import Text
+
+from minifloat.cli import common
+
+MIB = 2 ** 20
+DEFAULT_NEW_TOKENS = 128  # without --max-new-tokens: this many, or as many as the model's context leaves
+BYTE_VOCAB = 256  # the byte-level vocabulary of minifloat.training.data: what --top-k is checked against
+
+
+def _parse(flag: str, text: str | None, kind: type):
+    """An option's number, parsed here (not by argparse, whose error is a usage block) so that a bad value is the
+    command's one error line."""
+    if text is None:
+        return None
+    try:
+        return kind(text)
+    except ValueError:
+        raise common.CliError(f"invalid option: {flag} must be {'an int' if kind is int else 'a number'}, "
+                              f"got {text!r}") from None
+
+
+def printable(text: str) -> str:
+    """`text` with control characters other than newline and tab shown as U+FFFD: a model's bytes must not drive
+    the terminal (escape sequences, carriage returns)."""
+    return "".join(c if c in "\n\t" or unicodedata.category(c) != "Cc" else "\ufffd" for c in text)
+
+
+def summary(stats) -> str:
+    """The one stats line: tokens, prefill and decode rates, peak memory and where that figure comes from."""
+    from minifloat.inference.generate import HELD_TENSORS
+
+    decode = stats.decode_tokens_per_s
+    rss = stats.rss_peak_delta_bytes
+    source = f"{stats.peak_memory_source}" + (f"; process peak RSS +{rss / MIB:.1f} MiB" if rss is not None
+                                              and stats.peak_memory_source == HELD_TENSORS else "")
+    return (f"{stats.batch}×{stats.new_tokens} tokens after a {stats.prompt_tokens}-token prompt · prefill "
+            f"{stats.prefill_tokens_per_s:.0f} tok/s · decode {'-' if math.isnan(decode) else f'{decode:.1f}'} tok/s "
+            f"· peak memory {stats.peak_memory_bytes / MIB:.1f} MiB ({source}) · KV cache {stats.kv_cache} "
+            f"{stats.kv_cache_bytes / MIB:.2f} MiB")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    """Load a run's model (its latest checkpoint, or --checkpoint) on the run's device (or --device), in bf16 or
+    FP8 (--fp8), continue the prompt (its UTF-8 bytes are the tokens) and print the continuation, bytes decoded as
+    UTF-8 with invalid sequences replaced, then one stats line on stderr (tokens/s, peak memory). Greedy unless
+    --temperature > 0. Exits with status 2 on a bad option, run folder or checkpoint."""
+    import torch
+
+    from minifloat.inference.generate import FP8_RECIPES, check_sampling, decode_bytes, generate, load_run_model
+    from minifloat.inference.prepare import prepare_inference
+
+    max_new_tokens = _parse("--max-new-tokens", args.max_new_tokens, int)
+    temperature = _parse("--temperature", args.temperature, float)
+    top_k = _parse("--top-k", args.top_k, int)
+    seed = _parse("--seed", args.seed, int)
+    if not args.prompt:
+        raise common.CliError("invalid option: --prompt must be non-empty text")
+    try:  # before the model loads; generate() checks them again against the model (top_k against its vocabulary)
+        check_sampling(max_new_tokens=1 if max_new_tokens is None else max_new_tokens, temperature=temperature,
+                       top_k=top_k, seed=seed, kv_cache=args.kv_cache, vocab_size=BYTE_VOCAB)
+    except ValueError as err:
+        raise common.CliError(f"invalid option: {err}") from None
+    if args.fp8 is not None and args.fp8 not in FP8_RECIPES:
+        raise common.CliError(f"invalid option: --fp8 must be one of {', '.join(FP8_RECIPES)}, got {args.fp8!r}")
+    model = load_run_model(args.run, checkpoint=args.checkpoint, device=args.device)  # fp32
+    if args.fp8 is not None:  # quantized from the fp32 weights: one rounding, not bf16's and then FP8's
+        model = prepare_inference(model, recipe=FP8_RECIPES[args.fp8])
+    model = model.to(torch.bfloat16)  # everything else in bf16; FP8 weight buffers keep their storage dtype
+    prompt = list(args.prompt.encode("utf-8"))
+    if max_new_tokens is None:  # the positions left after the prompt (the last new token takes none), at least 1
+        max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, model.config.max_seq_len - len(prompt) + 1))
+    out = generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
+                   kv_cache=args.kv_cache)
+    common.console.print(Text(printable(decode_bytes(out.tokens[0]))), soft_wrap=True, highlight=False)
+    common.ERR.print(summary(out.stats), soft_wrap=True, highlight=False, markup=False)
+    return 0
+
+
+def add_parser(sub) -> None:
+    g = sub.add_parser("generate", help="continue a prompt with a trained run's model (KV cache, bf16 or FP8)",
+                       description=cmd_generate.__doc__)
+    g.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
+    g.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
+    g.add_argument("--max-new-tokens", default=None, metavar="N",
+                   help=f"bytes to generate (default {DEFAULT_NEW_TOKENS}, or fewer where the model's max_seq_len "
+                        f"leaves fewer after the prompt)")
+    g.add_argument("--temperature", default="0", metavar="T", help="0 for greedy (default), else the softmax "
+                                                                   "temperature")
+    g.add_argument("--top-k", default=None, metavar="K", help="sample among the K most likely bytes only")
+    g.add_argument("--seed", default="0", metavar="S", help="seed of the sampling (default 0)")
+    g.add_argument("--kv-cache", default="bf16", metavar="DTYPE",
+                   help="storage of the KV cache: bf16 (default), fp8 (E4M3, a scale per token and head) or fp32")
+    g.add_argument("--fp8", default=None, metavar="RECIPE",
+                   help="FP8 weights by minifloat.inference.prepare_inference, scaled per tensor, row, 128×128 "
+                        "block or MX block: tensor, row, block or mx (default: bf16 weights)")
+    g.add_argument("--checkpoint", default="latest", metavar="NAME",
+                   help="latest (the run's ckpt/, default), or a checkpoint folder inside the run or elsewhere")
+    g.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the device the run used)")
+    g.set_defaults(func=cmd_generate)
