@@ -153,7 +153,7 @@ BAD_FLAGS = [
     ("one state format", ["--optimizer-state", "e4m3"], ["optimizer_state", "'e4m3'"]),
     ("unknown state format", ["--optimizer-state", "e4m3,fp7"], ["optimizer_state", "fp7"]),
     ("unknown master mode", ["--master", "bf16"], ["--master", "'bf16'"]),
-    ("bf16 master", ["--master", "bf16-sr"], ["--master bf16-sr", "--master fp32"]),
+    ("bf16 master with fp16", ["--master", "bf16-sr", "--preset", "fp16"], ["master bf16-sr", "'fp16'"]),
     ("batch size 0", ["--batch-size", "0"], ["batch_size", "0"]),
     ("unknown preset", ["--preset", "fp9"], ["preset", "'fp9'"]),
 ]
@@ -184,3 +184,37 @@ def test_low_precision_states_are_measured():
     run.optimizer.step()
     assert measured == run.optimizer.state_bytes() > 0
     assert measured < measure(tiny()).footprint.optimizer_state
+
+
+@pytest.mark.parametrize("master", ["bf16-sr", "bf16-kahan"])
+def test_bf16_weights_are_measured_without_a_master_copy(master):
+    """--master bf16-sr / bf16-kahan: the block matrices are bf16 (2 B/param, their gradients too), the fp32 islands
+    (norms, the tied embedding) 4; no master copy (bf16-sr: the fp32 temporaries hold no storage between steps) or a
+    bf16 compensation per bf16 weight (bf16-kahan); fp32 AdamW moments over all of them."""
+    config = tiny("bf16", master=master)
+    model = build(config).model
+    params = {id(p): p for p in model.parameters()}.values()
+    low = sum(p.numel() for p in params if p.dtype == torch.bfloat16)
+    n, tensors = parameter_tensors(config)
+    assert 0 < low < n and all(p.dtype in (torch.bfloat16, torch.float32) for p in params)
+    m = measure(config)
+    assert m.optimizer == "LowPrecisionWeightOptimizer"
+    assert m.footprint.weights == sum(p.numel() * p.element_size() for p in params) == FP32 * n - (FP32 - BF16) * low
+    assert m.footprint.master_weights == (BF16 * low if master == "bf16-kahan" else 0)
+    assert m.footprint.gradients == m.footprint.weights
+    assert m.footprint.optimizer_state == 2 * FP32 * n + FP32 * tensors
+    fp32 = measure(tiny("bf16"))
+    assert fp32.footprint.weights - m.footprint.weights == (FP32 - BF16) * low
+
+
+def test_cli_measures_bf16_weights_beside_fp32_weight_baselines(console, tmp_path):
+    path = tmp_path / "memory.json"
+    argv = ["memory", "--model", "tiny", "--preset", "bf16", "--master", "bf16-sr", "--batch-size", "4", "--seq-len",
+            "32", "--max-bytes", "100000", "--device", "cpu", "--json", str(path)]
+    assert main(argv) == 0
+    assert "master bf16-sr" in console.export_text()
+    report = json.loads(path.read_text())
+    assert report["config"]["master"] == "bf16-sr" and report["optimizer"] == "LowPrecisionWeightOptimizer"
+    measured, bf16 = report["measured"], report["baselines"]["bf16 AdamW"]
+    assert measured["master_weights"] == bf16["master_weights"] == 0
+    assert measured["weights"] < bf16["weights"] == FP32 * report["params"]  # the baselines keep fp32 weights

@@ -124,6 +124,12 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
             return True
         return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
 
+    def model_param_groups(self) -> list[dict[str, Any]]:
+        """`param_groups` with each fp32 temporary replaced by its low-precision parameter: the tensors whose .grad
+        the next step reads (clip those; the temporaries get their gradients inside `step`)."""
+        params = {id(t): p for p, t in self.pairs}
+        return [{**group, "params": [params.get(id(q), q) for q in group["params"]]} for group in self.param_groups]
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)
         for p, _ in self.pairs:
@@ -155,7 +161,16 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
             c.copy_(s)
         for device, g in self.generators.items():
             g.set_state(state_dict["generators"][device])
-        self.optimizer.load_state_dict(state_dict["optimizer"])
+        # the inner optimizer loads against temporaries of their parameters' shape (zero-stride views of one
+        # element): rules that read a parameter's size, such as minifloat.optim's fp32 state below 4096 elements,
+        # see the size they saw in `step`
+        for p, t in self.pairs:
+            t.data = torch.zeros((), dtype=torch.float32, device=p.device).expand(p.shape)
+        try:
+            self.optimizer.load_state_dict(state_dict["optimizer"])
+        finally:
+            for p, t in self.pairs:
+                t.data = _empty(p)
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.skipped_steps = state_dict["skipped_steps"]

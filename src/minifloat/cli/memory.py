@@ -14,23 +14,11 @@ from minifloat.cli import common
 if TYPE_CHECKING:
     from minifloat.training.memory import MemoryReport
 
-# --master modes; only fp32 (the run's own parameters) is built yet
-MASTER_MODES = ("fp32", "bf16-sr", "bf16-kahan")
 MIB = 2 ** 20
 # table rows: Footprint field -> label (minifloat.training.memory.KINDS says what each holds)
 ROWS = {"weights": "weights", "master_weights": "master weights", "gradients": "gradients",
         "optimizer_state": "optimizer state", "fp8_scaling": "FP8 scaling", "buffers": "other buffers",
         "saved": "saved for backward", "total": "total"}
-
-
-def master_mode(master: str) -> None:
-    """--master: fp32 parameters (the run's own) are measured; the bf16 modes are not wired into TrainConfig yet."""
-    if master not in MASTER_MODES:
-        raise common.CliError(f"invalid option: --master must be one of {', '.join(MASTER_MODES)}; got {master!r}")
-    if master != "fp32":
-        raise common.CliError(f"--master {master}: bf16 weights without an fp32 copy exist as "
-                              f"PrecisionPolicy(master_weights={master!r}) but `minifloat train` and `minifloat "
-                              f"memory` do not build them yet; use --master fp32")
 
 
 def cmd_memory(args: argparse.Namespace) -> int:
@@ -41,11 +29,14 @@ def cmd_memory(args: argparse.Namespace) -> int:
     (minifloat.training.memory). Exits with status 2 on an invalid option."""
     from minifloat.training.config import TrainConfig
     from minifloat.training.memory import memory_report
+    from minifloat.training.optimizer import MASTER_UPDATES
 
-    master_mode(args.master)
+    if args.master not in MASTER_UPDATES:
+        raise common.CliError(f"invalid option: --master must be one of {', '.join(MASTER_UPDATES)}; "
+                              f"got {args.master!r}")
     config = TrainConfig(model=args.model, preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len,
                          seed=args.seed, data=args.data, max_bytes=args.max_bytes, device=args.device,
-                         optimizer_state=args.optimizer_state)
+                         optimizer_state=args.optimizer_state, master=args.master)
     json_path = pathlib.Path(args.json) if args.json else None
     if json_path is not None:
         try:
@@ -68,8 +59,9 @@ def memory_table(report: MemoryReport) -> Table:
     """A MemoryReport as a table, one row per kind: MiB and bytes/parameter of the run and of each baseline. No cell
     wraps; the table is 89 columns wide."""
     c = report.config
-    t = Table(title=f"MiB of {c.model} ({report.params / 1e6:.2f}M params) · {c.preset} · {report.optimizer} · "
-                    f"batch {c.batch_size} × {c.seq_len}")
+    master = f" · master {c.master}" if c.master != "fp32" else ""
+    t = Table(title=f"MiB of {c.model} ({report.params / 1e6:.2f}M params) · {c.preset}{master} · "
+                    f"{report.optimizer} · batch {c.batch_size} × {c.seq_len}")
     t.add_column("", no_wrap=True)
     columns = {"this run": report.measured, **report.baselines}
     for name in columns:
@@ -85,6 +77,7 @@ def memory_table(report: MemoryReport) -> Table:
 
 def add_parser(sub) -> None:
     from minifloat.training.config import TrainConfig
+    from minifloat.training.optimizer import MASTER_UPDATES
 
     d = TrainConfig()
     m = sub.add_parser("memory", help="measure the bytes of one training step by kind, beside fp32 / bf16 AdamW",
@@ -102,7 +95,8 @@ def add_parser(sub) -> None:
                    help="formats of AdamW's two moments, stored per block of 128: fp32, bf16, e4m3, e5m2, int8, "
                         "int8-dynamic or int4 each (default fp32,fp32: torch.optim.AdamW)")
     m.add_argument("--master", default="fp32", metavar="MODE",
-                   help=f"master weights: {', '.join(MASTER_MODES)} (default fp32, the only one built yet)")
+                   help=f"how the weights keep small updates, as `minifloat train --master`: "
+                        f"{', '.join(MASTER_UPDATES)} (default fp32)")
     m.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     m.set_defaults(func=cmd_memory)

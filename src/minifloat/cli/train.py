@@ -27,7 +27,7 @@ FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum"
                "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
                "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
                "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile", "nproc",
-               "parallel", "tp_size", "optimizer_state")
+               "parallel", "tp_size", "optimizer_state", "master")
 # fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
 NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
 
@@ -122,7 +122,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         common.console.print(f"stopped by {result.stopped_by} at step {result.last_step}/{config.steps}; checkpoint "
                              f"in {pathlib.Path(config.out) / 'ckpt'}; continue with --resume")
         return 128 + getattr(signal, result.stopped_by).value
-    t = Table(title=f"{config.model} · {config.preset} · steps {result.first_step}..{config.steps} · "
+    master = f" · master {config.master}" if config.master != "fp32" else ""
+    t = Table(title=f"{config.model} · {config.preset}{master} · steps {result.first_step}..{config.steps} · "
                     f"{result.device}")
     t.add_column("metric")
     t.add_column("value", justify="right")
@@ -147,6 +148,7 @@ def cmd_train(args: argparse.Namespace) -> int:
 def add_parser(sub) -> None:
     from minifloat.safety.shadow import ShadowConfig
     from minifloat.training.loop import TrainConfig  # defaults shown in --help come from the config itself
+    from minifloat.training.optimizer import MASTER_HELP
 
     defaults = TrainConfig()
     tr = sub.add_parser("train", help="train the reference Llama on the byte corpus under a precision preset",
@@ -225,6 +227,12 @@ def add_parser(sub) -> None:
                     help=f"formats of AdamW's two moments, stored per block of 128: fp32, bf16, e4m3, e5m2, int8, "
                          f"int8-dynamic or int4 each (e.g. e4m3,bf16: 3 B/param instead of 8; norms, embeddings and "
                          f"small tensors keep fp32; default {defaults.optimizer_state})")
+    tr.add_argument("--master", default=None, metavar="MODE",
+                    help="how the weights outside the fp32 norms, embeddings and head keep small updates: "
+                         + "; ".join(f"{mode}: {text}" for mode, text in MASTER_HELP.items())
+                         + f". The bf16 modes halve the gradients too (bf16), keep the AdamW moments as "
+                           f"--optimizer-state says, need a bf16-computing preset and --nproc 1 "
+                           f"(default {defaults.master})")
     tr.add_argument("--tp-size", type=int, default=None, metavar="T",
                     help=f"ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
                          f"--seq-len (default {defaults.tp_size})")

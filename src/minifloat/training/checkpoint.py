@@ -124,7 +124,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     Args:
         directory: the checkpoint directory, e.g. "runs/a/step_000100".
         model: its state_dict (parameters and buffers: FP8 scaling state included) is saved.
-        optimizer: a torch optimizer; its tensors go to safetensors, its param_groups to the manifest.
+        optimizer: a torch optimizer (a minifloat.amp wrapper with its inner optimizer's state, compensation buffers
+            and generator states); its tensors go to safetensors, everything else to the manifest.
         scaler, guard, loader: a LossScaler, StepGuard and BatchLoader (anything with a plain-data state_dict()).
         extra: JSON-able metadata (step, config, data manifest, ...), returned by `load_checkpoint`.
     Returns:
@@ -264,7 +265,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, saved_type: str | None, s
     own_type = type(optimizer).__qualname__
     if saved_type != own_type:
         raise CheckpointError(f"the checkpoint's optimizer is a {saved_type}, the optimizer given is a {own_type}")
-    saved = [len(g["params"]) for g in state["param_groups"]]
+    # a wrapper (minifloat.amp's master-weight optimizers) keeps its inner optimizer's state under "optimizer", and
+    # its param_groups are the inner optimizer's
+    groups = state["param_groups"] if "param_groups" in state else state["optimizer"]["param_groups"]
+    saved = [len(g["params"]) for g in groups]
     own = [len(g["params"]) for g in optimizer.param_groups]
     if saved != own:
         raise CheckpointError(f"the checkpoint's optimizer has parameter groups of sizes {saved}, the optimizer "

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import re
 
+import torch
+
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
 from minifloat.optim.stateformats import StateFormat
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.safety.shadow import ShadowConfig
 from minifloat.training.parallel import Parallel
 from minifloat.training.model import SIZES
+from minifloat.training.optimizer import MASTER_UPDATES, master_policy
 
 PARALLEL = [p.value for p in Parallel]  # TrainConfig.parallel
 DEVICE_PATTERN = re.compile(r"auto|cpu|meta|cuda(:\d+)?")  # TrainConfig.device
@@ -27,7 +30,10 @@ RESUME_FIXED = (
     ("min_lr", "changes the learning-rate schedule"),
     ("warmup", "changes the learning-rate schedule"),
     ("optimizer_state", "changes how the optimizer state is stored"),
+    ("master", "changes the weights' dtype and how updates reach them"),
 )
+# RESUME_FIXED fields added after checkpoints were written without them: the value such a checkpoint ran with
+RESUME_ABSENT = {"master": "fp32"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -92,6 +98,10 @@ class TrainConfig:
         optimizer_state: "M,V", the formats AdamW stores its two moments in (minifloat.optim.StateFormat: fp32,
             bf16, e4m3, e5m2, int8, int8-dynamic, int4), per block of 128 with fp32 scales; norms, embeddings and
             tensors under 4096 elements keep fp32 state. "fp32,fp32" is torch.optim.AdamW itself.
+        master: how the weights keep small updates (minifloat.training.optimizer): "fp32" (fp32 parameters, their
+            own master), "bf16-sr" (bf16 parameters updated by stochastic rounding, no fp32 copy) or "bf16-kahan"
+            (bf16 parameters and a bf16 Kahan compensation buffer). Norms, embeddings and the head stay fp32 (the
+            policy's islands). The bf16 modes need a preset that computes in bf16 and one process (nproc 1).
     """
 
     model: str = "tiny"
@@ -130,6 +140,7 @@ class TrainConfig:
     parallel: str | None = None
     tp_size: int = 2
     optimizer_state: str = "fp32,fp32"
+    master: str = "fp32"
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
@@ -173,6 +184,7 @@ class TrainConfig:
                 or any(f not in formats for f in self.state_formats)):
             raise ValueError(f"optimizer_state must be two formats M,V (the moments of AdamW), each one of "
                              f"{', '.join(formats)}; got {self.optimizer_state!r}")
+        self._check_master()
         if self.parallel == "fsdp+tp":
             for name, value in (("nproc", self.nproc), ("seq_len", self.seq_len)):
                 if value % self.tp_size:
@@ -188,9 +200,25 @@ class TrainConfig:
                                  f"{type(recipe).__name__ if recipe else 'no FP8 recipe'}; use fp8-delayed")
         self.policy()  # DelayedScaling validates the overridden values
 
+    def _check_master(self) -> None:
+        if not isinstance(self.master, str) or self.master not in MASTER_UPDATES:
+            raise ValueError(f"master must be one of {', '.join(MASTER_UPDATES)}, got {self.master!r}")
+        if self.master == "fp32":
+            return
+        compute = PRESETS[self.preset].compute_dtype
+        if compute != torch.bfloat16:
+            raise ValueError(f"master {self.master} stores bf16 weights, which need a preset that computes in bf16 "
+                             f"(bf16 or an fp8 one), but preset {self.preset!r} computes in "
+                             f"{str(compute).removeprefix('torch.')}; use --master fp32 or another --preset")
+        if self.nproc > 1:
+            raise ValueError(f"master {self.master} trains in one process: sharded checkpoints cannot store its "
+                             f"{'generator' if self.master == 'bf16-sr' else 'compensation'} state yet; got "
+                             f"nproc={self.nproc}, use --nproc 1 or --master fp32")
+
     def policy(self) -> PrecisionPolicy:
-        """The preset's policy with the fp8_* overrides applied to its DelayedScaling recipe."""
-        policy = PrecisionPolicy.preset(self.preset)
+        """The preset's policy with the fp8_* overrides applied to its DelayedScaling recipe and the weights
+        `master` asks for (bf16 parameters outside the fp32 islands for the bf16 modes)."""
+        policy = master_policy(PrecisionPolicy.preset(self.preset), self.master)
         overrides = {name: value for name, value in (("format", self.fp8_format), ("margin", self.fp8_margin),
                                                      ("amax_history_len", self.fp8_amax_history_len))
                      if value is not None}
@@ -239,11 +267,12 @@ class TrainConfig:
         for field, consequence in RESUME_FIXED:
             if field == "grad_accum" and saved_ranks != ranks:
                 continue  # checked above, as micro-batches per step
-            if field in saved and saved[field] != getattr(self, field):
+            was = saved.get(field, RESUME_ABSENT.get(field, getattr(self, field)))  # absent: not checkable
+            if was != getattr(self, field):
                 flag = "--" + field.replace("_", "-")
-                raise ValueError(f"the checkpoint at {where} was trained with {flag} {saved[field]}, this run asks for "
+                raise ValueError(f"the checkpoint at {where} was trained with {flag} {was}, this run asks for "
                                  f"{getattr(self, field)}: that {consequence}, so it would not continue the same run; "
-                                 f"resume with {flag} {saved[field]}, or start a new run elsewhere")
+                                 f"resume with {flag} {was}, or start a new run elsewhere")
         if self.steps <= saved_step:
             raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
                              f"--steps above {saved_step} to train on")

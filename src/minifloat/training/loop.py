@@ -38,7 +38,6 @@ from minifloat.amp.policy import PrecisionPolicy
 from minifloat.amp.scaler import LossScaler
 from minifloat.core.version import __version__
 from minifloat.fp8.modules import autocast
-from minifloat.optim import AdamW as LowPrecisionAdamW
 from minifloat.safety.guards import GuardConfig, StepGuard
 from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
@@ -46,6 +45,7 @@ from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
 from minifloat.training.model import Llama, LlamaConfig
+from minifloat.training.optimizer import adamw, grad_param_groups
 from minifloat.distributed.fsdp import precompute_fp8_scales
 from minifloat.training.tp_plan import llama_2d
 from minifloat.training.parallel import (Discard, Parallel, World, accumulating, any_rank, barrier, join_world,
@@ -62,7 +62,6 @@ log = logging.getLogger("minifloat")
 LOG_FIELDS = ("step", "loss", "lr", "grad_norm", "skipped", "reason", "tokens_per_s", "mode")
 WARMUP_STEPS = 1  # first steps of a call left out of its tokens/s (lazy initialisation, kernel selection)
 WARMUP_STEPS_COMPILED = 3  # the same under torch.compile: the first steps compile the forward and backward
-ADAMW_BETAS = (0.9, 0.95)  # nanoGPT / Llama; beta2 = 0.95 reacts faster to the gradient growth of low precision
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,8 +138,8 @@ class Run:
 
 
 def build(config: TrainConfig, device: torch.device | None = None, world: World = World()) -> Run:
-    """The model (seeded, under the config's policy, on `device`; sharded or wrapped for the world's ranks), AdamW,
-    loss scaler, guard and shadow check."""
+    """The model (seeded, under the config's policy, on `device`; sharded or wrapped for the world's ranks), AdamW
+    (behind the `master` mode's wrapper: minifloat.training.optimizer), loss scaler, guard and shadow check."""
     device = device if device is not None else resolve_device(config.device)
     torch.manual_seed(config.seed)
     policy = config.policy()
@@ -154,11 +153,8 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
     if config.embedding_grad_alpha != 1.0:
         # GLM-130B: the embedding output's gradient times alpha (a forward hook, so the state-dict keys stay)
         model.wte.register_forward_hook(lambda _module, _args, h: stability.shrink_embedding_grad(h))
-    if config.state_formats == ("fp32", "fp32"):
-        optimizer = torch.optim.AdamW(stability.param_groups(model), lr=config.lr, betas=ADAMW_BETAS)
-    else:  # moments stored per block in low precision; norms, embeddings and small tensors keep fp32 state
-        optimizer = LowPrecisionAdamW(stability.param_groups(model), lr=config.lr, betas=ADAMW_BETAS,
-                                      state_formats=config.state_formats, model=model)
+    optimizer = adamw(model, stability.param_groups(model), lr=config.lr, state_formats=config.state_formats,
+                      master=config.master, seed=config.seed)
     scaler = LossScaler.for_dtype(policy.compute_dtype, model=model)  # a no-op for bf16 and fp32
     guard = StepGuard(model, optimizer, stateful={"scaler": scaler},
                       config=GuardConfig(rollback_after=config.rollback_after, snapshot_every=config.snapshot_every))
@@ -317,7 +313,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         while step < config.steps:
             t0 = time.perf_counter()
             lr = schedule.lr_at(step)
-            for group in optimizer.param_groups:
+            for group in optimizer.param_groups:  # a bf16 --master wrapper's groups are its inner AdamW's
                 group["lr"] = lr
             group_position = loader.position // per_step  # the step's batch group (guard and rollback count these)
             first = loader.position
@@ -335,7 +331,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             scaler.unscale_(optimizer)
             report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
             if not report.skipped:
-                run.stability.clip_grad_norms(optimizer.param_groups)
+                run.stability.clip_grad_norms(grad_param_groups(optimizer))  # the model's gradients
                 scaler.step(optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
                 if world.parallel is not None and world.parallel.sharded:
                     precompute_fp8_scales(model)  # the next FP8 all-gathers' scales, in one all-reduce

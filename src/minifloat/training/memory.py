@@ -10,7 +10,8 @@ shapes; every figure is the storage of live tensors:
 
   weights           the model's parameters (a tied embedding once)
   master weights    tensors the optimizer updates that are not the model's parameters (fp32 copies of
-                    low-precision weights, minifloat.amp.master)
+                    low-precision weights, minifloat.amp.master; none for --master bf16-sr, whose fp32 temporaries
+                    hold no storage between steps) and Kahan compensation buffers (--master bf16-kahan)
   gradients         the .grad of the parameters and of the master weights, after the optimizer step
   optimizer state   every tensor in optimizer.state (moments, step counters, quantization scales)
   FP8 scaling       the buffers of the FP8 layers' ScalingStates (amax histories, scales)
@@ -38,6 +39,7 @@ from minifloat.fp8.scaling import scaling_states
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig
 from minifloat.training.loop import build, forward_backward
+from minifloat.training.optimizer import grad_param_groups, master_tensors
 from minifloat.training.throughput import resolve_device
 
 # the same step in plain precisions, measured beside the run: (name, preset), each with torch.optim.AdamW
@@ -45,7 +47,7 @@ BASELINES = (("fp32 AdamW", "fp32"), ("bf16 AdamW", "bf16"))
 # what each Footprint field holds, for tables and docs
 KINDS = {
     "weights": "the model's parameters (a tied embedding once)",
-    "master_weights": "tensors the optimizer updates that are not the model's parameters",
+    "master_weights": "tensors the optimizer updates that are not the model's parameters, and Kahan compensation",
     "gradients": "gradients of the parameters and of the master weights",
     "optimizer_state": "every tensor in optimizer.state",
     "fp8_scaling": "buffers of the FP8 layers' ScalingStates",
@@ -187,7 +189,7 @@ def measure(config: TrainConfig, *, optimizer: OptimizerFactory | None = None,
     scaling_buffers = [b for state in scaling_states(model) for b in state.buffers()]
     fp8_scaling = ledger.add(scaling_buffers)
     buffers = ledger.add(model.buffers())
-    updated = [p for group in opt.param_groups for p in group["params"]]
+    updated = master_tensors(opt)
     master_weights = ledger.add(updated)
 
     saved: dict[int, int] = {}  # storage address -> bytes; all saved tensors are alive until the backward
@@ -202,7 +204,7 @@ def measure(config: TrainConfig, *, optimizer: OptimizerFactory | None = None,
     saved_bytes = sum(nbytes for ptr, nbytes in saved.items() if ptr not in ledger.seen)
 
     run.scaler.unscale_(opt)
-    run.stability.clip_grad_norms(opt.param_groups)
+    run.stability.clip_grad_norms(grad_param_groups(opt))
     run.scaler.step(opt)  # ends the FP8 step too
     grads = ledger.add(p.grad for p in params + updated if p.grad is not None)
     state = ledger.add(tensors_in(list(opt.state.values())))
@@ -232,6 +234,7 @@ def memory_report(config: TrainConfig, *, optimizer: OptimizerFactory | None = N
 
 
 def plain_config(config: TrainConfig, preset: str) -> TrainConfig:
-    """`config` under `preset`, without the options that need an FP8 recipe (fp8_* overrides, the shadow check)."""
+    """`config` under `preset` with fp32 weights and torch's AdamW, without the options that need an FP8 recipe
+    (fp8_* overrides, the shadow check)."""
     return dataclasses.replace(config, preset=preset, fp8_format=None, fp8_amax_history_len=None, fp8_margin=None,
-                               shadow_every=0)
+                               shadow_every=0, master="fp32", optimizer_state="fp32,fp32")
