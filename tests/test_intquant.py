@@ -75,6 +75,8 @@ def test_nibbles_round_trip():
     assert pack_nibbles(torch.tensor([[1, 2]], dtype=torch.uint8)).item() == 0x21  # low nibble first
     with pytest.raises(ValueError, match="even"):
         pack_nibbles(torch.zeros(1, 3, dtype=torch.uint8))
+    empty = torch.zeros(0, 8, dtype=torch.uint8)  # no blocks: an empty shard of a parameter
+    assert pack_nibbles(empty).shape == (0, 4) and unpack_nibbles(pack_nibbles(empty)).shape == (0, 8)
 
 
 @pytest.mark.parametrize("signed", [True, False])

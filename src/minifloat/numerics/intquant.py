@@ -87,13 +87,13 @@ def pack_nibbles(codes: torch.Tensor) -> torch.Tensor:
     """Pack uint8 codes < 16 two per byte along the last dim (even length): low nibble first."""
     if codes.shape[-1] % 2:
         raise ValueError(f"4-bit packing needs an even number of elements per row, got {codes.shape[-1]}")
-    pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
     return pairs[..., 0] | (pairs[..., 1] << 4)
 
 
 def unpack_nibbles(packed: torch.Tensor) -> torch.Tensor:
     """Inverse of `pack_nibbles`: uint8 codes, twice as many along the last dim."""
-    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], -1)
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(*packed.shape[:-1], 2 * packed.shape[-1])
 
 
 @functools.lru_cache(maxsize=None)

@@ -206,7 +206,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(config)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
-        x = x + self.attn(self.attn_norm(x), cos, sin, kv)
+        h = self.attn_norm(x)
+        # kv only when generating: tensor parallelism's PrepareModuleInput lays out exactly (x, cos, sin)
+        x = x + (self.attn(h, cos, sin) if kv is None else self.attn(h, cos, sin, kv))
         x = x + self.mlp(self.mlp_norm(x))
         return x
 
