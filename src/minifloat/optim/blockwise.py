@@ -15,16 +15,34 @@ or step count changes — and `skipped_steps` counts it. A step is all or nothin
 StepGuard, which normally drop such steps before the optimizer runs (then this check finds nothing to do). The check
 costs one pass over the gradients and one host sync per step; `check_finite=False` leaves it to those guards.
 
-state_dict holds plain tensors only: codes (float8 / int8 / uint8), float32 per-block scales, the float32 step, so
-minifloat's safetensors checkpoints store it. torch's load_state_dict casts floating states to the parameter's dtype;
-this class casts them back to their stored dtypes, which is exact (float32 holds every code value).
+state_dict holds plain tensors only (DTensors for sharded parameters, below): codes (float8 / int8 / uint8), float32
+per-block scales, the float32 step, so minifloat's safetensors checkpoints store it. torch's load_state_dict casts
+floating states to the parameter's dtype; this class casts them back to their stored dtypes, which is exact (float32
+holds every code value).
+
+Sharded parameters (FSDP2's fully_shard: DTensors, a row shard per rank). The states are plain tensors local to the
+rank: the blocks are formed over the flattened local shard (`p.to_local()`, its gradient likewise), and nothing is
+gathered. The ranks communicate only to decide alike: the fp32-by-rule counts the global numel, the non-finite skip
+is a MIN over the mesh, and when a state is created every rank allocates the block count of the largest shard (a MAX
+over the mesh; FSDP2 pads its own shards the same way), so that a state is one evenly sharded tensor. `state_dict()`
+presents them as DTensors on the parameter's mesh, as torch.distributed.checkpoint (DCP) needs to write every rank's
+part of a key (it takes a plain tensor for a replicated one and writes one rank's copy): parameter-shaped states
+(fp32, bf16) with the parameter's placements, which DCP reshards; block-wise codes and scales as one
+(n_shards · n_blocks, ...) tensor, Shard(0) over the mesh dimensions the parameter is split over. Blocks never cross
+a shard boundary, so they depend on the sharding (they are one process's only where every shard starts at a multiple
+of `block_size`), and block-wise states load correctly only under the sharding that wrote them (`block_layout`,
+checked by minifloat.training.sharded). `load_state_dict` takes DTensors or plain tensors and keeps the local shard.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+
 import torch
+import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifloat.core.roles import is_embedding, is_norm
 from minifloat.optim.stateformats import STATE_FORMATS, BlockCodec, StateFormat, code_dtype, round_plain
@@ -45,6 +63,28 @@ class StateSpec:
 def fp32_state_param_ids(model: nn.Module) -> set[int]:
     """ids of the parameters of `model`'s norm and embedding modules (which keep float32 states)."""
     return {id(p) for m in model.modules() if is_norm(m) or is_embedding(m) for p in m.parameters(recurse=False)}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's parameters and gradients), or the tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _reduce_over_mesh(t: torch.Tensor, mesh, op: dist.ReduceOp) -> torch.Tensor:
+    """`t` reduced in place over every rank of a device mesh (one all-reduce per mesh dimension)."""
+    for dim in range(mesh.ndim):
+        dist.all_reduce(t, op=op, group=mesh.get_group(dim))
+    return t
+
+
+def _shard_dims(p: DTensor) -> list[int]:
+    """The mesh dimensions p is split over (Shard, or FSDP2-over-TP's _StridedShard: any placement but Replicate)."""
+    return [d for d, pl in enumerate(p.placements) if not pl.is_replicate()]
+
+
+def _meshes(params: list[torch.Tensor]) -> list:
+    """The distinct device meshes of the DTensor parameters among `params`, in order."""
+    return list({id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}.values())
 
 
 class BlockwiseOptimizer(torch.optim.Optimizer):
@@ -102,7 +142,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------------------------------------ formats
 
     def keeps_fp32_state(self, p: torch.Tensor) -> bool:
-        """Whether parameter p keeps float32 states by the rule in the module docstring."""
+        """Whether parameter p keeps float32 states by the rule in the module docstring (on the global numel of a
+        sharded parameter, so that every rank decides alike)."""
         return p.numel() < self.min_quantized_numel or id(p) in self._fp32_ids
 
     def formats_for(self, p: torch.Tensor) -> tuple[StateFormat, ...]:
@@ -114,18 +155,32 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             return None
         return BlockCodec(fmt, signed=not spec.non_negative, expand=self.expand)
 
-    def _init_state(self, p: torch.Tensor) -> dict:
-        state = {"step": torch.tensor(0.0)}
-        n_blocks = -(-p.numel() // self.block_size)
-        for spec, fmt in zip(self.STATES, self.formats_for(p)):
-            codec = self._codec(fmt, spec)
-            if codec is None:
-                state[spec.name] = torch.zeros_like(p, dtype=code_dtype(fmt, signed=True),
-                                                    memory_format=torch.contiguous_format)
-            else:
-                parts = codec.empty(n_blocks, self.block_size, p.device)
-                state.update({spec.name + suffix: t for suffix, t in parts.items()})
-        return state
+    def _block_scaled(self, p: torch.Tensor) -> bool:
+        return any(STATE_FORMATS[fmt].block_scaled for fmt in self.formats_for(p))
+
+    def _init_states(self, params: list[torch.Tensor]) -> None:
+        """Create the states of `params` (a collective when some are DTensors with block-wise states: every rank
+        allocates the block count of the largest shard, see the module docstring)."""
+        n_blocks = {p: -(-_local(p).numel() // self.block_size) for p in params}
+        blocked = [p for p in params if self._block_scaled(p)]
+        for mesh in _meshes(blocked):
+            on_mesh = [p for p in blocked if isinstance(p, DTensor) and p.device_mesh is mesh]
+            counts = torch.tensor([n_blocks[p] for p in on_mesh], device=_local(on_mesh[0]).device)
+            for p, n in zip(on_mesh, _reduce_over_mesh(counts, mesh, dist.ReduceOp.MAX).tolist()):
+                n_blocks[p] = n
+        for p in params:
+            local = _local(p)
+            state = {"step": torch.tensor(0.0)}
+            for spec, fmt in zip(self.STATES, self.formats_for(p)):
+                codec = self._codec(fmt, spec)
+                if codec is None:
+                    state[spec.name] = torch.zeros(local.shape, dtype=code_dtype(fmt, signed=True),
+                                                   device=local.device)
+                else:
+                    # one block at least: packing int4 codes cannot reshape 0 blocks (an empty shard); cut to n
+                    parts = codec.empty(max(n_blocks[p], 1), self.block_size, local.device)
+                    state.update({spec.name + suffix: t[: n_blocks[p]] for suffix, t in parts.items()})
+            self.state[p].update(state)
 
     # ------------------------------------------------------------------------------------------------ step
 
@@ -137,27 +192,32 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         params = [p for g in self.param_groups for p in g["params"] if p.grad is not None]
-        if self.check_finite and params:
-            finite = torch.stack([torch.isfinite(p.grad).all() for p in params]).all()
-            if not finite.item():
-                self.skipped_steps += 1
-                return loss
+        if any(p.grad.is_sparse for p in params):
+            raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
+        if self.check_finite and params and not self._all_finite(params):
+            self.skipped_steps += 1
+            return loss
+        self._init_states([p for p in params if not self.state[p]])
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is None:
                     continue
-                if p.grad.is_sparse:
-                    raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
                 state = self.state[p]
-                if not state:
-                    state.update(self._init_state(p))
                 state["step"] += 1
                 self._step_param(group, p, state, state["step"].item())
         return loss
 
+    def _all_finite(self, params: list[torch.Tensor]) -> bool:
+        """Whether every gradient is finite; over all ranks of a sharded model (each rank sees its shards)."""
+        finite = torch.stack([torch.isfinite(_local(p.grad)).all() for p in params]).all().float()
+        for mesh in _meshes(params):
+            _reduce_over_mesh(finite, mesh, dist.ReduceOp.MIN)
+        return bool(finite.item())
+
     def _step_param(self, group: dict, p: torch.Tensor, state: dict, step: float) -> None:
-        work = p.detach() if p.dtype == torch.float32 and p.is_contiguous() else p.detach().float().contiguous()
-        flat, grad = work.view(-1), p.grad.detach().reshape(-1)
+        local = _local(p).detach()  # the rank's shard of a DTensor: its blocks are the rank's own
+        work = local if local.dtype == torch.float32 and local.is_contiguous() else local.float().contiguous()
+        flat, grad = work.view(-1), _local(p.grad).detach().reshape(-1)
         formats = self.formats_for(p)
         codecs = [self._codec(fmt, spec) for fmt, spec in zip(formats, self.STATES)]
         n, chunk = flat.numel(), self.chunk_blocks * self.block_size
@@ -169,8 +229,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             self.update_chunk(group, flat[start:end], grad[start:end].float(), states, step)
             for spec, codec, fmt, x in zip(self.STATES, codecs, formats, states):
                 self._write(state, spec, codec, fmt, start, end, blocks, x)
-        if work is not p.detach():
-            p.detach().copy_(work)
+        if work is not local:
+            local.copy_(work)
 
     def _read(self, state: dict, spec: StateSpec, codec: BlockCodec | None, start: int, end: int,
               blocks: slice) -> torch.Tensor:
@@ -193,9 +253,53 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------------------------------------ state_dict
 
+    def state_dict(self) -> dict:
+        """torch's state_dict; the states of DTensor parameters as DTensors (see the module docstring)."""
+        out = super().state_dict()
+        params = [p for g in self.param_groups for p in g["params"]]
+        out["state"] = {i: self._dtensor_states(params[i], s) if s and isinstance(params[i], DTensor) else s
+                        for i, s in out["state"].items()}
+        return out
+
+    def _dtensor_states(self, p: DTensor, state: dict) -> dict:
+        """The states of sharded parameter p as DTensors viewing the local ones: parameter-shaped states with p's
+        placements; block-wise tensors (n_blocks, ...) per rank as one (n_shards · n_blocks, ...) Shard(0) tensor."""
+        mesh, out = p.device_mesh, dict(state)
+        split = _shard_dims(p)
+        blocks = [Shard(0) if d in split else Replicate() for d in range(mesh.ndim)]
+        n_shards = math.prod(mesh.size(d) for d in split)
+        for spec, fmt in zip(self.STATES, self.formats_for(p)):
+            codec = self._codec(fmt, spec)
+            if codec is None:
+                out[spec.name] = DTensor.from_local(state[spec.name], mesh, p.placements, run_check=False,
+                                                    shape=p.shape, stride=p.stride())
+                continue
+            for key in (spec.name + suffix for suffix in codec.suffixes):
+                t = state[key]
+                out[key] = DTensor.from_local(t, mesh, blocks, run_check=False, stride=t.stride(),
+                                              shape=(n_shards * t.shape[0], *t.shape[1:]))
+        return out
+
+    def block_layout(self) -> list[str | None]:
+        """Per parameter (param_groups order), how its block-wise states are split into shard-local blocks, in
+        words: whole (one process, DDP) or the shards of a DTensor parameter (FSDP2); None where every state is
+        parameter-shaped (fp32, bf16: DCP reshards those). Block-wise states load correctly only into their layout."""
+        def layout(p):
+            if not self._block_scaled(p):
+                return None
+            if not isinstance(p, DTensor):
+                return "whole parameters (one process or DDP)"
+            n = math.prod(p.device_mesh.size(d) for d in _shard_dims(p))
+            return (f"{n} shards per parameter (mesh {tuple(p.device_mesh.shape)}, "
+                    f"{', '.join(repr(pl) for pl in p.placements)})")
+        return [layout(p) for g in self.param_groups for p in g["params"]]
+
     def load_state_dict(self, state_dict: dict) -> None:
-        """torch's load_state_dict, then every stored state cast back to its format's dtype (exact)."""
-        super().load_state_dict(state_dict)
+        """torch's load_state_dict (DTensor states as their local shards), then every stored state cast back to its
+        format's dtype (exact)."""
+        local = {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
+                 for i, s in state_dict["state"].items()}
+        super().load_state_dict({**state_dict, "state": local})
         for p, state in self.state.items():
             if not state:
                 continue
@@ -205,6 +309,24 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 for suffix in ("_scale", "_absmax", "_expo"):
                     if spec.name + suffix in state:
                         state[spec.name + suffix] = state[spec.name + suffix].float()
+            self._check_shapes(p, state)
+
+    def _check_shapes(self, p: torch.Tensor, state: dict) -> None:
+        """Loaded states must fit p's (local) shape: a state of another sharding fails here, not in a later step."""
+        local = _local(p)
+        for spec, fmt in zip(self.STATES, self.formats_for(p)):
+            t, codec = state[spec.name], self._codec(fmt, spec)
+            if codec is None:
+                fits = t.shape == local.shape
+            else:  # a shard's blocks: padded to the largest shard's count, so at least its own
+                n_blocks = -(-local.numel() // self.block_size)
+                row = codec.empty(1, self.block_size, t.device)[""].shape[1:]
+                fits = t.shape[1:] == row and (t.shape[0] >= n_blocks if isinstance(p, DTensor) else
+                                               t.shape[0] == n_blocks)
+            if not fits:
+                raise ValueError(f"the loaded {spec.name} state of a parameter of shape {tuple(local.shape)} has "
+                                 f"shape {tuple(t.shape)} ({fmt}, block {self.block_size}): it was saved for "
+                                 f"another parameter, sharding or block size")
 
     # ------------------------------------------------------------------------------------------------ memory
 
@@ -215,5 +337,5 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
 
     def bytes_per_param(self) -> float:
         """state_bytes() per element of the parameters that have state (0.0 before the first step)."""
-        n = sum(p.numel() for p in self.state if self.state[p])
+        n = sum(_local(p).numel() for p in self.state if self.state[p])
         return self.state_bytes() / n if n else 0.0

@@ -15,8 +15,11 @@ DDP and FSDP2) and DCP's HuggingFace safetensors storage (`HuggingFaceStorageWri
 reader rebuilds DCP's metadata from the safetensors headers. Nothing is pickled: no `.metadata` pickle (DCP's
 default FileSystemWriter writes one), no torch.load. DCP reshards on load, so a checkpoint written by N ranks loads
 on M ranks or in one process, DDP or FSDP2, and vice versa; the RNG state is not kept (the presets draw no random
-numbers while training). Writes go to a temporary sibling directory that rank 0 renames into place once every rank
-has written, so a job killed mid-save keeps its previous checkpoint.
+numbers while training). Block-quantized optimizer states (minifloat.optim) are the exception: their blocks are
+formed over each rank's parameter shard, so state.json records their layout (`optimizer_blocks`) and they load only
+into the same sharding (same ranks and --parallel); another one is refused before any tensor is read. Writes go to
+a temporary sibling directory that rank 0 renames into place once every rank has written, so a job killed mid-save
+keeps its previous checkpoint.
 
     save_sharded(ckpt, model=..., optimizer=..., scaler=..., guard=..., loader=..., extra={...}, world=world)
     load_sharded(ckpt, model=..., optimizer=..., ...)   # any world; one process needs no process group
@@ -38,6 +41,7 @@ from torch import nn
 
 from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.version import __version__
+from minifloat.optim.blockwise import BlockwiseOptimizer
 from minifloat.training.checkpoint import checkpoint_extra, fsync_path, move_into_place
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
 from minifloat.training.parallel import World, barrier
@@ -103,6 +107,29 @@ def _tensor_state(model: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[d
     return tensors, optim_state["param_groups"], aliases
 
 
+def _block_layout(optimizer: torch.optim.Optimizer) -> list[str | None] | None:
+    """BlockwiseOptimizer.block_layout() of the optimizer (or of the one a wrapper steps with), else None."""
+    inner = getattr(optimizer, "optimizer", optimizer)  # minifloat.amp.lowp_weights wraps its AdamW
+    return inner.block_layout() if isinstance(inner, BlockwiseOptimizer) else None
+
+
+def _check_block_layout(state: dict, optimizer: torch.optim.Optimizer, directory: Path) -> None:
+    """Refuse to load block-quantized optimizer states into another sharding than the one that wrote them: a block
+    holds codes relative to one scale, and the blocks follow the shards (minifloat.optim.blockwise)."""
+    saved, here = state.get("optimizer_blocks"), _block_layout(optimizer)
+    if saved is None or here is None or len(saved) != len(here):
+        return  # no block-wise states, or another model (DCP names the missing keys)
+    differ = [(a, b) for a, b in zip(saved, here) if a is not None and b is not None and a != b]
+    if differ:
+        parallel, ranks = state.get("parallel"), state.get("world_size")
+        tp = decode(state["extra"], {}).get("config", {}).get("tp_size", 1) if parallel == "fsdp+tp" else 1
+        fix = (f"with --nproc {ranks} --parallel {parallel}" + (f" --tp-size {tp}" if tp > 1 else "") if parallel
+               else "in one process or with --parallel ddp")
+        raise CheckpointError(f"the checkpoint {directory} holds block-quantized optimizer states laid out for "
+                              f"{differ[0][0]}, but this run has {differ[0][1]}: their blocks follow the shards, so "
+                              f"codes would meet the wrong block scales; resume it {fix}")
+
+
 def _json(obj: Any, path: str) -> Any:
     """JSON form of a plain-data state (minifloat.training.jsonstate); tensors do not belong in state.json."""
     table = TensorTable()
@@ -137,6 +164,7 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
              "torch_version": torch.__version__, "world_size": world.size,
              "parallel": world.parallel.value if world.parallel else None, "aliases": aliases,
              "optimizer_type": type(optimizer).__qualname__, "param_groups": _json(param_groups, "param_groups"),
+             "optimizer_blocks": _block_layout(optimizer),
              **{name: _json(obj.state_dict(), name) if obj is not None else None
                 for name, obj in zip(_STATEFUL, (scaler, guard, loader))},
              "extra": _json(dict(extra or {}), "extra")}
@@ -189,8 +217,9 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
     Returns:
         The `extra` metadata saved with the checkpoint.
     Raises:
-        CheckpointError: the JSON is corrupt or of another format, the optimizer type or tied weights differ, or the
-            tensors do not fit the model (a key missing, another shape).
+        CheckpointError: the JSON is corrupt or of another format, the optimizer type or tied weights differ, the
+            optimizer's block-quantized states were written under another sharding, or the tensors do not fit the
+            model (a key missing, another shape).
     """
     from torch.distributed.checkpoint import load
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
@@ -201,6 +230,7 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
     if state.get("optimizer_type") != type(optimizer).__qualname__:
         raise CheckpointError(f"the checkpoint's optimizer is a {state.get('optimizer_type')}, the optimizer given "
                               f"is a {type(optimizer).__qualname__}")
+    _check_block_layout(state, optimizer, directory)
     tensors, _, aliases = _tensor_state(model, optimizer)
     if aliases != state["aliases"]:
         raise CheckpointError(f"tied weights differ: {state['aliases']} in the checkpoint, {aliases} in the model")
