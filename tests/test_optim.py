@@ -13,7 +13,7 @@ from torch import nn
 from minifloat.numerics.formats import E4M3, E5M2
 from minifloat.numerics.intquant import dynamic_map
 from minifloat.optim import SGD, Adam, AdamW, Lion, StateFormat
-from minifloat.optim.stateformats import BlockCodec, expected_codec_bytes
+from minifloat.numerics.stateformats import BlockCodec, expected_codec_bytes
 from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
 
 FP32_SLACK = 1e-6  # relative slack for the float32 scale multiply / divide around each rounding

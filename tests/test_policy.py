@@ -106,10 +106,50 @@ INVALID = [
     ("master-fp32-params", dict(master_weights=True), "master_weights"),
     ("state-dtype", dict(param_dtype=BF16, compute_dtype=BF16, master_weights=True, optimizer_state_dtype=BF16),
      "optimizer_state_dtype"),
+    ("state-format-unknown", dict(optimizer_state_dtype="e4m3,int3"), "optimizer_state_dtype"),
+    ("state-format-empty", dict(optimizer_state_dtype=()), "optimizer_state_dtype"),
+    ("state-format-type", dict(optimizer_state_dtype=8), "optimizer_state_dtype"),
     ("recipe", dict(recipe="delayed"), "recipe"),
     ("fp32-norms", dict(fp32_norms="yes"), "fp32_norms"),
     ("fp32-head", dict(fp32_head=None), "fp32_head"),
 ]
+
+
+def _tiny_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(64, 96), nn.Linear(96, 128), nn.LayerNorm(128), nn.Linear(128, 64))
+
+
+@pytest.mark.parametrize("master", [False, True, "bf16-sr"])
+def test_state_formats_build_a_blockwise_optimizer(master):
+    from minifloat.optim import AdamW
+
+    bf16 = master is not False
+    policy = PrecisionPolicy(param_dtype=BF16 if bf16 else FP32, compute_dtype=BF16 if bf16 else FP32,
+                             master_weights=master, optimizer_state_dtype="e4m3, bf16")
+    assert policy.state_formats == ("e4m3", "bf16") and policy.state_dtype == (FP32 if master or not bf16 else BF16)
+    out = io.StringIO()
+    Console(file=out, width=200).print(policy.describe())
+    assert "e4m3,bf16 (per block)" in out.getvalue()
+    model = policy.apply(_tiny_model())
+    opt = policy.optimizer(AdamW, model, lr=1e-3)
+    x = torch.randint(0, 64, (4, 8))
+    model(x).float().pow(2).mean().backward()
+    opt.step()
+    inner = getattr(opt, "optimizer", opt)  # the master wrappers hold the AdamW
+    assert isinstance(inner, AdamW) and inner.state_formats == ("e4m3", "bf16")
+    stored = {t.dtype for state in inner.state.values() for k, t in state.items() if k.startswith("exp_avg")}
+    assert torch.float8_e4m3fn in stored and BF16 in stored  # the 128×96 and 64×128 weights: quantized states
+    # the embedding (6144 elements, over the 4096 size rule) keeps fp32 state: the model reached the rule
+    emb = model[0].weight
+    assert emb.dtype == FP32 and any(p is emb for g in inner.param_groups for p in g["params"])
+    assert inner.keeps_fp32_state(emb) and inner.state[emb]["exp_avg"].dtype == FP32
+
+
+def test_state_formats_refuse_a_torch_optimizer():
+    policy = PrecisionPolicy(optimizer_state_dtype=("int8-dynamic", "int4"))
+    with pytest.raises(ValueError, match="minifloat.optim"):
+        policy.optimizer(torch.optim.AdamW, _tiny_model(), lr=1e-3)
 
 
 @pytest.mark.parametrize("name,kwargs,field", INVALID, ids=[c[0] for c in INVALID])

@@ -33,6 +33,7 @@ from minifloat.fp8.convert import convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, Recipe, check_recipe
 from minifloat.fp8.scaling import ScalingState
+from minifloat.numerics.stateformats import StateFormat
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISLAND_ATTR = "minifloat_fp32_island"  # set on a module apply() made an fp32 island; its value is the island's kind
@@ -43,6 +44,7 @@ _SOFTMAX = (nn.Softmax, nn.LogSoftmax)
 _LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+STATE_NAMES = tuple(f.value for f in StateFormat)
 
 # master_weights modes: "none" (the optimizer updates the parameters), "fp32" (fp32 master copies), bf16 weights
 # updated by stochastic rounding or with a Kahan compensation buffer (minifloat.amp.lowp_weights). True / False are
@@ -65,9 +67,12 @@ class PrecisionPolicy:
         master_weights: how low-precision params keep small updates: "none" (False), "fp32" (True: float32 master
             copies; param_dtype bf16 or fp16), "bf16-sr" (stochastic rounding, no master copy) or "bf16-kahan" (a bf16
             compensation buffer); the bf16 modes need param_dtype bf16. Read it as `master_mode`.
-        optimizer_state_dtype: dtype of the optimizer state. torch optimizers keep their state in the dtype of the
-            weights they update, so the only value is that one (fp32 with master weights or fp32 params, else
-            param_dtype); None means that. See `state_dtype`.
+        optimizer_state_dtype: how the optimizer state is stored. A torch.dtype: torch optimizers keep their state
+            in the dtype of the weights they update, so the only dtype is that one (fp32 with master weights or fp32
+            params, else param_dtype); None means that (see `state_dtype`). Or state formats, one per state of a
+            minifloat.optim optimizer, stored per block with scales (minifloat.numerics.stateformats): "e4m3,bf16"
+            or ("e4m3", "bf16") for AdamW's m and v, or one format for all, e.g. "int8-dynamic"; `optimizer()` then
+            needs a minifloat.optim class. Read them as `state_formats`.
         recipe: FP8 recipe for the eligible nn.Linear layers, or None.
         fp32_norms: LayerNorm / RMSNorm / BatchNorm / GroupNorm / InstanceNorm compute in fp32 with fp32 weights and
             return their input's dtype.
@@ -85,7 +90,7 @@ class PrecisionPolicy:
     param_dtype: torch.dtype = torch.float32
     compute_dtype: torch.dtype = torch.float32
     master_weights: bool | str = False
-    optimizer_state_dtype: torch.dtype | None = None
+    optimizer_state_dtype: torch.dtype | str | tuple[str, ...] | None = None
     recipe: Recipe | None = None
     fp32_norms: bool = True
     fp32_softmax: bool = True
@@ -111,9 +116,11 @@ class PrecisionPolicy:
         if self.master_mode in _LOWP_UPDATES and self.param_dtype != torch.bfloat16:
             raise ValueError(f"master_weights={self.master_weights!r} needs param_dtype bfloat16, "
                              f"got {self.param_dtype!r}")
-        if self.optimizer_state_dtype is not None and self.optimizer_state_dtype != self._updated_dtype():
+        if self.state_formats is None and self.optimizer_state_dtype is not None \
+                and self.optimizer_state_dtype != self._updated_dtype():
             raise ValueError(f"optimizer_state_dtype must be {self._updated_dtype()} (the dtype of the weights the "
-                             f"optimizer updates) or None, got {self.optimizer_state_dtype!r}")
+                             f"optimizer updates), state formats such as 'e4m3,bf16' ({', '.join(STATE_NAMES)}) "
+                             f"or None, got {self.optimizer_state_dtype!r}")
         if self.recipe is not None:
             check_recipe(self.recipe)
         for field in ("fp32_norms", "fp32_softmax", "fp32_cross_entropy", "fp32_attention", "fp32_embeddings",
@@ -133,8 +140,23 @@ class PrecisionPolicy:
 
     @property
     def state_dtype(self) -> torch.dtype:
-        """The dtype of the optimizer state (and of the weights the optimizer updates)."""
-        return self.optimizer_state_dtype or self._updated_dtype()
+        """The dtype of the weights the optimizer updates, which is its state's dtype unless `state_formats` say
+        how the state is stored."""
+        return self._updated_dtype()
+
+    @property
+    def state_formats(self) -> tuple[str, ...] | None:
+        """`optimizer_state_dtype` as state formats (one per optimizer state, or one for all), or None for a dtype.
+
+        Raises ValueError naming the known formats for an unknown one."""
+        value = self.optimizer_state_dtype
+        if value is None or isinstance(value, torch.dtype):
+            return None
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, (tuple, list)) or not items:
+            raise ValueError(f"optimizer_state_dtype must be a torch.dtype, state formats ('e4m3,bf16' or a tuple) "
+                             f"or None, got {value!r}")
+        return tuple(StateFormat.parse(str(f).strip(), field="optimizer_state_dtype").value for f in items)
 
     @property
     def autocast_enabled(self) -> bool:
@@ -163,6 +185,15 @@ class PrecisionPolicy:
                   **kwargs) -> torch.optim.Optimizer:
         """`optimizer_cls` over the model's parameters, behind the `master_weights` mode's wrapper (fp32 masters:
         MasterWeightOptimizer; bf16-sr / bf16-kahan: LowPrecisionWeightOptimizer, `seed` among kwargs)."""
+        if self.state_formats is not None:
+            # minifloat.optim's optimizers (BlockwiseOptimizer) name their states in STATES; optim is a layer above
+            if not isinstance(getattr(optimizer_cls, "STATES", None), tuple):
+                name = getattr(optimizer_cls, "__name__", repr(optimizer_cls))
+                raise ValueError(f"optimizer_state_dtype={self.optimizer_state_dtype!r} stores states per block, which "
+                                 f"{name} cannot: it keeps them in the weights' dtype. Use a minifloat.optim class "
+                                 f"(AdamW, Adam, SGD, Lion)")
+            kwargs.setdefault("state_formats", self.state_formats)
+            kwargs.setdefault("model", model)  # norms and embeddings keep fp32 state
         if self.master_mode == "fp32":
             return MasterWeightOptimizer(optimizer_cls, model, **kwargs)
         if self.master_mode in _LOWP_UPDATES:
@@ -252,7 +283,8 @@ class PrecisionPolicy:
                 ("matmuls (compute)", c + (" (torch.autocast)" if self.autocast_enabled else "")),
                 ("FP8 linear GEMMs", fp8),
                 ("master weights", _MASTER_DESCRIPTIONS[self.master_mode]),
-                ("optimizer state", _NAMES[self.state_dtype]),
+                ("optimizer state", ",".join(self.state_formats) + " (per block)" if self.state_formats
+                 else _NAMES[self.state_dtype]),
                 ("norms", "fp32 compute, fp32 weights" if self.fp32_norms else c),
                 ("softmax", "fp32" if self.fp32_softmax else c),
                 ("cross-entropy", "fp32" if self.fp32_cross_entropy else c),

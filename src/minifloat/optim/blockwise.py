@@ -1,6 +1,6 @@
 """The state machinery of element-wise optimizers whose states are stored block-wise in low precision.
 
-`BlockwiseOptimizer` keeps each state of each parameter in a `StateFormat` (optim/stateformats.py) and runs the
+`BlockwiseOptimizer` keeps each state of each parameter in a `StateFormat` (numerics/stateformats.py) and runs the
 update chunk by chunk: decode a chunk of every state to float32, apply the optimizer's element-wise rule in float32
 in place, encode the chunk back. A chunk is `chunk_blocks` whole blocks, so the float32 temporaries stay bounded
 whatever the parameter's size. Subclasses name their states and write the rule (optim/optimizers.py).
@@ -45,7 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifloat.core.roles import is_embedding, is_norm
-from minifloat.optim.stateformats import STATE_FORMATS, BlockCodec, StateFormat, code_dtype, round_plain
+from minifloat.numerics.stateformats import STATE_FORMATS, BlockCodec, StateFormat, code_dtype, round_plain
 
 DEFAULT_BLOCK = 128
 DEFAULT_MIN_QUANTIZED_NUMEL = 4096  # bitsandbytes' min_8bit_size

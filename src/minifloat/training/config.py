@@ -8,7 +8,7 @@ import re
 import torch
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
-from minifloat.optim.stateformats import StateFormat
+from minifloat.numerics.stateformats import StateFormat
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.safety.shadow import ShadowConfig
 from minifloat.training.parallel import Parallel
