@@ -65,6 +65,8 @@ PRESET_TABLE = [
     ("fp8-current", FP32, BF16, mf.CurrentScaling, True),
     ("fp8-block", FP32, BF16, mf.BlockScaling, True),
     ("mxfp8", FP32, BF16, mf.MXScaling, True),
+    ("nvfp4", FP32, BF16, mf.NVFP4Scaling, True),
+    ("mxfp4", FP32, BF16, mf.MXScaling, True),
 ]
 
 
@@ -110,6 +112,9 @@ INVALID = [
     ("state-format-empty", dict(optimizer_state_dtype=()), "optimizer_state_dtype"),
     ("state-format-type", dict(optimizer_state_dtype=8), "optimizer_state_dtype"),
     ("recipe", dict(recipe="delayed"), "recipe"),
+    ("keep-blocks-one", dict(keep_blocks=(1,)), "keep_blocks"),
+    ("keep-blocks-negative", dict(keep_blocks=(0, -1)), "keep_blocks"),
+    ("keep-blocks-float", dict(keep_blocks=(0, 1.0)), "keep_blocks"),
     ("fp32-norms", dict(fp32_norms="yes"), "fp32_norms"),
     ("fp32-head", dict(fp32_head=None), "fp32_head"),
 ]
@@ -195,7 +200,7 @@ def test_islands_compute_in_fp32(model, idx):
     torch.testing.assert_close(probs, torch.softmax(x16.float(), -1).to(BF16), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("preset", ["fp8-delayed", "fp8-current", "fp8-block", "mxfp8"])
+@pytest.mark.parametrize("preset", ["fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4", "mxfp4"])
 def test_apply_fp8_converts_inner_linears(preset, model, idx):
     p = PrecisionPolicy.preset(preset)
     planned = sorted(n for n, k in p.plan(model).items() if k == "fp8")  # what describe() reports beforehand
@@ -209,6 +214,21 @@ def test_apply_fp8_converts_inner_linears(preset, model, idx):
     assert logits.dtype == FP32 and torch.isfinite(logits).all()
     logits.sum().backward()
     assert model.mid.weight.grad is not None
+
+
+def test_four_bit_presets_keep_the_last_block_of_a_transformer():
+    from minifloat.training.model import Llama, LlamaConfig
+
+    llama = Llama(LlamaConfig.preset("tiny"))  # two blocks
+    for preset in ("nvfp4", "mxfp4"):
+        kinds = PrecisionPolicy.preset(preset).plan(llama)
+        low = sorted(n for n, k in kinds.items() if k == "fp8")
+        # block 0 without its q/k/v (keep_first_last's input projections); block 1 kept whole; the head is fp32
+        assert low == ["blocks.0.attn.o_proj", "blocks.0.mlp.down_proj", "blocks.0.mlp.gate_proj",
+                       "blocks.0.mlp.up_proj"], preset
+    keep_first = dataclasses.replace(PrecisionPolicy.preset("nvfp4"), keep_blocks=(1, 0)).plan(llama)
+    low = [n for n, k in keep_first.items() if k == "fp8"]
+    assert len(low) == 7 and all(n.startswith("blocks.1.") for n in low)  # block 1 whole, q/k/v included
 
 
 def test_apply_twice_is_idempotent(model, idx):

@@ -5,7 +5,9 @@ The documented specs come from the recipes' sources of truth, not from the code 
     E5M2 backward (grad_output);
   * BlockScaling: DeepSeek-V3 (arXiv 2412.19437 §3.3) — E4M3 everywhere, 1×128 tiles for activations and their
     gradients, 128×128 blocks for weights;
-  * MXScaling: OCP MX v1.0 — 32-element blocks sharing a power-of-two (E8M0) scale.
+  * MXScaling: OCP MX v1.0 — 32-element blocks sharing a power-of-two (E8M0) scale; "e2m1" is MXFP4 (§5.3.3);
+  * NVFP4Scaling: arXiv 2509.25149 — E2M1 everywhere, 16×16 weight tiles (§4.2), stochastic rounding for gradients
+    only (§4.4), the RHT on the wgrad operands (§4.3, applied by the autograd function, not a cast spec).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import re
 
 import pytest
 
-from minifloat.numerics.formats import E4M3, E5M2
+from minifloat.numerics.formats import E2M1, E4M3, E5M2
 from minifloat.numerics.granularity import Granularity
 from minifloat.fp8.recipes import (
     ROLES,
@@ -24,6 +26,8 @@ from minifloat.fp8.recipes import (
     CurrentScaling,
     DelayedScaling,
     MXScaling,
+    NVFP4Scaling,
+    NVFP4Spec,
     Role,
     check_recipe,
 )
@@ -47,6 +51,12 @@ INVALID = [
     ("block-power-of-two-int", BlockScaling, {"power_of_two": 1}, "power_of_two", "1"),
     ("mx-format", MXScaling, {"format": "e3m4"}, "format", "e3m4"),
     ("mx-scale-rule", MXScaling, {"scale_rule": "ceil"}, "scale_rule", "ceil"),
+    ("nvfp4-weight-2d-int", NVFP4Scaling, {"weight_2d": 1}, "weight_2d", "1"),
+    ("nvfp4-rht-str", NVFP4Scaling, {"rht": "yes"}, "rht", "yes"),
+    ("nvfp4-sr-none", NVFP4Scaling, {"stochastic_rounding": None}, "stochastic_rounding", "None"),
+    ("nvfp4-seed-negative", NVFP4Scaling, {"seed": -1}, "seed", "-1"),
+    ("nvfp4-seed-float", NVFP4Scaling, {"seed": 1.0}, "seed", "1.0"),
+    ("nvfp4-spec-rounding", NVFP4Spec, {"rounding": "up"}, "rounding", "up"),
 ]
 
 
@@ -86,6 +96,9 @@ VALID = [
     ("block-no-pow2", BlockScaling(power_of_two=False)),
     ("mx-default", MXScaling()),
     ("mx-hybrid-floor", MXScaling(format="hybrid", scale_rule="floor")),
+    ("mxfp4", MXScaling(format="e2m1")),
+    ("nvfp4-default", NVFP4Scaling()),
+    ("nvfp4-ablated", NVFP4Scaling(weight_2d=False, rht=False, stochastic_rounding=False, seed=5)),
 ]
 
 
@@ -108,6 +121,7 @@ FIELDS = [
     ("current", CurrentScaling(), "granularity", "row"),
     ("block", BlockScaling(), "power_of_two", False),
     ("mx", MXScaling(), "scale_rule", "floor"),
+    ("nvfp4", NVFP4Scaling(), "rht", False),
 ]
 
 
@@ -158,6 +172,7 @@ SPECS = [
      {I: (E4M3, "tile"), W: (E4M3, "block"), G: (E4M3, "tile")}, False, False),
     ("mx", MXScaling(), {I: (E4M3, "mx"), W: (E4M3, "mx"), G: (E4M3, "mx")}, False, True),
     ("mx-hybrid", MXScaling(format="hybrid"), {I: (E4M3, "mx"), W: (E4M3, "mx"), G: (E5M2, "mx")}, False, True),
+    ("mxfp4", MXScaling(format="e2m1"), {I: (E2M1, "mx"), W: (E2M1, "mx"), G: (E2M1, "mx")}, False, True),
 ]
 
 
@@ -193,3 +208,31 @@ def test_default_history_is_sixteen_steps_of_max():
     assert recipe.amax_compute == "max"
     assert recipe.margin == 0
     assert recipe.format == "hybrid"
+
+
+# (name, recipe, {role: (block_2d, rounding)})
+NVFP4_SPECS = [
+    ("default", NVFP4Scaling(), {I: (False, "nearest"), W: (True, "nearest"), G: (False, "stochastic")}),
+    ("1x16-weights", NVFP4Scaling(weight_2d=False),
+     {I: (False, "nearest"), W: (False, "nearest"), G: (False, "stochastic")}),
+    ("no-sr", NVFP4Scaling(stochastic_rounding=False),
+     {I: (False, "nearest"), W: (True, "nearest"), G: (False, "nearest")}),
+]
+
+
+@pytest.mark.parametrize("recipe, expected", [c[1:] for c in NVFP4_SPECS], ids=[c[0] for c in NVFP4_SPECS])
+def test_nvfp4_spec_per_role(recipe, expected):
+    for role in ROLES:
+        spec = recipe.spec(role)
+        assert isinstance(spec, NVFP4Spec) and spec.fmt == E2M1 and not spec.delayed, role
+        assert (spec.block_2d, spec.rounding) == expected[role], role
+        assert not spec.per_tensor
+
+
+@pytest.mark.parametrize("recipe, four_bit", [(DelayedScaling(), False), (CurrentScaling(), False),
+                                              (BlockScaling(), False), (MXScaling(), False),
+                                              (MXScaling(format="e2m1"), True), (NVFP4Scaling(), True)],
+                         ids=["delayed", "current", "block", "mxfp8", "mxfp4", "nvfp4"])
+def test_four_bit_flag(recipe, four_bit):
+    assert recipe.four_bit is four_bit
+    assert not recipe.delayed or not four_bit

@@ -162,3 +162,34 @@ def test_is_attention_input(name, expected):
 @pytest.mark.parametrize("features, ok", [((16, 32), True), ((32, 48), True), ((10, 32), False), ((32, 30), False)])
 def test_fp8_shape_ok(features, ok):
     assert roles.fp8_shape_ok(nn.Linear(*features)) == ok
+
+
+class TwoStacks(nn.Module):
+    """A short list of blocks beside a longer one, and a list of mixed types: the longest uniform list wins."""
+
+    def __init__(self):
+        super().__init__()
+        self.adapters = nn.ModuleList([nn.Sequential(nn.Linear(D, D)) for _ in range(2)])
+        self.mixed = nn.ModuleList([nn.Linear(D, D), nn.Sequential(nn.Linear(D, D)), nn.Linear(D, D),
+                                    nn.Linear(D, D), nn.Linear(D, D)])
+        self.layers = nn.ModuleList([nn.Sequential(nn.Linear(D, D), nn.GELU()) for _ in range(3)])
+
+
+# (name, model, blocks)
+BLOCKS = [
+    ("llama", lambda: Llama(LlamaConfig.preset("tiny")), ["blocks.0", "blocks.1"]),
+    ("two-stacks", TwoStacks, ["layers.0", "layers.1", "layers.2"]),
+    ("mlp", lambda: nn.Sequential(nn.Linear(D, D), nn.GELU(), nn.Linear(D, D)), []),
+    ("norms-only", lambda: nn.ModuleList([nn.LayerNorm(D) for _ in range(4)]), []),  # no linear in a block
+]
+
+
+@pytest.mark.parametrize("make, blocks", [c[1:] for c in BLOCKS], ids=[c[0] for c in BLOCKS])
+def test_transformer_blocks(make, blocks):
+    assert roles.transformer_blocks(make()) == blocks
+
+
+@pytest.mark.parametrize("first, last, kept", [(0, 0, []), (1, 0, ["0"]), (0, 1, ["2"]), (1, 1, ["0", "2"]),
+                                                (2, 2, ["0", "1", "2"]), (0, 9, ["0", "1", "2"])])
+def test_linears_in_first_and_last_blocks(first, last, kept):
+    assert roles.linears_in_blocks(TwoStacks(), first, last) == {f"layers.{i}.0" for i in kept}

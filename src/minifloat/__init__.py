@@ -11,7 +11,7 @@ from minifloat.fp8.modules import Fp8Linear, autocast
 from minifloat.amp.norms import LayerNorm, RMSNorm
 from minifloat.amp.policy import PrecisionPolicy
 from minifloat.numerics.quantize import Quantized, cast, quantize, sqnr_db
-from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling
+from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling
 from minifloat.amp.scaler import LossScaler, StepRecord
 from minifloat.fp8.scaling import ScalingState, reduce_amax
 from minifloat.fp8.step import fp8_step
@@ -24,7 +24,7 @@ from minifloat.inference.quantized_io import load_quantized, save_quantized
 __all__ = [
     "E4M3", "E5M2", "E8M0", "E2M1", "BF16", "FP16", "FP32", "FORMATS", "NumberFormat", "get_format",
     "cast", "quantize", "Quantized", "sqnr_db", "scaled_mm",
-    "DelayedScaling", "CurrentScaling", "BlockScaling", "MXScaling",
+    "DelayedScaling", "CurrentScaling", "BlockScaling", "MXScaling", "NVFP4Scaling",
     "ScalingState", "reduce_amax", "fp8_step",
     "Fp8Linear", "convert", "autocast", "fp8_layers", "telemetry",
     "PrecisionPolicy", "LossScaler", "StepRecord", "RMSNorm", "LayerNorm", "MasterWeights", "MasterWeightOptimizer",

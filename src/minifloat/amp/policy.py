@@ -29,9 +29,10 @@ from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
 from minifloat.core.autocast import autocast_off
 from minifloat.core.validate import check_bool, check_choice
-from minifloat.fp8.convert import convert, fp8_plan
+from minifloat.fp8.convert import check_keep_blocks, convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
-from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, Recipe, check_recipe
+from minifloat.fp8.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling, Recipe,
+                                   check_recipe)
 from minifloat.fp8.scaling import ScalingState
 from minifloat.numerics.stateformats import StateFormat
 
@@ -73,7 +74,10 @@ class PrecisionPolicy:
             minifloat.optim optimizer, stored per block with scales (minifloat.numerics.stateformats): "e4m3,bf16"
             or ("e4m3", "bf16") for AdamW's m and v, or one format for all, e.g. "int8-dynamic"; `optimizer()` then
             needs a minifloat.optim class. Read them as `state_formats`.
-        recipe: FP8 recipe for the eligible nn.Linear layers, or None.
+        recipe: FP8 (or 4-bit) recipe for the eligible nn.Linear layers, or None.
+        keep_blocks: (first, last): with a recipe, the linear layers of the first `first` and last `last`
+            transformer blocks stay in compute_dtype (minifloat.core.roles.transformer_blocks), as 4-bit training
+            does (arXiv 2509.25149 §4.1: the first 2 and last 8 of 62 blocks in BF16).
         fp32_norms: LayerNorm / RMSNorm / BatchNorm / GroupNorm / InstanceNorm compute in fp32 with fp32 weights and
             return their input's dtype.
         fp32_softmax: nn.Softmax / nn.LogSoftmax modules compute in fp32.
@@ -92,6 +96,7 @@ class PrecisionPolicy:
     master_weights: bool | str = False
     optimizer_state_dtype: torch.dtype | str | tuple[str, ...] | None = None
     recipe: Recipe | None = None
+    keep_blocks: tuple[int, int] = (0, 0)
     fp32_norms: bool = True
     fp32_softmax: bool = True
     fp32_cross_entropy: bool = True
@@ -123,6 +128,7 @@ class PrecisionPolicy:
                              f"or None, got {self.optimizer_state_dtype!r}")
         if self.recipe is not None:
             check_recipe(self.recipe)
+        check_keep_blocks(self.keep_blocks)
         for field in ("fp32_norms", "fp32_softmax", "fp32_cross_entropy", "fp32_attention", "fp32_embeddings",
                       "fp32_head"):
             check_bool(field, getattr(self, field))
@@ -164,7 +170,8 @@ class PrecisionPolicy:
 
     @classmethod
     def preset(cls, name: str) -> "PrecisionPolicy":
-        """A named policy: "fp32", "bf16", "fp16", "fp8-delayed", "fp8-current", "fp8-block" or "mxfp8".
+        """A named policy: "fp32", "bf16", "fp16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4"
+        or "mxfp4" (the 4-bit ones keep the last transformer block in bf16: `keep_blocks=(0, 1)`).
 
         Every preset keeps fp32 parameters (mixed precision through autocast) and all fp32 islands; derive other
         variants with dataclasses.replace, e.g. pure bf16 with master weights:
@@ -221,8 +228,8 @@ class PrecisionPolicy:
                 kinds[name] = "loss"
             if isinstance(m, nn.Linear):
                 kinds.setdefault(name, "fp8" if isinstance(m, Fp8Linear) else "linear")
-        if self.recipe is not None:
-            for name in fp8_plan(model).convert:  # mf.convert's own rule: first and last layers kept, features % 16
+        if self.recipe is not None:  # mf.convert's own rule: first and last layers (and blocks) kept, features % 16
+            for name in fp8_plan(model, keep_blocks=self.keep_blocks).convert:
                 if kinds[name] == "linear":  # not an island
                     kinds[name] = "fp8"
         return kinds
@@ -278,6 +285,8 @@ class PrecisionPolicy:
         if model is None:
             table = Table("part", "dtype", title="PrecisionPolicy")
             fp8 = type(self.recipe).__name__ if self.recipe is not None else "off"
+            fp8 += f", blocks kept: first {self.keep_blocks[0]}, last {self.keep_blocks[1]}" if any(self.keep_blocks) \
+                else ""
             for part, value in [
                 ("parameters", _NAMES[self.param_dtype]),
                 ("matmuls (compute)", c + (" (torch.autocast)" if self.autocast_enabled else "")),
@@ -375,4 +384,7 @@ PRESETS: dict[str, PrecisionPolicy] = {
     "fp8-current": PrecisionPolicy(compute_dtype=torch.bfloat16, recipe=CurrentScaling()),
     "fp8-block": PrecisionPolicy(compute_dtype=torch.bfloat16, recipe=BlockScaling()),
     "mxfp8": PrecisionPolicy(compute_dtype=torch.bfloat16, recipe=MXScaling()),
+    # 4-bit: one block in six kept (the 10.7M Llama), close to NVIDIA's 16% (arXiv 2509.25149 §4.1)
+    "nvfp4": PrecisionPolicy(compute_dtype=torch.bfloat16, recipe=NVFP4Scaling(), keep_blocks=(0, 1)),
+    "mxfp4": PrecisionPolicy(compute_dtype=torch.bfloat16, recipe=MXScaling(format="e2m1"), keep_blocks=(0, 1)),
 }

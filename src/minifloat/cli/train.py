@@ -27,7 +27,7 @@ FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum"
                "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
                "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
                "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile", "nproc",
-               "parallel", "tp_size", "optimizer_state", "master")
+               "parallel", "tp_size", "optimizer_state", "master", "bf16_tail")
 # fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
 NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
 
@@ -155,8 +155,8 @@ def add_parser(sub) -> None:
                         description=cmd_train.__doc__)
     tr.add_argument("--model", default=None, help=f"model size: tiny, small, 10m, 100m (default {defaults.model})")
     tr.add_argument("--preset", default=None,
-                    help=f"precision preset: fp32, bf16, fp16, fp8-delayed, fp8-current, fp8-block, mxfp8 "
-                         f"(default {defaults.preset})")
+                    help=f"precision preset: fp32, bf16, fp16, fp8-delayed, fp8-current, fp8-block, mxfp8, nvfp4, "
+                         f"mxfp4 (default {defaults.preset})")
     tr.add_argument("--steps", type=int, default=None, help=f"optimizer steps (default {defaults.steps})")
     tr.add_argument("--batch-size", type=int, default=None, help=f"sequences per batch (default {defaults.batch_size})")
     tr.add_argument("--seq-len", type=int, default=None, help=f"bytes per sequence (default {defaults.seq_len})")
@@ -233,6 +233,9 @@ def add_parser(sub) -> None:
                          + f". The bf16 modes halve the gradients too (bf16), keep the AdamW moments as "
                            f"--optimizer-state says, need a bf16-computing preset and --nproc 1 "
                            f"(default {defaults.master})")
+    tr.add_argument("--bf16-tail", type=float, default=None, metavar="F",
+                    help=f"run the FP8/FP4 layers in BF16 for the last fraction F of --steps (NVIDIA's late switch "
+                         f"for NVFP4; needs an fp8 or fp4 preset; default {defaults.bf16_tail})")
     tr.add_argument("--tp-size", type=int, default=None, metavar="T",
                     help=f"ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
                          f"--seq-len (default {defaults.tp_size})")

@@ -13,6 +13,9 @@ without pickle (tensors to safetensors, the rest to JSON) and minifloat.safety.g
         a = model(x)                 # dropout draws
         set_rng_state(start)
         b = model(x)                 # the same dropout masks as `a`
+
+A counter-based stream is the other kind of state: `stream_generator(seed, n)` is a generator for draw n of stream
+`seed`, so the whole state of a stream is two integers (NVFP4's stochastic rounding keeps them as a layer's buffers).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+import zlib
 from collections.abc import Iterator, Mapping
 from typing import Any
 
@@ -79,3 +83,31 @@ def restoring_rng() -> Iterator[dict[str, Any]]:
         yield state
     finally:
         set_rng_state(state)
+
+
+_MASK64 = 2**64 - 1
+
+
+def _splitmix64(z: int) -> int:
+    """SplitMix64's finaliser (Steele, Lea, Flood, "Fast splittable pseudorandom number generators", 2014): a
+    bijection of 64-bit integers whose output bits each depend on every input bit."""
+    z = (z + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
+
+
+def named_seed(seed: int, name: str) -> int:
+    """A seed in [0, 2^63) for the stream of `name` (e.g. a layer's) under the run's `seed`: the same on every
+    machine and in every process (crc32, not Python's salted hash)."""
+    return _splitmix64((seed << 32) ^ zlib.crc32(name.encode())) >> 1
+
+
+def stream_generator(seed: int, index: int, device: torch.device | str | None = None) -> torch.Generator:
+    """A torch.Generator on `device` for draw `index` of the stream `seed`.
+
+    Seed and index are mixed by SplitMix64 into the generator's seed: the CPU generator (mt19937) keeps only the low 32
+    bits of a seed, so `seed + index` or `seed << 32 | index` would repeat streams.
+    """
+    generator = torch.Generator(device=device if device is not None else "cpu")
+    return generator.manual_seed(_splitmix64(_splitmix64(seed) ^ index))

@@ -15,6 +15,9 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
   the first nn.Linear (module order) that is neither the head nor in a pooler and, when it is an attention input
   projection, every attention input projection beside it: q, k and v read the same input, so they are one layer.
 * FP8 shape (`fp8_shape_ok`): in and out features multiples of MIN_DIM_MULTIPLE.
+* transformer blocks (`transformer_blocks`): the entries of the longest nn.ModuleList whose entries share one type
+  and each hold an nn.Linear (the reference Llama's `blocks`, Hugging Face Llama's `model.layers`, BERT's
+  `encoder.layer`); 4-bit training keeps the first and last few of them in high precision.
 
 GPT-2's Conv1D is not an nn.Linear and has no role here.
 """
@@ -119,3 +122,20 @@ def first_and_last(model: nn.Module) -> set[str]:
 def fp8_shape_ok(linear: nn.Linear) -> bool:
     """Whether FP8 GEMMs can take the layer: in and out features multiples of MIN_DIM_MULTIPLE."""
     return linear.in_features % MIN_DIM_MULTIPLE == 0 and linear.out_features % MIN_DIM_MULTIPLE == 0
+
+
+def transformer_blocks(model: nn.Module) -> list[str]:
+    """The names of the model's repeated blocks in order (see the module docstring); [] for a model without them."""
+    best: list[str] = []
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1 \
+                and all(any(isinstance(s, nn.Linear) for s in c.modules()) for c in m):
+            best = [f"{name}.{i}" if name else str(i) for i in range(len(m))]
+    return best
+
+
+def linears_in_blocks(model: nn.Module, first: int, last: int) -> set[str]:
+    """The nn.Linear layers inside the first `first` and the last `last` transformer blocks."""
+    blocks = transformer_blocks(model)
+    kept = blocks[:first] + blocks[max(first, len(blocks) - last):]
+    return {n for n, _ in named_linears(model) if any(n.startswith(b + ".") for b in kept)}

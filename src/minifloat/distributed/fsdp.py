@@ -45,7 +45,7 @@ from torch.utils._pytree import tree_map_only
 from minifloat.fp8.autograd import LayerCaster
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import CastSpec, Role
-from minifloat.numerics.granularity import Granularity, granularity_info
+from minifloat.numerics.granularity import Granularity
 from minifloat.numerics.quantize import Quantized, abs_max
 
 aten = torch.ops.aten
@@ -62,7 +62,7 @@ _GATHERED_VIEWS = {aten.detach.default, aten.alias.default, aten.as_strided.defa
 
 def fp8_all_gather_ok(module: nn.Module) -> bool:
     """Whether `module` is an Fp8Linear whose weight cast can run shard by shard (per-tensor weight scales)."""
-    return isinstance(module, Fp8Linear) and granularity_info(module.recipe.spec(Role.WEIGHT).granularity).per_tensor
+    return isinstance(module, Fp8Linear) and module.recipe.spec(Role.WEIGHT).per_tensor
 
 
 class Fp8ShardedWeight(torch.Tensor):

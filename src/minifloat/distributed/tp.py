@@ -46,12 +46,11 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 from minifloat.distributed.fsdp import shard
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import ROLES, Recipe
-from minifloat.numerics.granularity import granularity_info
 
 
 def tp_supported(recipe: Recipe) -> bool:
     """Whether a layer under `recipe` can run tensor parallel: every role is scaled per tensor."""
-    return all(granularity_info(recipe.spec(role).granularity).per_tensor for role in ROLES)
+    return all(recipe.spec(role).per_tensor for role in ROLES)
 
 
 def check_tp_layer(module: Fp8Linear, *, rowwise: bool) -> None:

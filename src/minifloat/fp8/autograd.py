@@ -23,6 +23,10 @@ by `LayerCaster.cast_weight_shard`, and the gathered weight carries that cast as
 with the spec it was cast under as `weight.fp8_spec`. When that spec is the layer's weight spec, fprop and dgrad use
 the gathered cast as they would use the layer's own cast of the whole weight (it is bitwise that cast).
 
+The `LayerCaster` also casts for the 4-bit recipes (minifloat.fp8.fp4linear runs their GEMMs): an NVFP4 role
+(`NVFP4Spec`) goes through `numerics.fp4.quantize_nvfp4`, from the high-precision tensor, optionally rotated by the
+random Hadamard transform and rounded stochastically from the layer's stream, and comes back as its GEMM operand.
+
 A layer may see only a shard of its tensors: under tensor parallelism (minifloat.distributed.tp) a row- or
 column-parallel layer's weight, input or output gradient is a slice of the unsharded one. Its `LayerCaster` then
 carries `amax_reduce`, which turns a shard's amax into the whole tensor's (a MAX all-reduce over the TP group), and
@@ -39,9 +43,11 @@ import torch
 
 from minifloat.fp8 import telemetry
 from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
-from minifloat.numerics.granularity import Granularity, granularity_info
+from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4
+from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
+from minifloat.numerics.hadamard import RHT_BLOCK, rht
 from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t
-from minifloat.fp8.recipes import Recipe, Role
+from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role
 from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
 
 _OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
@@ -111,15 +117,18 @@ class LayerCaster:
                 and granularity_info(granularity).native_gemm)
 
     def cast(self, role: Role, t: torch.Tensor, *, record: bool = True, scale: torch.Tensor | None = None,
-             keep_data: bool = False, transposed: bool = False) -> Quantized:
+             keep_data: bool = False, transposed: bool = False, rht_signs: torch.Tensor | None = None) -> Quantized:
         """Quantize `t` (scaled along its last dim) for role `role`.
 
         The result carries what its GEMM needs: FP8 data for the native backend, a bfloat16 operand for the
         emulated one; `keep_data` also keeps the FP8 data (for tensors saved for backward). `scale` (a
         dequantization scale) repeats an earlier per-tensor cast exactly. `transposed` quantizes tᵀ (scaled along
-        t's first dim) without copying t; it is for re-quantizations in backward and records nothing.
+        t's first dim) without copying t; it is for re-quantizations in backward and records nothing. `rht_signs`
+        (NVFP4 only) rotates the blocks of the quantized axis first: the wgrad's operands.
         """
         spec = self.recipe.spec(role)
+        if isinstance(spec, NVFP4Spec):
+            return self._cast_nvfp4(role, spec, t, record=record, transposed=transposed, rht_signs=rht_signs)
         if transposed:
             return quantize_t(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                               power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, operand_dtype=_OPERAND,
@@ -143,7 +152,22 @@ class LayerCaster:
             self._observe(role, t, q)
         return q
 
-    def _observe(self, role: Role, t: torch.Tensor, q: Quantized) -> None:
+    def _cast_nvfp4(self, role: Role, spec: NVFP4Spec, t: torch.Tensor, *, record: bool, transposed: bool,
+                    rht_signs: torch.Tensor | None) -> Quantized:
+        """An NVFP4 cast (always from `t` itself, never from a quantized copy), returned as its GEMM operand."""
+        if self.amax_reduce is not None:
+            raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not NVFP4 ({role.value} of "
+                             f"{self.name or 'a layer'})")
+        source = t.t() if transposed else t
+        if rht_signs is not None:  # zero rows pad the token axis to whole blocks: they add nothing to the product
+            source = rht(pad_to_multiple(source.float(), RHT_BLOCK), rht_signs)
+        generator = self.state.sr_generator(t.device) if spec.rounding == "stochastic" else None
+        q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, generator=generator)
+        if record:
+            self._observe(role, t, q)
+        return q.gemm_operand(_OPERAND)
+
+    def _observe(self, role: Role, t: torch.Tensor, q: Quantized | NVFP4Quantized) -> None:
         if self.recording:
             self.state.record(role, q.amax)
         if telemetry.enabled():

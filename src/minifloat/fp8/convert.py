@@ -5,7 +5,9 @@ keep it, and its features are multiples of 16 (minifloat.core.roles.fp8_shape_ok
 layers nearest the data and the output, found by role (minifloat.core.roles), not by module order: the input
 projections (a transformer's first q/k/v projections together, an MLP's first layer) and the output head (lm_head,
 classifier, score, a linear tied to an embedding, else the last linear outside a pooler). `fp8_plan` says what
-`convert` will do; `PrecisionPolicy` plans with it too.
+`convert` will do; `PrecisionPolicy` plans with it too. `keep_blocks=(first, last)` also keeps every linear layer of
+the first and last transformer blocks (minifloat.core.roles.transformer_blocks), as 4-bit training does (arXiv
+2509.25149 §4.1 kept the first 2 and last 8 of 62 blocks in BF16).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.roles import MIN_DIM_MULTIPLE
+from minifloat.core.validate import check_int
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
 
@@ -30,7 +33,7 @@ class Fp8Plan:
 
     Attributes:
         convert: layers that become Fp8Linear.
-        kept: layers `keep_first_last` keeps in high precision (input projections and output head).
+        kept: layers `keep_first_last` (input projections and output head) or `keep_blocks` keeps in high precision.
         misshapen: layers left in high precision because their features are not multiples of 16.
     """
 
@@ -39,13 +42,23 @@ class Fp8Plan:
     misshapen: tuple[str, ...]
 
 
+def check_keep_blocks(keep_blocks) -> tuple[int, int]:
+    """`keep_blocks` as (first, last), two ints >= 0; ValueError naming the field otherwise."""
+    if not isinstance(keep_blocks, (tuple, list)) or len(keep_blocks) != 2:
+        raise ValueError(f"keep_blocks must be (first, last), two ints >= 0, got {keep_blocks!r}")
+    for value in keep_blocks:
+        check_int("keep_blocks", value, low=0)
+    return tuple(keep_blocks)
+
+
 def fp8_plan(model: nn.Module, *, filter: Callable[[str, nn.Linear], bool] | None = None,
-             keep_first_last: bool = True) -> Fp8Plan:
-    """What `convert(model, filter=filter, keep_first_last=keep_first_last)` would do, without doing it.
+             keep_first_last: bool = True, keep_blocks: tuple[int, int] = (0, 0)) -> Fp8Plan:
+    """What `convert(model, filter=filter, keep_first_last=..., keep_blocks=...)` would do, without doing it.
 
     Layers that are already Fp8Linear, and those `filter` refuses, appear in none of the lists.
     """
     first_last = roles.first_and_last(model) if keep_first_last else set()
+    first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
     convert_, kept, misshapen = [], [], []
     for name, lin in roles.named_linears(model):
         if isinstance(lin, Fp8Linear):
@@ -59,7 +72,7 @@ def fp8_plan(model: nn.Module, *, filter: Callable[[str, nn.Linear], bool] | Non
 
 def convert(model: nn.Module, *, recipe: Recipe | None = None,
             filter: Callable[[str, nn.Linear], bool] | None = None, keep_first_last: bool = True,
-            backend: str | None = None) -> nn.Module:
+            keep_blocks: tuple[int, int] = (0, 0), backend: str | None = None) -> nn.Module:
     """Replace the nn.Linear layers of `model` (in place) by Fp8Linear layers sharing their parameters.
 
     Args:
@@ -69,13 +82,15 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
         keep_first_last: keep the layers nearest the data and the output in high precision, as mixed-precision
             practice advises: the input projections (all of a transformer's first q/k/v projections, an MLP's
             first layer) and the output head, recognised by role (see the module docstring).
+        keep_blocks: (first, last): also keep every linear layer of the model's first `first` and last `last`
+            transformer blocks in high precision (none without such blocks).
         backend: GEMM backend for the converted layers.
     Returns:
         The same model. Layers whose in/out features are not multiples of 16 (what FP8 tensor cores accept) stay
         in high precision; one warning lists them.
     """
     recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
-    plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last)
+    plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last, keep_blocks=keep_blocks)
     for name in plan.convert:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

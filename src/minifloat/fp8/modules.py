@@ -16,8 +16,9 @@ from torch.distributed.tensor import DTensor
 from minifloat.core.autocast import compute_dtype
 from minifloat.fp8 import step as fp8_steps
 from minifloat.fp8.autograd import Fp8LinearFunction, LayerCaster, WeightCache, recording_linear
+from minifloat.fp8.fp4linear import Fp4LinearFunction
 from minifloat.fp8.gemm import BACKENDS
-from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
+from minifloat.fp8.recipes import DelayedScaling, NVFP4Scaling, Recipe, check_recipe
 from minifloat.fp8.scaling import ScalingState
 
 log = logging.getLogger("minifloat")
@@ -69,6 +70,12 @@ def current_autocast() -> _AutocastState:
     return getattr(_LOCAL, "state", _DEFAULT)
 
 
+def _add_random_state(state: ScalingState, recipe: Recipe, name: str) -> None:
+    """The RHT signs and rounding stream of a recipe that draws randomness (NVFP4), in the layer's state."""
+    if isinstance(recipe, NVFP4Scaling):
+        state.add_random_state(seed=recipe.seed, name=name)
+
+
 def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     """This rank's shard of a DTensor parameter (tensor parallel), else `t`; the shard's gradient flows back to the
     DTensor with its placements."""
@@ -84,7 +91,8 @@ class Fp8Linear(nn.Linear):
 
     Args:
         in_features, out_features, bias, device, dtype: as nn.Linear.
-        recipe: DelayedScaling, CurrentScaling, BlockScaling or MXScaling (default DelayedScaling()).
+        recipe: DelayedScaling, CurrentScaling, BlockScaling, MXScaling or NVFP4Scaling (default DelayedScaling());
+            4-bit recipes run minifloat.fp8.fp4linear's autograd function.
         backend: GEMM backend ("auto", "native", "emulated"); None means auto / $MINIFLOAT_GEMM_BACKEND.
         step_on: "optimizer" (the FP8 step ends after any torch.optim step over this layer's parameters) or
             "manual" (only `minifloat.fp8.step.fp8_step(model)` ends it).
@@ -111,6 +119,7 @@ class Fp8Linear(nn.Linear):
         self.step_on = step_on
         self.cache_weight = cache_weight
         self.fp8_state = ScalingState(self.recipe.history_len, device=self.weight.device)
+        _add_random_state(self.fp8_state, self.recipe, "")
         self.fp8_name = ""
         self._weights = WeightCache()
         self.amax_reduce = None
@@ -126,6 +135,7 @@ class Fp8Linear(nn.Linear):
         new.weight = linear.weight
         new.bias = linear.bias
         new.fp8_state = ScalingState(new.fp8_state.history_len, device=linear.weight.device)
+        _add_random_state(new.fp8_state, new.recipe, name)
         new.fp8_name = name
         new.train(linear.training)
         fp8_steps.track(new)
@@ -154,6 +164,9 @@ class Fp8Linear(nn.Linear):
                              recording, self._weights if self.cache_weight else None, self.amax_reduce)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
+        if caster.recipe.four_bit:
+            _add_random_state(self.fp8_state, caster.recipe, self.fp8_name)  # present unless autocast brought it
+            return Fp4LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
         return Fp8LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
 
     def extra_repr(self) -> str:

@@ -8,6 +8,13 @@ Each FP8 layer owns one `ScalingState` with a column per tensor role (input, wei
     nonfinite     (3,)   int64     how many casts met a NaN/inf amax (the scale was kept, the user warned);
                                    `NonfiniteWatch` reads its rise over a step (StepGuard skips such a step)
 
+Layers under NVFP4Scaling also hold the randomness of their recipe (`add_random_state`), so that a checkpoint, a
+rollback or a skipped step brings it back with the rest:
+
+    rht_signs     (16,)  float32   the random Hadamard transform's fixed signs (numerics.hadamard.rht_signs)
+    sr_seed       ()     int64     this layer's stochastic-rounding stream (core.rng.named_seed)
+    sr_draws      ()     int64     how many draws the stream has made: draw n uses core.rng.stream_generator(seed, n)
+
 All are plain tensors in `state_dict` (no pickled objects) and restore exactly. Row 0 of every layer's history is
 what data-parallel ranks must agree on: `reduce_amax` concatenates those rows of all layers and reduces them with
 one all-reduce (MAX).
@@ -22,6 +29,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from minifloat.core.rng import named_seed, stream_generator
+from minifloat.numerics.hadamard import rht_signs
 from minifloat.numerics.quantize import scale_from_amax
 from minifloat.fp8.recipes import DEFAULT_AMAX_HISTORY_LEN, ROLES, AmaxCompute, DelayedScaling, Role
 
@@ -43,12 +52,14 @@ class ScalingState(nn.Module):
         self.register_buffer("nonfinite", torch.zeros(n, dtype=torch.int64, device=device))
         self._warned = False
         self._seeded: list[bool] | None = None  # host mirror of `initialized`, so GPU runs avoid a sync per cast
+        self._stream: tuple[int, int] | None = None  # host mirror of (sr_seed, sr_draws)
         # bumped whenever the scales may change outside a cast (a step's end, a load or restore): casts cached
         # for the step (the weight's) are only valid for the generation they were made in
         self.generation = 0
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._seeded = None
+        self._stream = None
         self.generation += 1
         super()._load_from_state_dict(*args, **kwargs)
 
@@ -62,6 +73,33 @@ class ScalingState(nn.Module):
     @property
     def history_len(self) -> int:
         return self.amax_history.shape[0]
+
+    def add_random_state(self, *, seed: int, name: str = "") -> None:
+        """Add the buffers of a recipe that draws randomness (see the module docstring), unless present: the RHT
+        signs of `seed` and the rounding stream of `name` (the layer's) under `seed`. A layer built for such a recipe
+        has them from the start; one that meets it under `mf.autocast(recipe=...)` gets them at its first cast."""
+        if hasattr(self, "rht_signs"):
+            return
+        if torch.compiler.is_compiling():
+            raise RuntimeError("a layer running NVFP4 under torch.compile must be built with its recipe (or run once "
+                               "eagerly) so that its random state exists before tracing")
+        device = self.scale.device
+        self.register_buffer("rht_signs", rht_signs(seed).to(device))
+        self.register_buffer("sr_seed", torch.tensor(named_seed(seed, name), dtype=torch.int64, device=device))
+        self.register_buffer("sr_draws", torch.zeros((), dtype=torch.int64, device=device))
+        self._stream = None
+
+    def sr_generator(self, device: torch.device) -> torch.Generator | None:
+        """A generator for this layer's next stochastic-rounding draw (the stream's count goes up by one); None on
+        the meta device, where nothing is drawn."""
+        if self.sr_draws.is_meta:
+            return None
+        if self._stream is None:
+            self._stream = (int(self.sr_seed), int(self.sr_draws))  # one host read, until the next load
+        seed, n = self._stream
+        self.sr_draws += 1
+        self._stream = (seed, n + 1)
+        return stream_generator(seed, n, device)
 
     def resize(self, history_len: int) -> None:
         """Change the history length, keeping the current row and the newest completed steps.

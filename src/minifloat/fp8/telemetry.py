@@ -6,7 +6,9 @@
 
 Each record holds the amax, the scale, the fraction of values saturated (clamped at ±max), the fraction of non-zero
 values flushed to zero, the number of non-finite values and the SQNR of the cast against its high-precision source.
-When no capture is active the only cost is one attribute check per cast.
+NVFP4 casts (E2M1 elements, E4M3 block scales under an fp32 tensor scale) also report the range of their E4M3 block
+scales: a block scale near E4M3's 448 or in its subnormal range (below 2^-6) is one the two-level scaling could not
+fit. When no capture is active the only cost is one attribute check per cast.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from minifloat.numerics.formats import E2M1
+from minifloat.numerics.fp4 import NVFP4Quantized
 from minifloat.numerics.granularity import granularity_info
 from minifloat.numerics.quantize import Quantized, sqnr_db
 
@@ -39,6 +43,8 @@ class CastRecord:
     nonfinite: int  # NaN/inf elements in the source
     sqnr_db: float  # over the finite elements
     step: int
+    block_scale_min: float = math.nan  # NVFP4: the smallest E4M3 block scale of a non-zero block (NaN for others)
+    block_scale_max: float = math.nan  # NVFP4: the largest E4M3 block scale
 
 
 class Recorder:
@@ -67,12 +73,13 @@ class Recorder:
 
         t = Table(title="minifloat FP8 casts")
         for col in ("layer", "role", "fmt", "gran.", "amax", "scale", "saturated", "underflow", "non-finite",
-                    "SQNR dB"):
+                    "SQNR dB", "block scales"):
             t.add_column(col, justify="left" if col in ("layer", "role", "fmt", "gran.") else "right")
         for (layer, role), recs in self.by_layer().items():
             r = recs[-1]
             t.add_row(layer, role, r.fmt, r.granularity, f"{r.amax:.3g}", f"{r.scale:.3g}", f"{r.saturated:.2%}",
-                      f"{r.underflow:.2%}", str(r.nonfinite), f"{r.sqnr_db:.1f}")
+                      f"{r.underflow:.2%}", str(r.nonfinite), f"{r.sqnr_db:.1f}",
+                      "" if math.isnan(r.block_scale_max) else f"{r.block_scale_min:.3g}–{r.block_scale_max:.3g}")
         return t
 
     def print_table(self) -> None:
@@ -97,7 +104,7 @@ def capture(*, sqnr: bool = True) -> Iterator[Recorder]:
 
 
 @torch.no_grad()
-def observe(layer: str, role: str, source: torch.Tensor, q: Quantized) -> None:
+def observe(layer: str, role: str, source: torch.Tensor, q: Quantized | NVFP4Quantized) -> None:
     """Add a record for cast `source` -> `q` to the active recorder (no-op when none is active)."""
     rec = _ACTIVE
     if rec is None:
@@ -106,16 +113,26 @@ def observe(layer: str, role: str, source: torch.Tensor, q: Quantized) -> None:
     finite = torch.isfinite(x)
     n_finite = int(finite.sum())
     deq = q.dequantize()
-    scale = q.scale if granularity_info(q.granularity).per_tensor else q.expanded_scale().expand_as(x)
     xf = torch.where(finite, x, torch.zeros_like(x))
+    if isinstance(q, NVFP4Quantized):  # an element's dequantization multiplier: its block's scale · the tensor's
+        grid, max_value, block_scale = q.data, E2M1.max, q.expanded_scale()
+        multiplier = block_scale * q.global_scale
+        used = block_scale[xf != 0]  # the E4M3 scales of blocks with something to represent
+        fields = dict(fmt=E2M1.name, granularity="nvfp4-16x16" if q.block_2d else "nvfp4-1x16",
+                      scale=float(q.scale.float().mean() * q.global_scale) if q.scale.numel() else math.nan,
+                      block_scale_min=float(used.min()) if used.numel() else math.nan,
+                      block_scale_max=float(used.max()) if used.numel() else math.nan)
+    else:
+        grid, max_value = q.grid_values(), q.fmt.max
+        multiplier = q.scale if granularity_info(q.granularity).per_tensor else q.expanded_scale().expand_as(x)
+        fields = dict(fmt=q.fmt.name, granularity=q.granularity,
+                      scale=float(q.scale.float().mean()) if q.scale.numel() else math.nan)
     # |x|/scale > max, with slack for the fp32 rounding of scale = amax/max (the amax element itself is not clamped)
-    saturated = (xf.abs() > q.fmt.max * scale * (1.0 + _SATURATION_SLACK)).sum().item()
-    underflow = ((xf != 0) & (q.grid_values() == 0)).sum().item()
+    saturated = (xf.abs() > max_value * multiplier * (1.0 + _SATURATION_SLACK)).sum().item()
+    underflow = ((xf != 0) & (grid == 0)).sum().item()
     nonzero = int((xf != 0).sum())
     amax = float(xf.abs().max()) if x.numel() else 0.0
     snr = sqnr_db(xf[finite], deq[finite]) if (rec.sqnr and n_finite) else math.nan
     rec.records.append(CastRecord(
-        layer=layer, role=role, fmt=q.fmt.name, granularity=q.granularity, amax=amax,
-        scale=float(q.scale.float().mean()) if q.scale.numel() else math.nan,
-        saturated=saturated / max(n_finite, 1), underflow=underflow / max(nonzero, 1),
-        nonfinite=x.numel() - n_finite, sqnr_db=snr, step=rec.step))
+        layer=layer, role=role, amax=amax, saturated=saturated / max(n_finite, 1),
+        underflow=underflow / max(nonzero, 1), nonfinite=x.numel() - n_finite, sqnr_db=snr, step=rec.step, **fields))

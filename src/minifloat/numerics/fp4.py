@@ -33,9 +33,9 @@ import torch
 
 from minifloat.core.validate import check_bool, check_choice
 from minifloat.numerics.formats import E2M1, E4M3, FP32, NumberFormat
-from minifloat.numerics.granularity import pad_to_multiple
+from minifloat.numerics.granularity import Granularity, pad_to_multiple
 from minifloat.numerics.intquant import pack_nibbles, unpack_nibbles
-from minifloat.numerics.quantize import abs_max, cast
+from minifloat.numerics.quantize import Quantized, abs_max, cast
 from minifloat.numerics.rounding import ROUNDINGS
 
 NVFP4_BLOCK = 16  # arXiv 2509.25149 §2: 16 elements (1×16, or a 16×16 weight tile) share one E4M3 scale
@@ -201,6 +201,14 @@ class NVFP4Quantized:
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(data · scale) · global_scale in float32 (the first product exact, the second rounded once), in `dtype`."""
         return ((self.data * self.expanded_scale()) * self.global_scale).to(dtype)
+
+    def gemm_operand(self, dtype: torch.dtype = torch.bfloat16) -> Quantized:
+        """This tensor as an operand of minifloat.fp8.gemm.scaled_mm: the values data · scale in `dtype` (exact in
+        bfloat16: an E2M1 value times an E4M3 one has at most 6 significant bits and lies in [2^-10, 2688]) under
+        the per-tensor scale g, which factors out of the K-sum as on NVFP4 tensor cores:
+        scaled_mm(a, b) = g_a · g_b · Σ_k (a_k · s_a)(b_k · s_b), accumulated in fp32."""
+        operand = (self.data * self.expanded_scale()).to(dtype)
+        return Quantized(None, self.global_scale, E2M1, Granularity.TENSOR, self.amax, operand)
 
     def codes(self) -> torch.Tensor:
         """uint8 E2M1 codes of data (ValueError if data holds NaN, which E2M1 cannot encode)."""

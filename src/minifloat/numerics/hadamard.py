@@ -50,7 +50,8 @@ def rht_signs(seed: int, n: int = RHT_BLOCK) -> torch.Tensor:
     check_int("seed", seed, low=0)
     check_int("n", n, low=1)
     generator = torch.Generator().manual_seed(seed)
-    return torch.randint(0, 2, (n,), generator=generator).float() * 2 - 1
+    # device="cpu": the signs are real numbers also under a `torch.device("meta")` default
+    return torch.randint(0, 2, (n,), generator=generator, device="cpu").float() * 2 - 1
 
 
 def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool) -> torch.Tensor:

@@ -10,7 +10,8 @@ keep a module stack). Backward ops are attributed through the autograd graph: wh
 graph nodes it created (reached from its outputs, stopping at its inputs' nodes) are claimed for it, and during
 backward `torch._C._current_autograd_node()` names the node running. minifloat's emulated FP8 GEMM is a bfloat16
 GEMM on operands that lie on the FP8 grid, so a GEMM counts as FP8 when it runs inside an FP8-enabled `Fp8Linear`
-(forward) or inside `Fp8LinearFunction`'s backward node, or when an operand has a float8 dtype (native backend).
+(forward) or inside the backward node of `Fp8LinearFunction` (or of `Fp4LinearFunction`, the 4-bit recipes': their
+GEMMs count as "fp8", the low-precision class), or when an operand has a float8 dtype (native backend).
 
 The questions to ask before a run (FP16 range, native BF16) are `minifloat.safety.preflight`'s.
 """
@@ -33,6 +34,7 @@ from minifloat.core.roles import EMBEDDING_TYPES, HEAD_NAMES, is_norm_type_name,
 from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.validate import check_bool
 from minifloat.fp8.autograd import Fp8LinearFunction
+from minifloat.fp8.fp4linear import Fp4LinearFunction
 from minifloat.fp8.modules import Fp8Linear, current_autocast
 from minifloat.numerics.compiling import eager_kernels
 
@@ -251,7 +253,7 @@ class _Recorder(TorchDispatchMode):
             path = self.tracker.owner.get(node, BACKWARD)
             type_name = self.tracker.owner_type.get(node, "")
             phase = "backward"
-            fp8_context = isinstance(node, Fp8LinearFunction._backward_cls)
+            fp8_context = isinstance(node, (Fp8LinearFunction._backward_cls, Fp4LinearFunction._backward_cls))
         dtype = _compute_dtype(name, ins, outs)
         float8 = any(t.dtype.itemsize == 1 and t.is_floating_point() for t in ins + outs)
         is_fp8 = name in _GEMMS and (fp8_context or float8)

@@ -23,6 +23,7 @@ tensorboard/. SIGTERM or SIGINT ends the run after the current step with a check
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import logging
@@ -173,8 +174,11 @@ def forward_backward(run: Run, forward, batches: list[tuple[torch.Tensor, torch.
     total = None
     for i, (x, y) in enumerate(batches):
         with accumulating(run.train_module, run.world, last=i == len(batches) - 1):
+            tail = step >= run.config.bf16_tail_start  # the late switch: FP8/FP4 layers in BF16 from here on
             with torch.autocast(run.autocast_device, dtype=run.policy.compute_dtype,
-                                enabled=run.policy.autocast_enabled), run.shadow.context(step) as mode:
+                                enabled=run.policy.autocast_enabled), run.shadow.context(step) as mode, \
+                    autocast(enabled=False) if tail else contextlib.nullcontext():
+                mode = Mode.BF16 if tail else mode
                 logits, loss = forward(x, y)  # (B, T, V), fp32 scalar
                 loss = loss + run.stability.z_loss(logits)
             if poison:
@@ -365,7 +369,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                         or stopping):
                     save(done)
                 if done % config.eval_every == 0 or done == config.steps:
-                    val = evaluate(model, corpus.val, run.policy, config, fp8=shadow.mode == Mode.FP8, device=device)
+                    val = evaluate(model, corpus.val, run.policy, config, device=device,
+                                   fp8=shadow.mode == Mode.FP8 and done <= config.bf16_tail_start)
                     val_losses.append((done, val))
                     val_rows.write({"step": done, "val_loss": val})
                     if writer is not None:
