@@ -6,7 +6,9 @@
 
 Which layers: those `mf.convert` converts (minifloat.fp8.convert.fp8_plan: the input projections and the output head
 stay high precision, by role; features must be multiples of 16), and every Fp8Linear a model was trained with, less
-the `keep` patterns. Embeddings, norms and everything else are left as they are.
+the `keep` patterns, less, with `keep_sensitive`, the layers whose FP8 rounding costs the model's output most (measured
+on the calibration batches, minifloat.inference.calibrate.sensitive_layers). Embeddings, norms and everything else
+are left as they are.
 
 Static activation scales come from calibration (minifloat.inference.calibrate), or, for a model trained with
 minifloat (Fp8Linear layers), from training: a delayed-scaling layer's input scale as it stands, or the scale
@@ -29,7 +31,8 @@ from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import Recipe, Role, check_recipe
 from minifloat.fp8.scaling import ROLE_INDEX
-from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
+from minifloat.inference.calibrate import (Clip, calibrated_amaxes, check_batches, combined_sqnr_db,
+                                           layer_sensitivities, sensitive_layers, static_scale)
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 
 log = logging.getLogger("minifloat")
@@ -72,10 +75,30 @@ def training_input_scale(layer: Fp8Linear, spec: LayerSpec) -> torch.Tensor | No
     return static_scale(amax, spec.input) if bool(amax > 0) else None
 
 
+def sensitivity(model: nn.Module, calibration: Iterable, *, recipe: Recipe, keep: str | Iterable[str] = (),
+                keep_first_last: bool = True, backend: str | None = None) -> dict[str, float]:
+    """How much FP8 costs each layer prepare_inference would convert: {layer: the SQNR (dB) of the model's output,
+    over the calibration batches, with that layer alone in FP8 (the recipe's weights, dynamic activations)}, least
+    first. The model is left as it was.
+
+    Args:
+        model, recipe, keep, keep_first_last, backend: as prepare_inference.
+        calibration: an iterable of model inputs, as prepare_inference's.
+    """
+    recipe = check_recipe(recipe)
+    batches = check_batches(calibration)
+    names = inference_plan(model, keep=keep, keep_first_last=keep_first_last)
+    spec = LayerSpec.from_recipe(recipe, Activations.DYNAMIC)
+    twins = {n: Fp8InferenceLinear.from_linear(model.get_submodule(n), spec, backend=backend, recipe=recipe).eval()
+             for n in names}
+    sqnrs = layer_sensitivities(model, batches, twins)
+    return dict(sorted(sqnrs.items(), key=lambda item: item[1]))
+
+
 def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable | None = None,
                       activations: str = "dynamic", clip: str = "max", percentile: float = DEFAULT_PERCENTILE,
                       smooth: float | None = None, keep: str | Iterable[str] = (), keep_first_last: bool = True,
-                      backend: str | None = None) -> nn.Module:
+                      keep_sensitive: float | None = None, backend: str | None = None) -> nn.Module:
     """Replace the model's eligible linear layers (in place) by Fp8InferenceLinear layers whose weights are stored
     in FP8 under `recipe`'s weight granularity; returns the model.
 
@@ -92,6 +115,10 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
         smooth: SmoothQuant's migration strength α in [0, 1] (None: no smoothing); needs calibration.
         keep: module names or glob patterns ("blocks.0.*") of linear layers to keep in high precision.
         keep_first_last: keep the input projections and the output head in high precision (mf.convert's rule).
+        keep_sensitive: a target output SQNR in dB (None: off); needs calibration. Each layer's SQNR with it alone
+            in FP8 is measured on the calibration batches (`sensitivity`: one pass per layer and batch); layers
+            stay in high precision, most noise per weight element first, until the others' combined SQNR (their
+            noise powers added) reaches the target (minifloat.inference.calibrate.sensitive_layers).
         backend: GEMM backend of the new layers ("auto", "native", "emulated"; None: auto).
     Returns:
         The model, with its mode unchanged.
@@ -106,6 +133,7 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
     check_choice("clip", clip, [c.value for c in Clip])
     check_number("percentile", percentile, low=0, high=100, low_open=True)
     check_number("smooth", smooth, low=0, high=1, allow_none=True)
+    check_number("keep_sensitive", keep_sensitive, allow_none=True)
     check_bool("keep_first_last", keep_first_last)
     check_choice("backend", backend, [None, *BACKENDS])
     activations, clip = Activations(activations), Clip(clip)
@@ -115,11 +143,21 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
                          f"calibration")
     if smooth is not None and calibration is None:
         raise ValueError("smooth needs calibration: SmoothQuant's scales come from activation statistics")
+    if keep_sensitive is not None and calibration is None:
+        raise ValueError("keep_sensitive needs calibration: each layer's sensitivity is measured on its batches")
     batches = check_batches(calibration) if calibration is not None else None
 
     names = inference_plan(model, keep=keep, keep_first_last=keep_first_last)
+    if keep_sensitive is not None and names:
+        sqnrs = sensitivity(model, batches, recipe=recipe, keep=keep, keep_first_last=keep_first_last,
+                            backend=backend)
+        kept = sensitive_layers(sqnrs, {n: model.get_submodule(n).weight.numel() for n in sqnrs}, keep_sensitive)
+        names = [n for n in names if n not in kept]
+        log.info("minifloat.prepare_inference: kept %d layer(s) in high precision for a %.1f dB output SQNR "
+                 "(predicted %.1f dB): %s", len(kept), keep_sensitive, combined_sqnr_db(sqnrs[n] for n in names),
+                 ", ".join(f"{n} ({sqnrs[n]:.1f} dB)" for n in kept) or "none")
     if not names:
-        log.warning("minifloat.prepare_inference: the %s has no linear layer to convert", type(model).__name__)
+        log.warning("minifloat.prepare_inference: the %s has no linear layer left to convert", type(model).__name__)
         return model
     specs = {n: LayerSpec.from_recipe(recipe, activations) for n in names}
     input_scales: dict[str, torch.Tensor] = {}
@@ -134,7 +172,8 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
     divide: dict[str, torch.Tensor] = {}
     if batches is not None:
         if not static and smooth is None:
-            log.info("minifloat.prepare_inference: dynamic activations without smoothing use no calibration")
+            if keep_sensitive is None:
+                log.info("minifloat.prepare_inference: dynamic activations without smoothing use no calibration")
         else:
             amaxes, divide = calibrated_amaxes(model, batches, names, clip=clip, percentile=percentile, alpha=smooth,
                                                specs={n: specs[n].input for n in names}, static=static)

@@ -1,0 +1,49 @@
+"""The machine a benchmark ran on, in words: CPU model (read from /proc/cpuinfo, which platform.processor() leaves
+empty on Linux), its bfloat16 features, core count, torch and its thread count. Every figure in docs/benchmarks.md
+is a ratio within one run, but which CPU it ran on decides what the ratio means (AMX-BF16 makes bfloat16 GEMMs ~14x
+faster than fp32; AVX512-BF16 far less), so each benchmark's JSON records this."""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import platform
+
+import torch
+
+BF16_FLAGS = ("amx_bf16", "avx512_bf16")
+
+
+def cpu_model() -> str:
+    """The CPU's model name, or the architecture where /proc/cpuinfo says nothing."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> list[str]:
+    """Which of BF16_FLAGS the CPU reports."""
+    cpuinfo = pathlib.Path("/proc/cpuinfo")
+    flags = set()
+    if cpuinfo.exists():
+        for line in cpuinfo.read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    return [f for f in BF16_FLAGS if f in flags]
+
+
+def describe() -> dict:
+    """{cpu, bf16_flags, cores, torch, threads, python}."""
+    return {"cpu": cpu_model(), "bf16_flags": cpu_flags(), "cores": os.cpu_count(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "python": platform.python_version()}
+
+
+def line() -> str:
+    """describe() in one line, for a printed table's heading."""
+    d = describe()
+    return (f"{d['cpu']} ({', '.join(d['bf16_flags']) or 'no bf16 extensions'}), {d['cores']} cores, "
+            f"torch {d['torch']} on {d['threads']} thread(s)")
