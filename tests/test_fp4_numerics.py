@@ -696,3 +696,45 @@ def test_rht_keeps_dtype_and_leading_dims(gen):
     ref = rht(x.float().reshape(6, 32), rht_signs(0)).reshape(2, 3, 32).to(torch.bfloat16)
     assert torch.equal(y, ref)
 
+
+
+# ---------------------------------------------------------------------------------------------------- compiled kernel
+
+
+def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
+    """Bitwise equal, NaN equal to NaN whatever its payload."""
+    if a is None or b is None:
+        return a is None and b is None
+    nan = torch.isnan(b.float())
+    return torch.equal(torch.isnan(a.float()), nan) and torch.equal(a[~nan], b[~nan])
+
+
+# (name, block_2d, stochastic, operand dtype): each compiles once (seconds); together they cover every branch of
+# the kernel (1×16 and 16×16 amax, both roundings, with and without the operand)
+NVFP4_COMPILE_CASES = [
+    ("1x16-stochastic-operand", False, True, torch.bfloat16),
+    ("16x16-nearest", True, False, None),
+]
+
+
+@pytest.mark.parametrize("block_2d, stochastic, operand_dtype", [c[1:] for c in NVFP4_COMPILE_CASES],
+                         ids=[c[0] for c in NVFP4_COMPILE_CASES])
+def test_nvfp4_kernel_compiled_and_eager_agree_bitwise(gen, block_2d, stochastic, operand_dtype):
+    """quantize_nvfp4 runs its elementwise part as one compiled kernel (numerics.compiling.maybe_compile); a fresh
+    strict compile (no eager fallback) gives the eager function's bits, on data with NaN, ±inf, ±0, values in the
+    E4M3 block scales' subnormal range and exact E2M1 ties."""
+    from minifloat.numerics import fp4
+
+    x = torch.randn(48, 80, generator=gen) * torch.logspace(-12, 3, 80)
+    x[0, :8] = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.5, -5.0, 1e-30])
+    xb = fp4._blocked(x, block_2d)
+    finite = x[torch.isfinite(x)]
+    s_enc = fp4.global_encode_scale(finite.abs().max())
+    g = 1.0 / s_enc
+    seed = torch.tensor(2**40 + 17) if stochastic else None
+    compiled = torch.compile(fp4._nvfp4_cast_kernel, dynamic=True, fullgraph=True)
+    with torch.no_grad():
+        got = compiled(xb, s_enc, g, seed, block_2d, operand_dtype)
+    expected = fp4._nvfp4_cast_kernel(xb, s_enc, g, seed, block_2d, operand_dtype)
+    for name, a, b in zip(("data", "block scales", "operand"), got, expected):
+        assert _same_bits(a, b), name

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import ml_dtypes
 import numpy as np
 import pytest
@@ -9,7 +11,7 @@ import torch
 
 import minifloat as mf
 from minifloat.numerics.quantize import cast
-from minifloat.numerics.rounding import round_stochastic
+from minifloat.numerics.rounding import UNIFORM_BITS, counter_uniform, round_stochastic
 
 SR_FORMATS = [mf.BF16, mf.E4M3, mf.E5M2, mf.E2M1]
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX v1.0 §5.3.3
@@ -131,3 +133,56 @@ def test_nan_stays_nan_and_dtype_is_kept(generator):
 def test_invalid_options_raise(name, call, match):
     with pytest.raises(ValueError, match=match):
         call()
+
+
+# ---------------------------------------------------------------------------------------------------- counter draws
+
+COUNTER_DRAWS = 1 << 20
+CHI2_BINS = 64
+# chi-square with 63 degrees of freedom: P(X > 130) ≈ 2e-6 (mean 63, sd 11.2)
+CHI2_MAX = 130.0
+
+
+def counter(seed: int, n: int = COUNTER_DRAWS) -> torch.Tensor:
+    return counter_uniform(torch.tensor(seed, dtype=torch.int64), (n,)).double()
+
+
+def test_counter_uniform_is_on_the_2_24_grid_in_unit_interval_and_reproducible():
+    u = counter_uniform(torch.tensor(12345), (3, 7, 11))
+    assert u.shape == (3, 7, 11) and u.dtype == torch.float32
+    assert float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    k = u.double() * 2**UNIFORM_BITS
+    assert torch.equal(k, k.round())  # round_stochastic's exactness argument needs u = k / 2^24
+    assert torch.equal(u, counter_uniform(torch.tensor(12345), (3, 7, 11)))  # a pure function of seed and index
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2**40 + 3, 2**62 - 1])
+def test_counter_uniform_is_uniform(seed):
+    u = counter(seed)
+    # mean of U(0,1) draws: sd 1/sqrt(12 n)
+    z = (u.mean().item() - 0.5) / math.sqrt(1 / (12 * COUNTER_DRAWS))
+    assert abs(z) < Z_SIGMAS, z
+    counts = torch.bincount((u * CHI2_BINS).long(), minlength=CHI2_BINS).double()
+    expected = COUNTER_DRAWS / CHI2_BINS
+    chi2 = ((counts - expected) ** 2 / expected).sum().item()
+    assert chi2 < CHI2_MAX, chi2
+
+
+@pytest.mark.parametrize("name, a, b", [
+    ("neighbours", lambda: counter(7)[:-1], lambda: counter(7)[1:]),  # lag-1 within a stream
+    ("seeds differing in the low word", lambda: counter(7), lambda: counter(8)),
+    ("seeds differing in the high word", lambda: counter(7), lambda: counter(7 + 2**32)),
+])
+def test_counter_uniform_draws_are_uncorrelated(name, a, b):
+    x, y = a(), b()
+    r = torch.corrcoef(torch.stack([x, y]))[0, 1].item()
+    # the sample correlation of independent draws is about N(0, 1/n)
+    assert abs(r) * math.sqrt(x.numel()) < Z_SIGMAS, (name, r)
+
+
+def test_cast_takes_given_draws():
+    y = torch.full((1000,), 2.5)  # halfway between the E2M1 values 2 and 3
+    u = torch.linspace(0, 1 - 2**-24, 1000)
+    out = cast(y, mf.E2M1, rounding="stochastic", uniform=u)
+    assert torch.equal(out, round_stochastic(y, mf.E2M1, u))
+    assert torch.equal(out, torch.where(u >= 0.5, 3.0, 2.0))

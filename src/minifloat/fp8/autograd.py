@@ -162,7 +162,8 @@ class LayerCaster:
         if rht_signs is not None:  # zero rows pad the token axis to whole blocks: they add nothing to the product
             source = rht(pad_to_multiple(source.float(), RHT_BLOCK), rht_signs)
         generator = self.state.sr_generator(t.device) if spec.rounding == "stochastic" else None
-        q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, generator=generator)
+        q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, generator=generator,
+                           operand_dtype=_OPERAND)
         if record:
             self._observe(role, t, q)
         return q.gemm_operand(_OPERAND)

@@ -33,10 +33,11 @@ import torch
 
 from minifloat.core.validate import check_bool, check_choice
 from minifloat.numerics.formats import E2M1, E4M3, FP32, NumberFormat
+from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.granularity import Granularity, pad_to_multiple
 from minifloat.numerics.intquant import pack_nibbles, unpack_nibbles
 from minifloat.numerics.quantize import Quantized, abs_max, cast
-from minifloat.numerics.rounding import ROUNDINGS
+from minifloat.numerics.rounding import ROUNDINGS, counter_uniform
 
 NVFP4_BLOCK = 16  # arXiv 2509.25149 §2: 16 elements (1×16, or a 16×16 weight tile) share one E4M3 scale
 GLOBAL_RANGE = E4M3.max * E2M1.max  # 448 · 6 = 2688: the largest block scale times the largest element
@@ -184,6 +185,7 @@ class NVFP4Quantized:
     global_scale: torch.Tensor
     amax: torch.Tensor
     block_2d: bool = False
+    operand: torch.Tensor | None = None  # data · scale, made with the cast (quantize_nvfp4's operand_dtype)
 
     @property
     def shape(self) -> torch.Size:
@@ -207,7 +209,10 @@ class NVFP4Quantized:
         bfloat16: an E2M1 value times an E4M3 one has at most 6 significant bits and lies in [2^-10, 2688]) under
         the per-tensor scale g, which factors out of the K-sum as on NVFP4 tensor cores:
         scaled_mm(a, b) = g_a · g_b · Σ_k (a_k · s_a)(b_k · s_b), accumulated in fp32."""
-        operand = (self.data * self.expanded_scale()).to(dtype)
+        if self.operand is not None and self.operand.dtype == dtype:
+            operand = self.operand
+        else:
+            operand = (self.data * self.expanded_scale()).to(dtype)
         return Quantized(None, self.global_scale, E2M1, Granularity.TENSOR, self.amax, operand)
 
     def codes(self) -> torch.Tensor:
@@ -224,7 +229,8 @@ class NVFP4Quantized:
             raise ValueError(f"only 2-D tensors with 16×16 blocks (block_2d=True) transpose exactly; 1×16 blocks "
                              f"run along K, so xᵀ must be quantized from x (got block_2d={self.block_2d}, "
                              f"shape {tuple(self.shape)})")
-        return NVFP4Quantized(self.data.t(), self.scale.t(), self.global_scale, self.amax, True)
+        return NVFP4Quantized(self.data.t(), self.scale.t(), self.global_scale, self.amax, True,
+                              None if self.operand is None else self.operand.t())
 
     def nbytes(self) -> int:
         """Bytes of packed elements, E4M3 block scales and the fp32 global scale."""
@@ -234,8 +240,8 @@ class NVFP4Quantized:
 
 
 def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "nearest",
-                   generator: torch.Generator | None = None, global_amax: torch.Tensor | None = None
-                   ) -> NVFP4Quantized:
+                   generator: torch.Generator | None = None, global_amax: torch.Tensor | None = None,
+                   operand_dtype: torch.dtype | None = None) -> NVFP4Quantized:
     """Quantize `x` to NVFP4 with the two-level scales of the module docstring.
 
     Args:
@@ -245,9 +251,11 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
             is bitwise quantize_nvfp4(x.t(), block_2d=True) (arXiv 2509.25149 §4.2).
         rounding: "nearest" (ties to even) or "stochastic" (unbiased; gradients, §4.4) for the elements. Block
             scales are always rounded to nearest.
-        generator: the torch.Generator stochastic rounding draws from (None: torch's default one).
+        generator: the torch.Generator stochastic rounding draws its seed from (None: torch's default one); the
+            draws themselves are `numerics.rounding.counter_uniform(seed, ...)`, made inside the cast's kernel.
         global_amax: a per-tensor amax the caller has (e.g. the whole tensor's, for one shard of it); None measures
             x's own.
+        operand_dtype: also make the GEMM operand (`gemm_operand(operand_dtype)`) in the same pass.
     Returns:
         NVFP4Quantized with data of x's shape.
     """
@@ -263,11 +271,30 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
     s_enc = global_encode_scale(amax)
     g = _divide(1.0, s_enc)
 
-    xb = _blocked(x.float(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
+    # contiguous: a transposed x (wgrad's xᵀ, dyᵀ) would block into a strided view the kernel reads 10× slower
+    xb = _blocked(x.contiguous().float(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
+    # stochastic rounding: one 62-bit seed from `generator`, the draws from it inside the kernel (counter_uniform)
+    seed = torch.randint(0, 2**62, (), generator=generator, device=xb.device) if rounding == "stochastic" else None
+    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, seed, block_2d, operand_dtype)
+
+    scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
+    return NVFP4Quantized(_unblocked(data, x.shape, block_2d), scale.to(E4M3.torch_dtype), g, amax, block_2d,
+                          None if operand is None else _unblocked(operand, x.shape, block_2d))
+
+
+def _nvfp4_cast_kernel(xb: torch.Tensor, s_enc: torch.Tensor, g: torch.Tensor, seed: torch.Tensor | None,
+                       block_2d: bool, operand_dtype: torch.dtype | None
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The elementwise part of quantize_nvfp4 on blocked x, in one pass when compiled: (E2M1 data, the E4M3 block
+    scales as float32, and with `operand_dtype` the GEMM operand data · s_b in it). A `seed` rounds the elements
+    stochastically with the draws counter_uniform(seed, xb.shape); None rounds to nearest."""
     dims = (-3, -1) if block_2d else (-1,)
     block_amax = xb.abs().amax(dim=dims, keepdim=True)  # NaN propagates through amax
     s_b = block_scales(block_amax, s_enc)
-    data = cast(xb * encode_multipliers(s_b, g), E2M1, rounding=rounding, generator=generator)
+    u = None if seed is None else counter_uniform(seed, xb.shape)
+    data = cast(xb * encode_multipliers(s_b, g), E2M1, rounding="nearest" if u is None else "stochastic", uniform=u)
+    operand = None if operand_dtype is None else (data * s_b).to(operand_dtype)  # exact: see gemm_operand
+    return data, s_b, operand
 
-    scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
-    return NVFP4Quantized(_unblocked(data, x.shape, block_2d), scale.to(E4M3.torch_dtype), g, amax, block_2d)
+
+_nvfp4_cast = maybe_compile(_nvfp4_cast_kernel)

@@ -73,7 +73,7 @@ def _round_pow2(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
 
 
 def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
-         generator: torch.Generator | None = None) -> torch.Tensor:
+         generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
     """Saturating cast of `x` onto `fmt`'s grid, rounding to nearest even or stochastically.
 
     Values beyond ±fmt.max (infinities included) saturate to ±fmt.max, subnormals are kept, NaN stays NaN.
@@ -83,6 +83,8 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
         fmt: target format (NumberFormat or its name).
         rounding: "nearest" (ties to even) or "stochastic" (unbiased; see minifloat.numerics.rounding).
         generator: the torch.Generator stochastic rounding draws from (None: torch's default one).
+        uniform: stochastic rounding's draws, float32 uniform in [0, 1) of x's shape, when the caller drew them
+            (a compiled kernel takes them as an input: minifloat.numerics.fp4); None draws them from `generator`.
     Returns:
         A tensor of x's dtype and shape holding only values of `fmt` (exactly so when x's dtype can hold them,
         which float32 always can and bfloat16 can for every 8-bit format).
@@ -95,7 +97,7 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
     if fmt.special != Special.SCALE:
         y = y.clamp(-fmt.max, fmt.max)
     if rounding == "stochastic":
-        u = torch.rand(y.shape, generator=generator, device=y.device)
+        u = torch.rand(y.shape, generator=generator, device=y.device) if uniform is None else uniform
         return round_stochastic(y, fmt, u).to(x.dtype)
     return round_to_grid(y, fmt).to(x.dtype)
 

@@ -22,6 +22,8 @@ bit pattern and truncate the low 16 bits (checked in tests/test_rounding.py).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from minifloat.numerics.formats import NumberFormat, Special
@@ -52,3 +54,41 @@ def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> tor
     lo = torch.floor(units)
     up = (u >= 1.0 - (units - lo)).float()
     return torch.copysign((lo + up) * ulp, y)
+
+
+# ---------------------------------------------------------------------------------------------------- counter draws
+
+# A 32-bit integer hash from Chris Wellons' "hash prospector" (low-bias search, 2018): xorshift-multiply twice. Its
+# multipliers are below 2^31, so a 32-bit value times one stays below 2^63 and int64 arithmetic never overflows (the
+# same bits eagerly and in a compiled kernel).
+_HASH_SHIFTS = (16, 15, 15)
+_HASH_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
+_MASK32 = 0xFFFFFFFF
+UNIFORM_BITS = 24  # u = k / 2^24: the grid round_stochastic's exactness argument assumes (module docstring)
+
+
+def _hash32(x: torch.Tensor) -> torch.Tensor:
+    """The hash of int64 `x` holding values in [0, 2^32), elementwise."""
+    a, b, c = _HASH_SHIFTS
+    x = x ^ (x >> a)
+    x = (x * _HASH_MULTIPLIERS[0]) & _MASK32
+    x = x ^ (x >> b)
+    x = (x * _HASH_MULTIPLIERS[1]) & _MASK32
+    return x ^ (x >> c)
+
+
+def counter_uniform(seed: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+    """Uniform draws u = k / 2^24 in [0, 1), float32 of `shape`, as a pure function of a 0-d int64 `seed` and each
+    element's flat index: u_i = hash(hash(i ^ seed_lo) ^ seed_hi) >> 8 (seed_lo, seed_hi its 32-bit halves).
+
+    For stochastic rounding inside a compiled kernel, where torch.rand's generator cannot go: the draws fuse into the
+    rounding's single pass instead of costing a pass of mt19937 (on CPU the slowest part of an SR cast). Indices wrap
+    at 2^32 elements. The hash is not a cryptographic one; what SR needs of it, uniform and independent draws, is
+    tested statistically (tests/test_rounding.py).
+    """
+    n = math.prod(shape)
+    seed = seed.to(torch.int64)
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    index = torch.arange(n, dtype=torch.int64, device=seed.device) & _MASK32
+    h = _hash32(_hash32(index ^ lo) ^ hi)
+    return ((h >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0**-UNIFORM_BITS).reshape(shape)
