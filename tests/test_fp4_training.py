@@ -14,6 +14,7 @@ What is checked, against what:
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 
 import pytest
@@ -173,7 +174,7 @@ def test_weight_2d_gives_dgrad_the_forward_weight(monkeypatch, gen):
         assert same is weight_2d, weight_2d  # 1×16 blocks along K and along N round W differently
 
 
-def identity_nvfp4(x, *, block_2d=False, rounding="nearest", generator=None, global_amax=None):
+def identity_nvfp4(x, *, block_2d=False, rounding="nearest", generator=None, global_amax=None, operand_dtype=None):
     """quantize_nvfp4 with the quantization taken out: data x, block scales 1, global scale 1."""
     x = x.detach().float()
     blocks = [-(-n // 16) for n in x.shape[-2:]] if block_2d else [*x.shape[:-1], -(-x.shape[-1] // 16)]
@@ -362,3 +363,59 @@ def test_bf16_tail_needs_a_low_precision_preset():
         TrainConfig(preset="bf16", bf16_tail=0.1)
     with pytest.raises(ValueError, match="bf16_tail"):
         TrainConfig(preset="nvfp4", bf16_tail=1.0)
+
+
+# (name, TrainConfig overrides, the recipe fields and keep_blocks the policy must hold)
+ABLATIONS = [
+    ("preset", {}, dict(weight_2d=True, rht=True, stochastic_rounding=True), (0, 1)),
+    ("no-rht", dict(nvfp4_rht=False), dict(weight_2d=True, rht=False, stochastic_rounding=True), (0, 1)),
+    ("no-sr", dict(nvfp4_stochastic_rounding=False), dict(weight_2d=True, rht=True, stochastic_rounding=False),
+     (0, 1)),
+    ("1x16", dict(nvfp4_weight_2d=False), dict(weight_2d=False, rht=True, stochastic_rounding=True), (0, 1)),
+    ("all-blocks", dict(keep_blocks="0,0"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (0, 0)),
+    ("first-and-last", dict(keep_blocks="1, 2"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (1, 2)),
+]
+
+
+@pytest.mark.parametrize("overrides, fields, keep", [c[1:] for c in ABLATIONS], ids=[c[0] for c in ABLATIONS])
+def test_train_config_ablations_reach_the_policy(overrides, fields, keep):
+    from minifloat.training.loop import TrainConfig
+
+    policy = TrainConfig(preset="nvfp4", **overrides).policy()
+    assert {f: getattr(policy.recipe, f) for f in fields} == fields
+    assert policy.keep_blocks == keep
+
+
+# (name, TrainConfig kwargs, the field the one-line error names)
+BAD_ABLATIONS = [
+    ("rht-on-bf16", dict(preset="bf16", nvfp4_rht=False), "nvfp4_rht"),
+    ("sr-on-mxfp4", dict(preset="mxfp4", nvfp4_stochastic_rounding=True), "nvfp4_stochastic_rounding"),
+    ("2d-not-bool", dict(preset="nvfp4", nvfp4_weight_2d="off"), "nvfp4_weight_2d"),
+    ("keep-blocks-bf16", dict(preset="bf16", keep_blocks="0,1"), "keep_blocks"),
+    ("keep-blocks-one", dict(preset="nvfp4", keep_blocks="1"), "keep_blocks"),
+    ("keep-blocks-negative", dict(preset="fp8-current", keep_blocks="0,-1"), "keep_blocks"),
+]
+
+
+@pytest.mark.parametrize("kwargs, field", [c[1:] for c in BAD_ABLATIONS], ids=[c[0] for c in BAD_ABLATIONS])
+def test_train_config_refuses_bad_ablations(kwargs, field):
+    from minifloat.training.loop import TrainConfig
+
+    with pytest.raises(ValueError, match=field) as err:
+        TrainConfig(**kwargs)
+    assert "\n" not in str(err.value)
+
+
+def test_cli_ablation_flags_train_and_refuse_a_changed_resume(tmp_path, capsys):
+    from minifloat.cli import main
+
+    out = str(tmp_path / "run")
+    flags = ["train", "--model", "tiny", "--preset", "nvfp4", "--steps", "2", "--batch-size", "2", "--seq-len", "32",
+             "--eval-every", "100", "--eval-batches", "1", "--max-bytes", "100000", "--checkpoint-every", "2",
+             "--out", out, "--nvfp4-rht", "off", "--keep-blocks", "0,0"]
+    assert main(flags) == 0
+    saved = json.loads((tmp_path / "run" / "run.json").read_text())["config"]
+    assert saved["nvfp4_rht"] is False and saved["keep_blocks"] == "0,0"
+    capsys.readouterr()
+    assert main(["train", "--out", out, "--resume", "--steps", "4", "--nvfp4-rht", "on"]) == 2
+    assert "nvfp4-rht" in capsys.readouterr().err

@@ -27,7 +27,10 @@ FLAG_FIELDS = ("model", "preset", "steps", "batch_size", "seq_len", "grad_accum"
                "seed", "data", "max_bytes", "out", "eval_every", "eval_batches", "checkpoint_every", "resume",
                "overwrite", "device", "fp8_format", "fp8_amax_history_len", "fp8_margin", "shadow_every",
                "shadow_threshold", "rollback_after", "snapshot_every", "embedding_grad_alpha", "compile", "nproc",
-               "parallel", "tp_size", "optimizer_state", "master", "bf16_tail")
+               "parallel", "tp_size", "optimizer_state", "master", "bf16_tail", "nvfp4_weight_2d", "nvfp4_rht",
+               "nvfp4_stochastic_rounding", "keep_blocks")
+# boolean fields whose flags take on|off (an ablation must be able to say off)
+ON_OFF_FIELDS = ("nvfp4_weight_2d", "nvfp4_rht", "nvfp4_stochastic_rounding")
 # fields a resumed run takes from its checkpoint when their flag is not given (the rest start from the defaults)
 NOT_INHERITED = ("out", "resume", "overwrite", "device", "compile", "lr_decay_steps")
 
@@ -40,6 +43,9 @@ def train_config(args: argparse.Namespace):
     from minifloat.training.sharded import read_extra
 
     fields = {name: getattr(args, name) for name in FLAG_FIELDS if getattr(args, name) is not None}
+    for name in ON_OFF_FIELDS:
+        if name in fields:
+            fields[name] = fields[name] == "on"
     if launched_by_torchrun() and "nproc" not in fields:  # `torchrun --nproc-per-node N -m minifloat.train`
         fields["nproc"] = int(os.environ["WORLD_SIZE"])
     if args.nan_steps is not None:
@@ -236,6 +242,14 @@ def add_parser(sub) -> None:
     tr.add_argument("--bf16-tail", type=float, default=None, metavar="F",
                     help=f"run the FP8/FP4 layers in BF16 for the last fraction F of --steps (NVIDIA's late switch "
                          f"for NVFP4; needs an fp8 or fp4 preset; default {defaults.bf16_tail})")
+    for field, text in (("nvfp4_weight_2d", "16×16 weight tiles, so that dgrad's Wᵀ holds the forward's numbers"),
+                        ("nvfp4_rht", "the random Hadamard transform of the wgrad operands"),
+                        ("nvfp4_stochastic_rounding", "stochastic rounding of the gradients")):
+        tr.add_argument("--" + field.replace("_", "-"), default=None, choices=["on", "off"],
+                        help=f"{text}: on (the nvfp4 preset's default) or off, for ablations (needs --preset nvfp4)")
+    tr.add_argument("--keep-blocks", default=None, metavar="FIRST,LAST",
+                    help="keep the linear layers of the first FIRST and last LAST transformer blocks in BF16 under "
+                         "an fp8 or fp4 preset (default: the preset's; nvfp4 and mxfp4 keep the last block: 0,1)")
     tr.add_argument("--tp-size", type=int, default=None, metavar="T",
                     help=f"ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
                          f"--seq-len (default {defaults.tp_size})")

@@ -8,6 +8,7 @@ import re
 import torch
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.fp8.recipes import NVFP4Scaling
 from minifloat.numerics.stateformats import StateFormat
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.safety.shadow import ShadowConfig
@@ -32,9 +33,17 @@ RESUME_FIXED = (
     ("optimizer_state", "changes how the optimizer state is stored"),
     ("master", "changes the weights' dtype and how updates reach them"),
     ("bf16_tail", "changes which steps run in BF16"),
+    ("nvfp4_weight_2d", "changes how the NVFP4 weights are quantized"),
+    ("nvfp4_rht", "changes the NVFP4 weight gradients' quantization"),
+    ("nvfp4_stochastic_rounding", "changes how the NVFP4 gradients are rounded"),
+    ("keep_blocks", "changes which layers run in low precision"),
 )
 # RESUME_FIXED fields added after checkpoints were written without them: the value such a checkpoint ran with
-RESUME_ABSENT = {"master": "fp32", "bf16_tail": 0.0}
+RESUME_ABSENT = {"master": "fp32", "bf16_tail": 0.0, "nvfp4_weight_2d": None, "nvfp4_rht": None,
+                 "nvfp4_stochastic_rounding": None, "keep_blocks": None}
+# TrainConfig's NVFP4 overrides and the NVFP4Scaling field each replaces
+NVFP4_OVERRIDES = {"nvfp4_weight_2d": "weight_2d", "nvfp4_rht": "rht",
+                   "nvfp4_stochastic_rounding": "stochastic_rounding"}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,6 +116,10 @@ class TrainConfig:
             False)), evaluation included: NVIDIA's late switch (arXiv 2509.25149 Appendix D) narrowed NVFP4's loss
             gap to BF16 from about 1.5% to 0.5%. From step `bf16_tail_start` on; 0 for none. Needs a preset with a
             recipe.
+        nvfp4_weight_2d, nvfp4_rht, nvfp4_stochastic_rounding: override the nvfp4 preset's NVFP4Scaling fields of
+            those names (ablations: each of arXiv 2509.25149's fixes on or off); None keeps the preset's value.
+        keep_blocks: "FIRST,LAST": the linear layers of the first FIRST and last LAST transformer blocks stay in
+            BF16 (PrecisionPolicy.keep_blocks); None keeps the preset's (nvfp4 and mxfp4 keep the last block).
     """
 
     model: str = "tiny"
@@ -147,6 +160,10 @@ class TrainConfig:
     optimizer_state: str = "fp32,fp32"
     master: str = "fp32"
     bf16_tail: float = 0.0
+    nvfp4_weight_2d: bool | None = None
+    nvfp4_rht: bool | None = None
+    nvfp4_stochastic_rounding: bool | None = None
+    keep_blocks: str | None = None
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
@@ -209,6 +226,18 @@ class TrainConfig:
             if getattr(self, field) is not None and not (recipe is not None and recipe.delayed):
                 raise ValueError(f"{field} overrides a DelayedScaling recipe, but preset {self.preset!r} has "
                                  f"{type(recipe).__name__ if recipe else 'no FP8 recipe'}; use fp8-delayed")
+        for field in NVFP4_OVERRIDES:
+            value = getattr(self, field)
+            if value is not None and not isinstance(value, bool):
+                raise ValueError(f"{field} must be True, False or None, got {value!r}")
+            if value is not None and not isinstance(recipe, NVFP4Scaling):
+                raise ValueError(f"{field} overrides an NVFP4Scaling recipe, but preset {self.preset!r} has "
+                                 f"{type(recipe).__name__ if recipe else 'no low-precision recipe'}; use nvfp4")
+        if self.keep_blocks is not None:
+            if recipe is None:
+                raise ValueError(f"keep_blocks keeps transformer blocks out of a low-precision recipe, but preset "
+                                 f"{self.preset!r} has none; use an fp8 or fp4 preset")
+            self.blocks_kept  # "FIRST,LAST" parses
         self.policy()  # DelayedScaling validates the overridden values
 
     def _check_master(self) -> None:
@@ -227,19 +256,38 @@ class TrainConfig:
                              f"nproc={self.nproc}, use --nproc 1 or --master fp32")
 
     def policy(self) -> PrecisionPolicy:
-        """The preset's policy with the fp8_* overrides applied to its DelayedScaling recipe and the weights
-        `master` asks for (bf16 parameters outside the fp32 islands for the bf16 modes)."""
+        """The preset's policy with the fp8_* overrides applied to its DelayedScaling recipe, the nvfp4_* ones to
+        its NVFP4Scaling recipe, keep_blocks, and the weights `master` asks for (bf16 parameters outside the fp32
+        islands for the bf16 modes)."""
         policy = master_policy(PrecisionPolicy.preset(self.preset), self.master)
-        overrides = {name: value for name, value in (("format", self.fp8_format), ("margin", self.fp8_margin),
-                                                     ("amax_history_len", self.fp8_amax_history_len))
-                     if value is not None}
-        if not overrides:
-            return policy
+        if self.keep_blocks is not None:
+            policy = dataclasses.replace(policy, keep_blocks=self.blocks_kept)
+        fp8 = {name: value for name, value in (("format", self.fp8_format), ("margin", self.fp8_margin),
+                                               ("amax_history_len", self.fp8_amax_history_len)) if value is not None}
+        if fp8:
+            try:
+                policy = dataclasses.replace(policy, recipe=dataclasses.replace(policy.recipe, **fp8))
+            except ValueError as err:
+                raise ValueError(f"fp8_{str(err)}") from None  # DelayedScaling names its field: "margin must be ..."
+        nvfp4 = {field: getattr(self, name) for name, field in NVFP4_OVERRIDES.items() if getattr(self, name) is not None}
+        if nvfp4:
+            policy = dataclasses.replace(policy, recipe=dataclasses.replace(policy.recipe, **nvfp4))
+        return policy
+
+    @property
+    def blocks_kept(self) -> tuple[int, int]:
+        """keep_blocks as (first, last), the preset's when None; ValueError naming the field when malformed."""
+        if self.keep_blocks is None:
+            return PRESETS[self.preset].keep_blocks
+        parts = self.keep_blocks.split(",") if isinstance(self.keep_blocks, str) else []
         try:
-            recipe = dataclasses.replace(policy.recipe, **overrides)
-        except ValueError as err:
-            raise ValueError(f"fp8_{str(err)}") from None  # DelayedScaling names its field: "margin must be ..."
-        return dataclasses.replace(policy, recipe=recipe)
+            first, last = (int(p) for p in parts)
+        except ValueError:
+            raise ValueError(f"keep_blocks must be 'FIRST,LAST', two ints >= 0 such as '0,1', "
+                             f"got {self.keep_blocks!r}") from None
+        if first < 0 or last < 0:
+            raise ValueError(f"keep_blocks must be 'FIRST,LAST', two ints >= 0 such as '0,1', got {self.keep_blocks!r}")
+        return first, last
 
     @property
     def bf16_tail_start(self) -> int:
