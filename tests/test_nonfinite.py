@@ -27,6 +27,7 @@ from minifloat.fp8.autograd import LayerCaster
 from minifloat.fp8.recipes import ROLES, Role
 from minifloat.fp8.scaling import NonfiniteWatch, ScalingState
 from minifloat.fp8.step import fp8_step
+from minifloat.numerics import compiling
 from minifloat.numerics.compiling import compile_enabled, eager_kernels
 from minifloat.numerics.granularity import Granularity
 from minifloat.numerics.quantize import quantize
@@ -53,8 +54,9 @@ def with_compiled_kernels(test):
 
 
 @pytest.fixture(autouse=True)
-def _kernels(request):
+def _kernels(request, monkeypatch):
     if getattr(request.function, "compiled_kernels", False):
+        monkeypatch.setattr(compiling, "EAGER_BELOW", 0)  # this test's small tensors would run eagerly
         yield
         return
     with eager_kernels():

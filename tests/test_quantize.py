@@ -951,3 +951,17 @@ def test_a_shard_cast_with_the_whole_amax_is_that_part_of_the_whole_cast(power_o
     shard = Q.quantize(x[16:40], E4M3, power_of_two=power_of_two, amax=x.abs().max())
     assert torch.equal(shard.scale, whole.scale)
     assert torch.equal(shard.data.view(torch.uint8), whole.data[16:40].view(torch.uint8))
+
+
+def test_small_tensors_skip_the_compiled_kernel(gen, monkeypatch):
+    """maybe_compile runs a kernel eagerly below EAGER_BELOW elements (its guards cost more than the ops there), and
+    the bits are the same either way."""
+    from minifloat.numerics import compiling
+
+    calls = []
+    kernel = compiling.maybe_compile(lambda x: calls.append(torch.compiler.is_compiling()) or x * 2)
+    small = torch.randn(8, 8, generator=gen)
+    assert torch.equal(kernel(small), small * 2) and calls == [False]  # eager: called outside any trace
+    if compile_enabled():
+        monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
+        assert torch.equal(kernel(small), small * 2) and calls[-1] is True  # traced by torch.compile

@@ -22,6 +22,10 @@ log = logging.getLogger("minifloat")
 F = TypeVar("F", bound=Callable)
 # one kernel is traced once per (dtype, format, output set, scale shape) combination; allow enough of them
 _RECOMPILE_LIMIT = 64
+# Below this many elements in its largest tensor argument a kernel runs eagerly: a compiled call costs ~0.5 ms of
+# guards and dispatch on a CPU, more than the eager ops on a small tensor (per-token activations while generating,
+# small layers). The results are the same bits either way (tests/test_quantize.py, tests/test_fp4_numerics.py).
+EAGER_BELOW = 1 << 15
 
 
 _EAGER = ThreadSwitch()  # on inside eager_kernels(), for the calling thread only
@@ -48,17 +52,19 @@ def maybe_compile(fn: F) -> F:
     """Wrap `fn` so that it runs compiled (dynamic shapes) when possible and eagerly otherwise."""
     compiled = None
     broken = False
+    # enough recompiles for every (dtype, format, output set, scale shape), scoped to this kernel's calls; made once
+    # (building the patch per call cost as much as a small kernel)
+    limit = torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         nonlocal compiled, broken
-        if torch.compiler.is_compiling() or broken or not compile_enabled():  # inside a compiled graph: inline
-            return fn(*args, **kwargs)
+        if torch.compiler.is_compiling() or broken or not compile_enabled() or _largest(args) < EAGER_BELOW:
+            return fn(*args, **kwargs)  # inside a compiled graph: inlined
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
         try:
-            # enough recompiles for every (dtype, format, output set, scale shape), scoped to this kernel's calls
-            with torch.no_grad(), torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT):
+            with torch.no_grad(), limit:
                 return compiled(*args, **kwargs)
         except Exception as exc:  # noqa: BLE001 - any compiler failure falls back to the identical eager function
             broken = True
@@ -68,6 +74,11 @@ def maybe_compile(fn: F) -> F:
 
     wrapper.eager = fn  # type: ignore[attr-defined]
     return wrapper  # type: ignore[return-value]
+
+
+def _largest(args: tuple) -> int:
+    """The element count of the largest tensor among `args`."""
+    return max((a.numel() for a in args if isinstance(a, torch.Tensor)), default=0)
 
 
 @torch.library.custom_op("minifloat::transposed_copy", mutates_args=(), schema="(Tensor x) -> Tensor")
