@@ -220,7 +220,8 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
     norm = Normalize(vmin=min(finite), vmax=max(finite))
     n_layers = max(len(layers) for layers, _ in tables.values())
 
-    fig = Figure(figsize=(2.2 + 3.6 * len(tables), 1.6 + 0.55 * n_layers))
+    # constrained layout: the two-line title above the panels' own titles, whatever the number of panels
+    fig = Figure(figsize=(2.2 + 3.6 * len(tables), 1.6 + 0.55 * n_layers), layout="constrained")
     axes = fig.subplots(1, len(tables), squeeze=False)
     image = None
     for ax, (name, (layers, cells)) in zip(axes[0], tables.items()):
@@ -242,9 +243,9 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
         ax.set_title(f"{name}\n({', '.join(fmts)})", fontsize=10)
         ax.set_xlabel("tensor role")
     axes[0][0].set_ylabel("layer")
-    fig.suptitle("FP8 cast numerics after training: SQNR (dB, higher is better) per layer and role, one batch\n"
-                 "second line: saturated (sat) / flushed-to-zero (uf) fractions where ≥ 0.05%; layers the policy "
-                 "keeps out of FP8 (first q/k/v projections, head) are absent", fontsize=10)
+    fig.suptitle("Low-precision cast numerics after training: SQNR (dB, higher is better) per layer and role, one "
+                 "batch\nsecond line: saturated (sat) / flushed-to-zero (uf) fractions where ≥ 0.05%; layers the "
+                 "policy keeps in high precision (first q/k/v projections, kept blocks, head) are absent", fontsize=10)
     fig.colorbar(image, ax=axes[0].tolist(), label="SQNR (dB)", fraction=0.03, pad=0.02)
     fig.savefig(path, dpi=120, bbox_inches="tight")
 
