@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import json
 
 import pytest
@@ -218,3 +219,15 @@ def test_cli_measures_bf16_weights_beside_fp32_weight_baselines(console, tmp_pat
     measured, bf16 = report["measured"], report["baselines"]["bf16 AdamW"]
     assert measured["master_weights"] == bf16["master_weights"] == 0
     assert measured["weights"] < bf16["weights"] == FP32 * report["params"]  # the baselines keep fp32 weights
+
+
+def test_cli_table_is_whole_in_a_log(monkeypatch, tmp_path):
+    """Output that is not a terminal (rich assumes 80 columns there) still gets whole headers and numbers."""
+    log = io.StringIO()
+    monkeypatch.setattr(common, "console", Console(file=log, width=80))
+    argv = ["memory", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--max-bytes", "100000",
+            "--device", "cpu", "--preset", "bf16"]
+    assert main(argv) == 0
+    text = log.getvalue()
+    assert "…" not in text and "fp32 AdamW" in text and "this run" in text
+    assert common.console.width == 80  # restored

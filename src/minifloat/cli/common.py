@@ -9,6 +9,18 @@ console = Console()
 ERR = Console(stderr=True)
 
 
+def print_table(table, width: int) -> None:
+    """Print a rich table whole: where the output is not a terminal (a log, a pipe) rich assumes 80 columns and
+    would cut the numbers, so the console gets the `width` the table is made for while it prints."""
+    saved = console.width
+    if not console.is_terminal:
+        console.width = max(saved, width)
+    try:
+        console.print(table)
+    finally:
+        console.width = saved
+
+
 class CliError(Exception):
     """A user error: main() prints its message as one line (the traceback only with --debug) and exits with
     `status` (2 for a bad option or input, as argparse does)."""

@@ -42,16 +42,8 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def print_table(table: Table) -> None:
-    """Print the summary table whole: where the output is not a terminal (a log, a pipe) rich assumes 80 columns and
-    would cut the numbers, so it gets the TABLE_WIDTH the table is made for."""
-    console = common.console
-    width = console.width
-    if not console.is_terminal:
-        console.width = max(width, TABLE_WIDTH)
-    try:
-        console.print(table)
-    finally:
-        console.width = width
+    """The summary table, whole in a log or pipe too (common.print_table)."""
+    common.print_table(table, TABLE_WIDTH)
 
 
 def summary_table(summary: dict) -> Table:

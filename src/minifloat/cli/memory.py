@@ -11,6 +11,8 @@ from rich.table import Table
 
 from minifloat.cli import common
 
+TABLE_WIDTH = 100  # columns the memory table fits in, headers whole (tests/test_memory.py)
+
 if TYPE_CHECKING:
     from minifloat.training.memory import MemoryReport
 
@@ -45,7 +47,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             raise common.CliError(f"--json {args.json}: cannot create the folder {json_path.parent} "
                                   f"({err.strerror or err})") from None
     report = memory_report(config)
-    common.console.print(memory_table(report))
+    common.print_table(memory_table(report), TABLE_WIDTH)
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "
                          "activations (and autocast's weight copies), held from its forward to its backward.",
                          highlight=False)
