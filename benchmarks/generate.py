@@ -24,15 +24,19 @@ import argparse
 import copy
 import json
 import math
-import platform
+import pathlib
+import sys
 from collections.abc import Iterator
 
 import torch
 
-from minifloat.inference.generate import FP8_RECIPES, generate
-from minifloat.inference.prepare import prepare_inference
-from minifloat.training.model import Llama, LlamaConfig
-from minifloat.training.throughput import resolve_device
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
+
+from minifloat.inference.generate import FP8_RECIPES, generate  # noqa: E402
+from minifloat.inference.prepare import prepare_inference  # noqa: E402
+from minifloat.training.model import Llama, LlamaConfig  # noqa: E402
+from minifloat.training.throughput import resolve_device  # noqa: E402
 
 BASELINE = "bf16"
 WARMUP_TOKENS = 4
@@ -60,6 +64,16 @@ def measure(model: Llama, *, batch: int, prompt_len: int, max_new_tokens: int, k
     return generate(model, prompt, max_new_tokens=max_new_tokens, kv_cache=kv_cache).stats.to_dict()
 
 
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers (FP8 weights and their scales included), each storage once."""
+    seen, total = set(), 0
+    for t in (*model.parameters(), *model.buffers()):
+        if t.untyped_storage().data_ptr() not in seen:
+            seen.add(t.untyped_storage().data_ptr())
+            total += t.untyped_storage().nbytes()
+    return total
+
+
 def ratio(value: float | None, base: float | None) -> float | None:
     return None if value is None or not base or math.isnan(value) else value / base
 
@@ -79,7 +93,7 @@ def main() -> int:
     wanted = {v.strip() for v in args.variants.split(",") if v.strip()}
     rows = []
     print(f"{'model':>5} {'batch':>5} {'variant':<12} {'prefill tok/s':>13} {'decode tok/s':>12} {'× bf16':>7} "
-          f"{'peak MiB':>9} {'× bf16':>7} {'KV MiB':>8}")
+          f"{'peak MiB':>9} {'× bf16':>7} {'KV MiB':>8} {'weights MiB':>11} {'× bf16':>7}")
     for name in (m.strip() for m in args.models.split(",")):
         torch.manual_seed(args.seed)
         fp32 = Llama(LlamaConfig.preset(name)).eval()
@@ -90,7 +104,10 @@ def main() -> int:
                 base_row = next((r for r in rows if (r["model"], r["batch"], r["variant"]) == (name, batch, BASELINE)),
                                 None)
                 ref = base_row["stats"] if base_row else stats
-                row = {"model": name, "batch": batch, "variant": label, "stats": stats,
+                weights = weight_bytes(model)
+                ref_weights = base_row["weight_bytes"] if base_row else weights
+                row = {"model": name, "batch": batch, "variant": label, "stats": stats, "weight_bytes": weights,
+                       "weights_vs_bf16": ratio(weights, ref_weights),
                        "decode_vs_bf16": ratio(stats["decode_tokens_per_s"], ref["decode_tokens_per_s"]),
                        "prefill_vs_bf16": ratio(stats["prefill_tokens_per_s"], ref["prefill_tokens_per_s"]),
                        "peak_memory_vs_bf16": ratio(stats["peak_memory_bytes"], ref["peak_memory_bytes"])}
@@ -98,7 +115,8 @@ def main() -> int:
                 decode = stats["decode_tokens_per_s"] or math.nan
                 print(f"{name:>5} {batch:>5} {label:<12} {stats['prefill_tokens_per_s']:>13.0f} {decode:>12.1f} "
                       f"{row['decode_vs_bf16'] or math.nan:>7.2f} {stats['peak_memory_bytes'] / MIB:>9.1f} "
-                      f"{row['peak_memory_vs_bf16'] or math.nan:>7.2f} {stats['kv_cache_bytes'] / MIB:>8.2f}",
+                      f"{row['peak_memory_vs_bf16'] or math.nan:>7.2f} {stats['kv_cache_bytes'] / MIB:>8.2f} "
+                      f"{weights / MIB:>11.1f} {row['weights_vs_bf16'] or math.nan:>7.2f}",
                       flush=True)
             del model
         del fp32
@@ -106,7 +124,7 @@ def main() -> int:
     print(f"peak memory: {source}; × bf16: ratio to the bf16 row of the same model and batch, this process")
     if args.json:
         info = {"device": str(device), "device_name": torch.cuda.get_device_name(device) if device.type == "cuda"
-                else platform.processor() or platform.machine(), "torch": torch.__version__,
+                else machine.line(), "torch": torch.__version__,
                 "threads": torch.get_num_threads(), "prompt_len": args.prompt_len,
                 "max_new_tokens": args.max_new_tokens, "seed": args.seed}
         with open(args.json, "w") as f:

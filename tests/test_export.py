@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import pathlib
 
 import pytest
 import torch
@@ -23,12 +24,13 @@ from minifloat.cli import export as cli_export
 from minifloat.cli import main
 from minifloat.fp8.recipes import Role
 from minifloat.inference import hf
-from minifloat.inference.export import export_hf, load_run, quantized_layers
+from minifloat.inference.export import export_hf, load_run, quantized_layers, run_calibration
 from minifloat.inference.hf import hf_name, llama_config, load_hf_export, minifloat_name, read_hf_export
 from minifloat.inference.layers import Fp8InferenceLinear
 from minifloat.inference.prepare import prepare_inference
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.quantize import quantize, sqnr_db
+from minifloat.training.data import ByteCorpus, DataConfig, val_batches
 from minifloat.training.loop import TrainConfig, train
 from minifloat.training.model import Llama, LlamaConfig
 
@@ -339,6 +341,23 @@ def test_cli_exports_a_run(fp8_run, tmp_path, capsys):
     assert read_hf_export(tmp_path / "out").format.name == "hf-fp8-block"
 
 
+def test_cli_calibrates_static_input_scales_on_the_runs_validation_batches(fp8_run, tmp_path, capsys):
+    batches = run_calibration(fp8_run, 2)
+    config = json.loads((pathlib.Path(fp8_run) / "run.json").read_text())["config"]
+    corpus = ByteCorpus.load(DataConfig(path=config["data"], max_bytes=config["max_bytes"]))
+    expected = [x for x, _ in val_batches(corpus.val, batch_size=2, seq_len=32, max_batches=2)]
+    assert len(batches) == 2 and all(torch.equal(a, b) for a, b in zip(batches, expected))
+    argv = ["export", "--run", fp8_run, "--format", "hf-fp8", "--calibrate", "2", "--out", str(tmp_path / "cli")]
+    assert main(argv) == 0 and "static activations" in capsys.readouterr().out
+    export_hf(fp8_run, tmp_path / "api", format="hf-fp8", calibration=batches)
+    delayed = export_hf(fp8_run, tmp_path / "delayed", format="hf-fp8")  # the run's own delayed scales
+    cli, api = (load_file(tmp_path / d / hf.WEIGHTS_FILE) for d in ("cli", "api"))
+    own = load_file(delayed / hf.WEIGHTS_FILE)
+    scales = [k for k in cli if k.endswith("input_scale")]
+    assert scales and all(torch.equal(cli[k], api[k]) for k in cli)
+    assert any(not torch.equal(cli[k], own[k]) for k in scales)  # calibrated, not the training scales
+
+
 def one_error_line(capsys, argv) -> str:
     status = main(argv)
     err = capsys.readouterr().err
@@ -357,6 +376,10 @@ CLI_ERRORS = [
     ("bad dtype", ["--run", "{run}", "--out", "{tmp}/o", "--dtype", "fp8"], ["--dtype", "'fp8'"]),
     ("static blocks", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8-block", "--activations", "static"],
      ["stores no static activation scales"]),
+    ("calibrate zero", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8", "--calibrate", "0"],
+     ["--calibrate", ">= 1"]),
+    ("calibrate blocks", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8-block", "--calibrate", "1"],
+     ["does not store"]),
 ]
 
 

@@ -24,17 +24,24 @@ def cmd_export(args: argparse.Namespace) -> int:
     config.json, generation_config.json and model.safetensors with LlamaForCausalLM's tensor names
     (Qwen3ForCausalLM's for a QK-norm model). --format hf stores plain --dtype tensors (transformers'
     from_pretrained reads them); hf-fp8 stores each quantized linear as float8_e4m3fn with one fp32 weight_scale
-    (vLLM's / AutoFP8's "fp8" layout) and, when the run trained with delayed scaling, its static input_scale;
+    (vLLM's / AutoFP8's "fp8" layout) and, when the run trained with delayed scaling or --calibrate N is given
+    (its first N validation batches), a static input_scale;
     hf-fp8-block stores DeepSeek-V3's 128×128 blocks with fp32 weight_scale_inv. Embeddings, norms, lm_head and the
     layers training kept in high precision stay --dtype. An --out that exists and is not empty is refused unless
     --overwrite. Exits with status 2 on a bad option, run folder or checkpoint."""
-    from minifloat.inference.export import export_hf
+    from minifloat.inference.export import export_hf, run_calibration
 
     _choice("--format", args.format, FORMATS)
     _choice("--dtype", args.dtype, DTYPES)
     _choice("--activations", args.activations, ACTIVATIONS)
+    calibration = None
+    if args.calibrate is not None:
+        if args.calibrate < 1:
+            raise common.CliError(f"invalid option: --calibrate must be a number of batches >= 1, "
+                                  f"got {args.calibrate}")
+        calibration = run_calibration(args.run, args.calibrate, checkpoint=args.checkpoint)
     out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
-                    activations=args.activations, overwrite=args.overwrite)
+                    activations=args.activations, calibration=calibration, overwrite=args.overwrite)
     config = json.loads((pathlib.Path(out) / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config")
     detail = config["architectures"][0]
@@ -61,5 +68,8 @@ def add_parser(sub) -> None:
     e.add_argument("--activations", default="auto", metavar="SCHEME",
                    help="hf-fp8's activation scales: static (the run's delayed input scales; an error without "
                         "them), dynamic, or auto (static when the run has them; default)")
+    e.add_argument("--calibrate", type=int, default=None, metavar="N",
+                   help="hf-fp8: static input scales from the run's first N validation batches (amax / 448 per "
+                        "layer), for a run without delayed scales of its own")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the export is complete")
     e.set_defaults(func=cmd_export)

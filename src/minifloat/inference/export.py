@@ -47,7 +47,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 from minifloat.core.rng import restoring_rng
-from minifloat.core.validate import check_choice
+from minifloat.core.validate import check_choice, check_int
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.inference import hf
 from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
@@ -57,6 +57,7 @@ from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
 from minifloat.training.checkpoint import fsync_path, load_checkpoint, move_into_place
 from minifloat.training.config import TrainConfig
+from minifloat.training.data import ByteCorpus, DataConfig, val_batches
 from minifloat.training.loop import build
 from minifloat.training.model import Llama
 from minifloat.training.rundir import CHECKPOINT_DIR
@@ -117,6 +118,25 @@ def load_run(run: str | os.PathLike, *, checkpoint: str = "latest") -> Llama:
     else:
         load_checkpoint(ckpt, model=objects.model, restore_rng=False)
     return objects.model.eval()
+
+
+def run_calibration(run: str | os.PathLike, batches: int, *, checkpoint: str = "latest") -> list[torch.Tensor]:
+    """Calibration inputs for a run's model: the first `batches` (B, T) token batches of its own validation split,
+    as its evaluation reads them (the corpus, batch size and sequence length of its checkpoint's config).
+
+    Raises:
+        FileNotFoundError: no such run folder or checkpoint, or the run's data folder is gone.
+        ValueError: `batches` is not an int >= 1; the run's corpus cannot be read.
+    """
+    check_int("batches", batches, low=1)
+    ckpt = run_checkpoint(run, checkpoint)
+    saved = read_extra(ckpt).get("config")
+    if not isinstance(saved, dict):
+        raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
+    config = TrainConfig(**{k: v for k, v in saved.items() if k in ("data", "max_bytes", "batch_size", "seq_len")})
+    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))
+    return [x for x, _ in val_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len,
+                                      max_batches=batches)]
 
 
 # ------------------------------------------------------------------------------------------------ activations
