@@ -34,11 +34,14 @@ import dataclasses
 import importlib
 import importlib.metadata
 import json
-import platform
+import pathlib
 import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py, beside this script
 
 from minifloat.training import loop
 from minifloat.training.config import TrainConfig
@@ -105,22 +108,10 @@ def lr_as_tensor(optimizer: torch.optim.Optimizer, _args, _kwargs) -> None:
         group["lr"] = torch.as_tensor(group["lr"], dtype=torch.float32)
 
 
-def storage_tensors(t: torch.Tensor) -> Iterator[torch.Tensor]:
-    """The plain tensors that hold `t`'s data: `t` itself, or, for a wrapper subclass (one with __tensor_flatten__:
-    torchao's optimizer states, DTensor), the tensors it wraps, recursively. A wrapper's own storage is a shell
-    (untyped_storage() raises), its logical dtype and shape say nothing of its bytes."""
-    if hasattr(type(t), "__tensor_flatten__"):
-        names, _context = t.__tensor_flatten__()
-        for name in names:
-            yield from storage_tensors(getattr(t, name))
-    else:
-        yield t
-
-
 def state_bytes(optimizer: torch.optim.Optimizer) -> int:
     """Bytes of every tensor in optimizer.state (moments or their codes, scales, code maps, step counters), each
     storage once: a code map shared by all parameters (bitsandbytes) counts once. Python numbers count 0."""
-    return StorageLedger().add(s for t in tensors_in(list(optimizer.state.values())) for s in storage_tensors(t))
+    return StorageLedger().add(tensors_in(list(optimizer.state.values())))  # wrapper subclasses by what they wrap
 
 
 def probe(external: External) -> str | None:
@@ -184,8 +175,10 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="", help="semicolon list of M,V pairs, each optionally @MASTER (bf16-sr, "
                    "bf16-kahan), e.g. 'fp32,fp32;e4m3,bf16;fp32,fp32@bf16-sr' (default: all)")
-    p.add_argument("--external", action="store_true",
-                   help="also torchao's AdamW8bit / AdamW4bit / AdamWFp8 and bitsandbytes' AdamW8bit, where they run")
+    p.add_argument("--external", nargs="?", const="all", default="",
+                   help="also torchao's AdamW8bit / AdamW4bit / AdamWFp8 and bitsandbytes' AdamW8bit, where they run; "
+                        "a semicolon list of their row names picks some, e.g. 'torchao AdamW8bit;bitsandbytes AdamW8bit'")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (default: torch's)")
     p.add_argument("--model", default="10m")
     p.add_argument("--preset", default="bf16")
     p.add_argument("--steps", type=int, default=600)
@@ -194,6 +187,9 @@ def main() -> int:
     p.add_argument("--json", default="", help="write the results to this JSON file")
     args = p.parse_args()
     pairs = [s.strip() for s in args.pairs.split(";") if s.strip()] or list(PAIRS)
+    externals = pick_externals(args.external)
+    if args.threads:
+        torch.set_num_threads(args.threads)
 
     def config(row: str, folder: str) -> TrainConfig:
         pair, _, master = row.partition("@")
@@ -207,7 +203,7 @@ def main() -> int:
         rows[pair] = train_row(config(pair, pair.replace(",", "_").replace("@", "-")))
         print(pair, rows[pair], flush=True)
     versions = {"torch": torch.__version__}
-    for external in EXTERNAL if args.external else ():
+    for external in externals:
         versions[external.distribution] = external.version()
         reason = probe(external)
         if reason is not None:
@@ -219,16 +215,28 @@ def main() -> int:
     print_table(rows, args, versions)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "rows": rows, "torch": torch.__version__, "versions": versions}, f,
+            json.dump({"args": vars(args), "machine": machine.describe(), "rows": rows, "torch": torch.__version__, "versions": versions}, f,
                       indent=1)
     return 0
+
+
+def pick_externals(spec: str) -> list[External]:
+    """The external optimizers `--external` names: none for "", all for "all", else a semicolon list of row names."""
+    if spec in ("", "all"):
+        return list(EXTERNAL) if spec else []
+    by_name = {e.name: e for e in EXTERNAL}
+    names = [n.strip() for n in spec.split(";") if n.strip()]
+    unknown = [n for n in names if n not in by_name]
+    if unknown:
+        raise SystemExit(f"--external: unknown {unknown}; choose from {list(by_name)}")
+    return [by_name[n] for n in names]
 
 
 def print_table(rows: dict[str, dict], args, versions: dict[str, str | None]) -> None:
     """The rows as a table, with val loss and tokens/s relative to the fp32,fp32 row (added to each row)."""
     base = rows.get(BASELINE, {})
     print(f"\n{args.model} Llama, {args.steps} steps, preset {args.preset}, seed {args.seed}; "
-          f"{platform.processor() or platform.machine()}; "
+          f"{machine.line()}; "
           + ", ".join(f"{name} {version or 'not installed'}" for name, version in versions.items()))
     print(f"{'m,v / optimizer':<28} {'B/param':>8} {'val loss':>9} {'vs fp32':>8} {'tok/s':>7} {'× fp32':>7}")
     for name, r in rows.items():

@@ -231,3 +231,32 @@ def test_cli_table_is_whole_in_a_log(monkeypatch, tmp_path):
     text = log.getvalue()
     assert "…" not in text and "fp32 AdamW" in text and "this run" in text
     assert common.console.width == 80  # restored
+
+
+class Wrapped(torch.Tensor):
+    """A wrapper tensor subclass posing as fp32 (as torchao's quantized optimizer states do) over uint8 codes and an
+    fp32 scale per block of 64."""
+
+    @staticmethod
+    def __new__(cls, codes: torch.Tensor, scale: torch.Tensor):
+        t = torch.Tensor._make_wrapper_subclass(cls, codes.shape, dtype=torch.float32)
+        t.codes, t.scale = codes, scale
+        return t
+
+    def __tensor_flatten__(self):
+        return ["codes", "scale"], None
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise NotImplementedError(f"Wrapped does not compute ({func})")
+
+
+def test_ledger_counts_a_wrapper_subclass_by_what_it_wraps():
+    from minifloat.training.memory import StorageLedger
+
+    codes = torch.zeros(256, 64, dtype=torch.uint8)
+    state = Wrapped(codes, torch.ones(256))
+    plain = torch.zeros(10)
+    assert StorageLedger().add([state, plain]) == 256 * 64 + 4 * 256 + 4 * 10  # not 4 B per logical element
+    ledger = StorageLedger()
+    assert ledger.add([state]) > 0 and ledger.add([Wrapped(codes, torch.ones(256))]) == 4 * 256  # codes once

@@ -120,14 +120,26 @@ class StorageLedger:
         return storage.data_ptr(), storage.nbytes()
 
     def add(self, tensors: Iterable[torch.Tensor]) -> int:
-        """Bytes of the storages among `tensors` not counted before; counts them."""
+        """Bytes of the storages among `tensors` not counted before; counts them. A wrapper tensor subclass (one
+        with __tensor_flatten__: torchao's quantized optimizer states, DTensor) counts as the plain tensors it
+        wraps: its own storage is a shell, and its logical dtype and shape say nothing of its bytes."""
         total = 0
-        for t in tensors:
+        for t in (s for t in tensors for s in storage_tensors(t)):
             ptr, nbytes = self.key(t)
             if ptr not in self.seen:
                 self.seen.add(ptr)
                 total += nbytes
         return total
+
+
+def storage_tensors(t: torch.Tensor) -> Iterable[torch.Tensor]:
+    """The plain tensors that hold `t`'s data: `t` itself, or the tensors a wrapper subclass wraps, recursively."""
+    if hasattr(type(t), "__tensor_flatten__"):
+        names, _context = t.__tensor_flatten__()
+        for name in names:
+            yield from storage_tensors(getattr(t, name))
+    else:
+        yield t
 
 
 def tensors_in(obj) -> Iterable[torch.Tensor]:
