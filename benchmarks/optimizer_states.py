@@ -174,7 +174,7 @@ def train_row(config: TrainConfig, make=None) -> dict:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--pairs", default="", help="semicolon list of M,V pairs, each optionally @MASTER (bf16-sr, "
-                   "bf16-kahan), e.g. 'fp32,fp32;e4m3,bf16;fp32,fp32@bf16-sr' (default: all)")
+                   "bf16-kahan), e.g. 'fp32,fp32;e4m3,bf16;fp32,fp32@bf16-sr' (default: all; 'none' for only --external)")
     p.add_argument("--external", nargs="?", const="all", default="",
                    help="also torchao's AdamW8bit / AdamW4bit / AdamWFp8 and bitsandbytes' AdamW8bit, where they run; "
                         "a semicolon list of their row names picks some, e.g. 'torchao AdamW8bit;bitsandbytes AdamW8bit'")
@@ -186,7 +186,7 @@ def main() -> int:
     p.add_argument("--out", default="runs/optimizer_states", help="folder of the runs (one sub-folder per row)")
     p.add_argument("--json", default="", help="write the results to this JSON file")
     args = p.parse_args()
-    pairs = [s.strip() for s in args.pairs.split(";") if s.strip()] or list(PAIRS)
+    pairs = [] if args.pairs == "none" else [s.strip() for s in args.pairs.split(";") if s.strip()] or list(PAIRS)
     externals = pick_externals(args.external)
     if args.threads:
         torch.set_num_threads(args.threads)
