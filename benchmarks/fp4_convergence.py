@@ -85,12 +85,13 @@ def report(variants: list[str], seeds: list[int], out: pathlib.Path) -> dict:
     rows = {}
     for v in variants:
         rows[v] = {s: finished(config(v, s, out)) for s in seeds}
+    base_runs = {s: finished(config(BASELINE, s, out)) for s in seeds}  # the same-seed BF16 run of each seed
     print(f"\n10m Llama, 600 steps; {machine.line()}")
     print(f"{'variant':<18}" + "".join(f"{'seed ' + str(s):>10}{'vs bf16':>9}" for s in seeds) + f"{'mean':>9}")
     for v, by_seed in rows.items():
         line, rel = f"{v:<18}", []
         for s in seeds:
-            r, base = by_seed[s], rows.get(BASELINE, {}).get(s)
+            r, base = by_seed[s], base_runs[s]
             if r is None:
                 line += f"{'—':>10}{'':>9}"
                 continue
