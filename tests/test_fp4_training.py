@@ -419,3 +419,12 @@ def test_cli_ablation_flags_train_and_refuse_a_changed_resume(tmp_path, capsys):
     capsys.readouterr()
     assert main(["train", "--out", out, "--resume", "--steps", "4", "--nvfp4-rht", "on"]) == 2
     assert "nvfp4-rht" in capsys.readouterr().err
+
+
+def test_cli_on_off_flag_refuses_other_values_in_one_line(tmp_path, capsys):
+    from minifloat.cli import main
+
+    assert main(["train", "--preset", "nvfp4", "--nvfp4-rht", "maybe", "--out", str(tmp_path / "r")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--nvfp4-rht must be on or off" in err and "usage" not in err
+    assert not (tmp_path / "r").exists()

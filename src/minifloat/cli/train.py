@@ -43,8 +43,11 @@ def train_config(args: argparse.Namespace):
     from minifloat.training.sharded import read_extra
 
     fields = {name: getattr(args, name) for name in FLAG_FIELDS if getattr(args, name) is not None}
-    for name in ON_OFF_FIELDS:
+    for name in ON_OFF_FIELDS:  # checked here: argparse's own choices error is a usage block, not one line
         if name in fields:
+            if fields[name] not in ("on", "off"):
+                raise common.CliError(f"invalid option: --{name.replace('_', '-')} must be on or off, "
+                                      f"got {fields[name]!r}")
             fields[name] = fields[name] == "on"
     if launched_by_torchrun() and "nproc" not in fields:  # `torchrun --nproc-per-node N -m minifloat.train`
         fields["nproc"] = int(os.environ["WORLD_SIZE"])
@@ -245,7 +248,7 @@ def add_parser(sub) -> None:
     for field, text in (("nvfp4_weight_2d", "16×16 weight tiles, so that dgrad's Wᵀ holds the forward's numbers"),
                         ("nvfp4_rht", "the random Hadamard transform of the wgrad operands"),
                         ("nvfp4_stochastic_rounding", "stochastic rounding of the gradients")):
-        tr.add_argument("--" + field.replace("_", "-"), default=None, choices=["on", "off"],
+        tr.add_argument("--" + field.replace("_", "-"), default=None, metavar="on|off",
                         help=f"{text}: on (the nvfp4 preset's default) or off, for ablations (needs --preset nvfp4)")
     tr.add_argument("--keep-blocks", default=None, metavar="FIRST,LAST",
                     help="keep the linear layers of the first FIRST and last LAST transformer blocks in BF16 under "
