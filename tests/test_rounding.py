@@ -10,6 +10,8 @@ import pytest
 import torch
 
 import minifloat as mf
+from minifloat.numerics import compiling
+from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.quantize import cast
 from minifloat.numerics.rounding import UNIFORM_BITS, counter_uniform, round_stochastic
 
@@ -178,6 +180,40 @@ def test_counter_uniform_draws_are_uncorrelated(name, a, b):
     r = torch.corrcoef(torch.stack([x, y]))[0, 1].item()
     # the sample correlation of independent draws is about N(0, 1/n)
     assert abs(r) * math.sqrt(x.numel()) < Z_SIGMAS, (name, r)
+
+
+def python_counter_uniform(seed: int, index: int) -> float:
+    """counter_uniform's documented formula in Python integers: the independent reference for its tensor forms."""
+    def hash32(x: int) -> int:
+        x ^= x >> 16
+        x = (x * 0x21F0AAAD) & 0xFFFFFFFF
+        x ^= x >> 15
+        x = (x * 0x735A2D97) & 0xFFFFFFFF
+        return x ^ (x >> 15)
+    lo, hi = seed & 0xFFFFFFFF, (seed >> 32) & 0xFFFFFFFF
+    return (hash32(hash32(index ^ lo) ^ hi) >> (32 - UNIFORM_BITS)) / 2**UNIFORM_BITS
+
+
+# seeds whose halves cross 2^31 (negative as int32) and the extremes
+SEEDS_32BIT_EDGES = [0, 2**31 - 1, 2**31, 2**32 - 1, 2**31 + 2**63 - 2**32, 2**62 - 1, 0x123456789ABCDEF]
+
+
+@pytest.mark.parametrize("seed", SEEDS_32BIT_EDGES)
+def test_counter_uniform_int32_form_is_the_int64_form_and_the_formula(seed):
+    s = torch.tensor(seed, dtype=torch.int64)
+    fast, wide = counter_uniform(s, (4099,)), counter_uniform(s, (4099,), wide=True)
+    assert torch.equal(fast, wide)  # exactness is the point: the int32 lanes wrap to the same bits
+    for i in (0, 1, 2**12, 4098):
+        assert fast[i].item() == python_counter_uniform(seed, i)
+
+
+def test_counter_uniform_int32_form_compiled_is_the_int64_form(monkeypatch):
+    monkeypatch.setattr(compiling, "EAGER_BELOW", 0)  # compile, whatever the size
+    seed, zeros = torch.tensor(2**62 - 3, dtype=torch.int64), torch.zeros(64, 1024)
+    fast = maybe_compile(lambda s, z: z + counter_uniform(s, z.shape))(seed, zeros)
+    wide = maybe_compile(lambda s, z: z + counter_uniform(s, z.shape, wide=True))(seed, zeros)
+    assert torch.equal(fast, wide)
+    assert torch.equal(fast, counter_uniform(seed, zeros.shape, wide=True))
 
 
 def test_cast_takes_given_draws():

@@ -58,37 +58,49 @@ def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> tor
 
 # ---------------------------------------------------------------------------------------------------- counter draws
 
-# A 32-bit integer hash from Chris Wellons' "hash prospector" (low-bias search, 2018): xorshift-multiply twice. Its
-# multipliers are below 2^31, so a 32-bit value times one stays below 2^63 and int64 arithmetic never overflows (the
-# same bits eagerly and in a compiled kernel).
+# A 32-bit integer hash from Chris Wellons' "hash prospector" (low-bias search, 2018): xorshift-multiply twice. It
+# runs on int32 lanes, where a product wraps modulo 2^32 (two's complement, as the vector units and the test check) and
+# right shifts are made logical by a mask: twice the lanes of int64 and a native 32-bit multiply, about half the time
+# of the int64 form (which masks each product to 32 bits). Both forms give the same bits (tests/test_rounding.py).
 _HASH_SHIFTS = (16, 15, 15)
 _HASH_MULTIPLIERS = (0x21F0AAAD, 0x735A2D97)
 _MASK32 = 0xFFFFFFFF
 UNIFORM_BITS = 24  # u = k / 2^24: the grid round_stochastic's exactness argument assumes (module docstring)
+_INT32_INDICES = 2**31  # above this many elements the indices need int64 (they wrap at 2^32 in both forms)
+
+
+def _shift_right(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Logical right shift of 32-bit values held in int32 (whose >> is arithmetic) or int64."""
+    return (x >> bits) & ((1 << (32 - bits)) - 1)
 
 
 def _hash32(x: torch.Tensor) -> torch.Tensor:
-    """The hash of int64 `x` holding values in [0, 2^32), elementwise."""
+    """The hash of 32-bit values, elementwise: int32 (wrapping) or int64 holding [0, 2^32), answered in x's dtype."""
     a, b, c = _HASH_SHIFTS
-    x = x ^ (x >> a)
-    x = (x * _HASH_MULTIPLIERS[0]) & _MASK32
-    x = x ^ (x >> b)
-    x = (x * _HASH_MULTIPLIERS[1]) & _MASK32
-    return x ^ (x >> c)
+    wide = x.dtype == torch.int64
+    for shift, multiplier in ((a, _HASH_MULTIPLIERS[0]), (b, _HASH_MULTIPLIERS[1])):
+        x = (x ^ _shift_right(x, shift)) * multiplier
+        if wide:
+            x = x & _MASK32
+    return x ^ _shift_right(x, c)
 
 
-def counter_uniform(seed: torch.Tensor, shape: torch.Size | tuple[int, ...]) -> torch.Tensor:
+def counter_uniform(seed: torch.Tensor, shape: torch.Size | tuple[int, ...], *, wide: bool = False) -> torch.Tensor:
     """Uniform draws u = k / 2^24 in [0, 1), float32 of `shape`, as a pure function of a 0-d int64 `seed` and each
     element's flat index: u_i = hash(hash(i ^ seed_lo) ^ seed_hi) >> 8 (seed_lo, seed_hi its 32-bit halves).
 
     For stochastic rounding inside a compiled kernel, where torch.rand's generator cannot go: the draws fuse into the
     rounding's single pass instead of costing a pass of mt19937 (on CPU the slowest part of an SR cast). Indices wrap
     at 2^32 elements. The hash is not a cryptographic one; what SR needs of it, uniform and independent draws, is
-    tested statistically (tests/test_rounding.py).
+    tested statistically (tests/test_rounding.py). `wide` computes in int64 (the reference form; the same bits).
     """
     n = math.prod(shape)
     seed = seed.to(torch.int64)
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
-    index = torch.arange(n, dtype=torch.int64, device=seed.device) & _MASK32
+    if wide or n > _INT32_INDICES:
+        index = torch.arange(n, dtype=torch.int64, device=seed.device) & _MASK32
+    else:  # the halves' bits as int32 (values from 2^31 become negative: the same 32 bits)
+        lo, hi = (torch.where(v >= 2**31, v - 2**32, v).to(torch.int32) for v in (lo, hi))
+        index = torch.arange(n, dtype=torch.int32, device=seed.device)
     h = _hash32(_hash32(index ^ lo) ^ hi)
-    return ((h >> (32 - UNIFORM_BITS)).to(torch.float32) * 2.0**-UNIFORM_BITS).reshape(shape)
+    return (_shift_right(h, 32 - UNIFORM_BITS).to(torch.float32) * 2.0**-UNIFORM_BITS).reshape(shape)
