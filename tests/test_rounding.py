@@ -100,6 +100,31 @@ def test_bf16_matches_the_integer_construction(generator):
     assert torch.equal(drawn, round_stochastic(y, mf.BF16, u))
 
 
+def frexp_round_stochastic(y: torch.Tensor, fmt, u: torch.Tensor) -> torch.Tensor:
+    """The module docstring's formula with e from torch.frexp and ulp from exp2: the reference for the bit-field
+    form round_stochastic computes."""
+    a = y.abs()
+    _, exponent = torch.frexp(a)
+    ulp = torch.exp2(((exponent - 1).clamp(min=fmt.emin) - fmt.mbits).float())
+    units = a / ulp
+    lo = torch.floor(units)
+    return torch.copysign((lo + (u >= 1.0 - (units - lo)).float()) * ulp, y)
+
+
+@pytest.mark.parametrize("fmt", [mf.E2M1, mf.E4M3, mf.E5M2, mf.BF16, mf.FP16], ids=lambda f: f.name)
+def test_bit_field_exponent_is_the_frexp_formula(fmt, monkeypatch, generator):
+    # magnitudes from float32 subnormals to the format's top, signed zeros and NaN
+    y = torch.cat([torch.randn(1 << 14, generator=generator) * 10.0**p for p in range(-40, 39, 3)]
+                  + [torch.tensor([0.0, -0.0, float("nan"), 2**-149, -(2**-140), 2**-126, 2**-127])])
+    y = y.clamp(-fmt.max, fmt.max)
+    u = torch.rand(y.shape, generator=generator)
+    want = frexp_round_stochastic(y, fmt, u).view(torch.int32)
+    assert torch.equal(round_stochastic(y, fmt, u).view(torch.int32), want)  # bitwise, NaN and -0 included
+    monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
+    compiled = maybe_compile(lambda a, b: round_stochastic(a, fmt, b))(y, u)
+    assert torch.equal(compiled.view(torch.int32), want)
+
+
 def test_reproducible_with_a_seed():
     y = torch.randn(1000, generator=torch.Generator().manual_seed(0))
     a = cast(y, mf.E4M3, rounding="stochastic", generator=torch.Generator().manual_seed(3))

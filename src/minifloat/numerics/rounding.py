@@ -11,8 +11,9 @@ The rule takes its randomness as an argument — a uniform u in [0, 1) per eleme
     lo  = floor(|y| / ulp) · ulp,   f = |y| / ulp - floor(|y| / ulp)  in [0, 1)
     SR(y) = sign(y) · (lo + ulp · [u >= 1 - f])                 P(up) = P(u >= 1 - f) = f
 Every step is exact in float32 (|y| / ulp is a power-of-two scaling and has at most mbits + 1 integer bits), and
-e comes from frexp, which is exact where log2 is not. With u = k / 2^24 (torch.rand's float32 grid) P(up) is exactly f
-whenever f is a multiple of 2^-24, which holds for every float32 y and every format of at most 23 mantissa bits.
+e is read from float32's exponent field, which is exact where log2 is not. With u = k / 2^24 (torch.rand's float32
+grid) P(up) is exactly f whenever f is a multiple of 2^-24, which holds for every float32 y and every format of at
+most 23 mantissa bits.
 Comparing u with 1 - f (not f) makes bfloat16 SR bitwise the classic integer form: add floor(u·2^16) to the float32
 bit pattern and truncate the low 16 bits (checked in tests/test_rounding.py).
 
@@ -29,6 +30,13 @@ import torch
 from minifloat.numerics.formats import NumberFormat, Special
 
 ROUNDINGS = ("nearest", "stochastic")
+
+
+def _exact_pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k as float32 for int32 k in [-149, 128]: the product of two normal powers of two built from their bit
+    patterns, exact (subnormal results included)."""
+    half = k >> 1
+    return ((half + 127) << 23).view(torch.float32) * ((k - half + 127) << 23).view(torch.float32)
 
 
 def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> torch.Tensor:
@@ -48,8 +56,10 @@ def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> tor
     if fmt.mbits >= 23:
         return y
     a = y.abs()
-    _, exponent = torch.frexp(a)  # a = m · 2^exponent with m in [0.5, 1): floor(log2 a) = exponent - 1
-    ulp = torch.exp2(((exponent - 1).clamp(min=fmt.emin) - fmt.mbits).float())
+    # floor(log2 a) from float32's exponent field: exact, and no frexp/exp2 (which compiled kernels run element by
+    # element). A zero or float32-subnormal a reads -127, below every format's emin (>= -126), so the clamp holds it.
+    exponent = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+    ulp = _exact_pow2((exponent.clamp(min=fmt.emin) - fmt.mbits).to(torch.int32))
     units = a / ulp
     lo = torch.floor(units)
     up = (u >= 1.0 - (units - lo)).float()
