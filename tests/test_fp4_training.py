@@ -374,6 +374,7 @@ ABLATIONS = [
     ("1x16", dict(nvfp4_weight_2d=False), dict(weight_2d=False, rht=True, stochastic_rounding=True), (0, 1)),
     ("all-blocks", dict(keep_blocks="0,0"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (0, 0)),
     ("first-and-last", dict(keep_blocks="1, 2"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (1, 2)),
+    ("fraction", dict(keep_blocks="0,0.15"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (0, 0.15)),
 ]
 
 
@@ -394,6 +395,8 @@ BAD_ABLATIONS = [
     ("keep-blocks-bf16", dict(preset="bf16", keep_blocks="0,1"), "keep_blocks"),
     ("keep-blocks-one", dict(preset="nvfp4", keep_blocks="1"), "keep_blocks"),
     ("keep-blocks-negative", dict(preset="fp8-current", keep_blocks="0,-1"), "keep_blocks"),
+    ("keep-blocks-fraction-one", dict(preset="nvfp4", keep_blocks="0,1.0"), "keep_blocks"),
+    ("keep-blocks-word", dict(preset="nvfp4", keep_blocks="0,last"), "keep_blocks"),
 ]
 
 

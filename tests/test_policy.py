@@ -114,7 +114,9 @@ INVALID = [
     ("recipe", dict(recipe="delayed"), "recipe"),
     ("keep-blocks-one", dict(keep_blocks=(1,)), "keep_blocks"),
     ("keep-blocks-negative", dict(keep_blocks=(0, -1)), "keep_blocks"),
-    ("keep-blocks-float", dict(keep_blocks=(0, 1.0)), "keep_blocks"),
+    ("keep-blocks-float", dict(keep_blocks=(0, 1.0)), "keep_blocks"),  # a fraction is below 1; 1 block is int 1
+    ("keep-blocks-nan", dict(keep_blocks=(0, float("nan"))), "keep_blocks"),
+    ("keep-blocks-bool", dict(keep_blocks=(True, 0)), "keep_blocks"),
     ("fp32-norms", dict(fp32_norms="yes"), "fp32_norms"),
     ("fp32-head", dict(fp32_head=None), "fp32_head"),
 ]
@@ -229,6 +231,19 @@ def test_four_bit_presets_keep_the_last_block_of_a_transformer():
     keep_first = dataclasses.replace(PrecisionPolicy.preset("nvfp4"), keep_blocks=(1, 0)).plan(llama)
     low = [n for n, k in keep_first.items() if k == "fp8"]
     assert len(low) == 7 and all(n.startswith("blocks.1.") for n in low)  # block 1 whole, q/k/v included
+    # fractions of the blocks round up to whole blocks: any fraction above 0 of two blocks keeps at least one
+    for fractions, counts in [((0.01, 0), (1, 0)), ((0, 0.5), (0, 1)), ((0.0, 0.99), (0, 2))]:
+        got = dataclasses.replace(PrecisionPolicy.preset("nvfp4"), keep_blocks=fractions).plan(llama)
+        assert got == dataclasses.replace(PrecisionPolicy.preset("nvfp4"), keep_blocks=counts).plan(llama), fractions
+
+
+@pytest.mark.parametrize("keep, n_blocks, want", [
+    (0.15, 6, 1), (0.15, 20, 3), (0.15, 62, 10), (0.5, 6, 3), (0.0, 62, 0), (0.99, 4, 4), (2, 62, 2), (0, 6, 0),
+])
+def test_block_count_rounds_fractions_up(keep, n_blocks, want):
+    from minifloat.core.roles import block_count
+
+    assert block_count(keep, n_blocks) == want  # 0.15 · 20 is 3.0000000000000004 in binary: still 3 blocks
 
 
 def test_apply_twice_is_idempotent(model, idx):

@@ -77,7 +77,8 @@ class PrecisionPolicy:
         recipe: FP8 (or 4-bit) recipe for the eligible nn.Linear layers, or None.
         keep_blocks: (first, last): with a recipe, the linear layers of the first `first` and last `last`
             transformer blocks stay in compute_dtype (minifloat.core.roles.transformer_blocks), as 4-bit training
-            does (arXiv 2509.25149 §4.1: the first 2 and last 8 of 62 blocks in BF16).
+            does (arXiv 2509.25149 §4.1: the first 2 and last 8 of 62 blocks in BF16). Each is a count (int) or a
+            fraction of the blocks (float in [0, 1), rounded up): (0, 0.15) keeps the last 15%.
         fp32_norms: LayerNorm / RMSNorm / BatchNorm / GroupNorm / InstanceNorm compute in fp32 with fp32 weights and
             return their input's dtype.
         fp32_softmax: nn.Softmax / nn.LogSoftmax modules compute in fp32.
@@ -96,7 +97,7 @@ class PrecisionPolicy:
     master_weights: bool | str = False
     optimizer_state_dtype: torch.dtype | str | tuple[str, ...] | None = None
     recipe: Recipe | None = None
-    keep_blocks: tuple[int, int] = (0, 0)
+    keep_blocks: tuple[int | float, int | float] = (0, 0)
     fp32_norms: bool = True
     fp32_softmax: bool = True
     fp32_cross_entropy: bool = True

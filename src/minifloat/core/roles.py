@@ -24,6 +24,8 @@ GPT-2's Conv1D is not an nn.Linear and has no role here.
 
 from __future__ import annotations
 
+import math
+
 import re
 
 from torch import nn
@@ -134,8 +136,18 @@ def transformer_blocks(model: nn.Module) -> list[str]:
     return best
 
 
-def linears_in_blocks(model: nn.Module, first: int, last: int) -> set[str]:
-    """The nn.Linear layers inside the first `first` and the last `last` transformer blocks."""
+def block_count(keep: int | float, n_blocks: int) -> int:
+    """A number of blocks given as a count (int) or as a fraction of `n_blocks` (float in [0, 1), rounded up: 0.15 of
+    6 blocks is 1, of 62 is 10)."""
+    if isinstance(keep, int):
+        return keep
+    return math.ceil(round(keep * n_blocks, 9))  # the round: 0.15 · 20 is 3.0000000000000004 in binary, 3 blocks
+
+
+def linears_in_blocks(model: nn.Module, first: int | float, last: int | float) -> set[str]:
+    """The nn.Linear layers inside the first `first` and the last `last` transformer blocks (counts, or fractions of
+    the blocks: see block_count)."""
     blocks = transformer_blocks(model)
+    first, last = block_count(first, len(blocks)), block_count(last, len(blocks))
     kept = blocks[:first] + blocks[max(first, len(blocks) - last):]
     return {n for n, _ in named_linears(model) if any(n.startswith(b + ".") for b in kept)}

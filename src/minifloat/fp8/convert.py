@@ -42,12 +42,19 @@ class Fp8Plan:
     misshapen: tuple[str, ...]
 
 
-def check_keep_blocks(keep_blocks) -> tuple[int, int]:
-    """`keep_blocks` as (first, last), two ints >= 0; ValueError naming the field otherwise."""
-    if not isinstance(keep_blocks, (tuple, list)) or len(keep_blocks) != 2:
-        raise ValueError(f"keep_blocks must be (first, last), two ints >= 0, got {keep_blocks!r}")
-    for value in keep_blocks:
-        check_int("keep_blocks", value, low=0)
+KEEP_BLOCKS_RULE = "each a block count (int >= 0) or a fraction of the blocks (float in [0, 1))"
+
+
+def check_keep_blocks(keep_blocks) -> tuple[int | float, int | float]:
+    """`keep_blocks` as (first, last), each a count of blocks (int >= 0) or a fraction of them (float in [0, 1),
+    rounded up to whole blocks by `minifloat.core.roles.linears_in_blocks`); ValueError naming the field otherwise."""
+    def ok(v) -> bool:
+        if isinstance(v, bool):
+            return False
+        return (isinstance(v, int) and v >= 0) or (isinstance(v, float) and 0.0 <= v < 1.0)
+
+    if not isinstance(keep_blocks, (tuple, list)) or len(keep_blocks) != 2 or not all(ok(v) for v in keep_blocks):
+        raise ValueError(f"keep_blocks must be (first, last), {KEEP_BLOCKS_RULE}, got {keep_blocks!r}")
     return tuple(keep_blocks)
 
 

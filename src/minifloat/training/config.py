@@ -8,6 +8,7 @@ import re
 import torch
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.fp8.convert import KEEP_BLOCKS_RULE, check_keep_blocks
 from minifloat.fp8.recipes import NVFP4Scaling
 from minifloat.numerics.stateformats import StateFormat
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
@@ -119,7 +120,8 @@ class TrainConfig:
         nvfp4_weight_2d, nvfp4_rht, nvfp4_stochastic_rounding: override the nvfp4 preset's NVFP4Scaling fields of
             those names (ablations: each of arXiv 2509.25149's fixes on or off); None keeps the preset's value.
         keep_blocks: "FIRST,LAST": the linear layers of the first FIRST and last LAST transformer blocks stay in
-            BF16 (PrecisionPolicy.keep_blocks); None keeps the preset's (nvfp4 and mxfp4 keep the last block).
+            BF16 (PrecisionPolicy.keep_blocks); each a count or a fraction of the blocks below 1 ("0,0.15" keeps the
+            last 15%, rounded up); None keeps the preset's (nvfp4 and mxfp4 keep the last block).
     """
 
     model: str = "tiny"
@@ -275,19 +277,18 @@ class TrainConfig:
         return policy
 
     @property
-    def blocks_kept(self) -> tuple[int, int]:
+    def blocks_kept(self) -> tuple[int | float, int | float]:
         """keep_blocks as (first, last), the preset's when None; ValueError naming the field when malformed."""
         if self.keep_blocks is None:
             return PRESETS[self.preset].keep_blocks
         parts = self.keep_blocks.split(",") if isinstance(self.keep_blocks, str) else []
+        error = ValueError(f"keep_blocks must be 'FIRST,LAST', {KEEP_BLOCKS_RULE}, such as '0,1' or '0,0.15', "
+                           f"got {self.keep_blocks!r}")
         try:
-            first, last = (int(p) for p in parts)
+            values = tuple(int(p) if p.strip().isdigit() else float(p) for p in parts)
+            return check_keep_blocks(values if len(values) == 2 else None)
         except ValueError:
-            raise ValueError(f"keep_blocks must be 'FIRST,LAST', two ints >= 0 such as '0,1', "
-                             f"got {self.keep_blocks!r}") from None
-        if first < 0 or last < 0:
-            raise ValueError(f"keep_blocks must be 'FIRST,LAST', two ints >= 0 such as '0,1', got {self.keep_blocks!r}")
-        return first, last
+            raise error from None
 
     @property
     def bf16_tail_start(self) -> int:
