@@ -25,9 +25,10 @@ from minifloat.numerics.fp4 import (
     encode_e2m1,
     pack_e2m1,
     quantize_nvfp4,
+    quantize_nvfp4_t,
     unpack_e2m1,
 )
-from minifloat.numerics.granularity import MX_BLOCK
+from minifloat.numerics.granularity import MX_BLOCK, pad_to_multiple
 from minifloat.numerics.hadamard import hadamard_matrix, rht, rht_inverse, rht_signs
 from minifloat.numerics.quantize import cast, quantize, sqnr_db
 
@@ -709,17 +710,18 @@ def _same_bits(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
     return torch.equal(torch.isnan(a.float()), nan) and torch.equal(a[~nan], b[~nan])
 
 
-# (name, block_2d, stochastic, operand dtype): each compiles once (seconds); together they cover every branch of
-# the kernel (1×16 and 16×16 amax, both roundings, with and without the operand)
+# (name, blocking, stochastic, operand dtype): each compiles once (seconds); together they cover every branch of
+# the kernel (1×16, 16×16 and column-block amax, both roundings, with and without the operand, bfloat16 input)
 NVFP4_COMPILE_CASES = [
-    ("1x16-stochastic-operand", False, True, torch.bfloat16),
-    ("16x16-nearest", True, False, None),
+    ("1x16-stochastic-operand", "1x16", True, torch.bfloat16),
+    ("16x16-nearest", "16x16", False, None),
+    ("columns-stochastic-bf16-input", "columns", True, torch.bfloat16),
 ]
 
 
-@pytest.mark.parametrize("block_2d, stochastic, operand_dtype", [c[1:] for c in NVFP4_COMPILE_CASES],
+@pytest.mark.parametrize("blocking, stochastic, operand_dtype", [c[1:] for c in NVFP4_COMPILE_CASES],
                          ids=[c[0] for c in NVFP4_COMPILE_CASES])
-def test_nvfp4_kernel_compiled_and_eager_agree_bitwise(gen, block_2d, stochastic, operand_dtype):
+def test_nvfp4_kernel_compiled_and_eager_agree_bitwise(gen, blocking, stochastic, operand_dtype):
     """quantize_nvfp4 runs its elementwise part as one compiled kernel (numerics.compiling.maybe_compile); a fresh
     strict compile (no eager fallback) gives the eager function's bits, on data with NaN, ±inf, ±0, values in the
     E4M3 block scales' subnormal range and exact E2M1 ties."""
@@ -727,14 +729,67 @@ def test_nvfp4_kernel_compiled_and_eager_agree_bitwise(gen, block_2d, stochastic
 
     x = torch.randn(48, 80, generator=gen) * torch.logspace(-12, 3, 80)
     x[0, :8] = torch.tensor([NAN, INF, -INF, 0.0, -0.0, 2.5, -5.0, 1e-30])
-    xb = fp4._blocked(x, block_2d)
+    if blocking == "columns":  # quantize_nvfp4_t's layout: 16 rows of a column per block, from bfloat16
+        xb, dims = x.to(torch.bfloat16).reshape(3, 16, 80), (-2,)
+    else:
+        xb, dims = fp4._blocked(x, blocking == "16x16"), ((-3, -1) if blocking == "16x16" else (-1,))
     finite = x[torch.isfinite(x)]
     s_enc = fp4.global_encode_scale(finite.abs().max())
     g = 1.0 / s_enc
     seed = torch.tensor(2**40 + 17) if stochastic else None
     compiled = torch.compile(fp4._nvfp4_cast_kernel, dynamic=True, fullgraph=True)
     with torch.no_grad():
-        got = compiled(xb, s_enc, g, seed, block_2d, operand_dtype)
-    expected = fp4._nvfp4_cast_kernel(xb, s_enc, g, seed, block_2d, operand_dtype)
+        got = compiled(xb, s_enc, g, seed, dims, operand_dtype)
+    expected = fp4._nvfp4_cast_kernel(xb, s_enc, g, seed, dims, operand_dtype)
     for name, a, b in zip(("data", "block scales", "operand"), got, expected):
         assert _same_bits(a, b), name
+
+
+# ---------------------------------------------------------------------------------- quantize_nvfp4_t (wgrad operands)
+
+# (M, K): whole blocks along M, a ragged M (padded to 48), and both dims ragged
+TRANSPOSE_SHAPES = [(64, 40), (40, 48), (33, 17)]
+
+
+@pytest.mark.parametrize("shape", TRANSPOSE_SHAPES, ids=lambda s: f"{s[0]}x{s[1]}")
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("rotate", [False, True], ids=["plain", "rht"])
+def test_quantize_nvfp4_t_is_quantize_nvfp4_of_the_transpose(shape, rounding, dtype, rotate, gen):
+    """Blocks down x's columns, no transposed copy: bitwise the quantization of xᵀ (rotated: of rht(pad(xᵀ))),
+    stochastic rounding's draws included (they are indexed by position in xᵀ)."""
+    x = (torch.randn(*shape, generator=gen) * torch.logspace(-3, 2, shape[1])).to(dtype)
+    signs = rht_signs(7) if rotate else None
+    got = quantize_nvfp4_t(x, rounding=rounding, generator=torch.Generator().manual_seed(3), rht_signs=signs,
+                           operand_dtype=torch.bfloat16)
+    source = rht(pad_to_multiple(x.t().float(), NVFP4_BLOCK), signs) if rotate else x.t()
+    want = quantize_nvfp4(source, rounding=rounding, generator=torch.Generator().manual_seed(3),
+                          operand_dtype=torch.bfloat16)
+    assert got.shape == want.shape  # rotated: M stays padded, the rotated padding belongs to the product
+    assert torch.equal(got.data, want.data)
+    assert torch.equal(got.scale.float(), want.scale.float())
+    assert torch.equal(got.operand, want.operand)
+    assert torch.equal(got.global_scale, want.global_scale) and torch.equal(got.amax, want.amax)
+
+
+def test_quantize_nvfp4_t_refuses_what_it_cannot_block():
+    with pytest.raises(ValueError, match="2-D floating"):
+        quantize_nvfp4_t(torch.ones(2, 16, 16))
+    with pytest.raises(ValueError, match="rounding"):
+        quantize_nvfp4_t(torch.ones(16, 16), rounding="up")
+
+
+@pytest.mark.parametrize("shape", [(64, 40), (3, 32, 24)], ids=["2d", "3d"])
+def test_rht_down_columns_is_the_rht_of_the_transpose(shape, gen):
+    x = torch.randn(*shape, generator=gen)
+    signs = rht_signs(11)
+    down = rht(x, signs, dim=-2)
+    along = rht(x.transpose(-1, -2).contiguous(), signs).transpose(-1, -2)
+    norm = x.transpose(-1, -2).reshape(-1, 16).norm(dim=-1).max().item()
+    assert (down - along).abs().max().item() <= RHT_F32_TOL * norm  # 16-term sums, perhaps in another order
+    back = rht_inverse(down, signs, dim=-2)
+    assert (back - x).abs().max().item() <= RHT_F32_TOL * norm
+    with pytest.raises(ValueError, match="dim must be -1"):
+        rht(x, signs, dim=0)
+    with pytest.raises(ValueError, match="dim -2 must be a multiple of the block 16"):
+        rht(torch.ones(20, 16), signs, dim=-2)

@@ -182,10 +182,17 @@ def identity_nvfp4(x, *, block_2d=False, rounding="nearest", generator=None, glo
     return NVFP4Quantized(x, one, torch.ones(()), x.abs().amax(), block_2d)
 
 
+def identity_nvfp4_t(x, *, rht_signs=None, **options):
+    """quantize_nvfp4_t with the quantization taken out: xᵀ, rotated along M (padded to whole blocks) with signs."""
+    xt = x.detach().float().t()
+    return identity_nvfp4(xt if rht_signs is None else rht(pad_to_multiple(xt, RHT_BLOCK), rht_signs), **options)
+
+
 def test_rht_without_quantization_is_exactly_the_plain_product(monkeypatch, gen):
     """(dyᵀ·Tᵀ)·(xᵀ·Tᵀ)ᵀ = dyᵀ·x. Small integers keep every rotated value (a multiple of 1/4 below 12) and every sum
     exact in bfloat16 and fp32, so the rotated wgrad is bitwise the plain one."""
     monkeypatch.setattr("minifloat.fp8.autograd.quantize_nvfp4", identity_nvfp4)
+    monkeypatch.setattr("minifloat.fp8.autograd.quantize_nvfp4_t", identity_nvfp4_t)
     x = torch.randint(-3, 4, (RHT_BLOCKS_PAD, 64), generator=gen).float()
     dy = torch.randint(-3, 4, (RHT_BLOCKS_PAD, 48), generator=gen).float()
     grads = {}

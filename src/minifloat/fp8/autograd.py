@@ -43,7 +43,7 @@ import torch
 
 from minifloat.fp8 import telemetry
 from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
-from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4
+from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4, quantize_nvfp4_t
 from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
 from minifloat.numerics.hadamard import RHT_BLOCK, rht
 from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t
@@ -158,12 +158,16 @@ class LayerCaster:
         if self.amax_reduce is not None:
             raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not NVFP4 ({role.value} of "
                              f"{self.name or 'a layer'})")
-        source = t.t() if transposed else t
-        if rht_signs is not None:  # zero rows pad the token axis to whole blocks: they add nothing to the product
-            source = rht(pad_to_multiple(source.float(), RHT_BLOCK), rht_signs)
         generator = self.state.sr_generator(t.device) if spec.rounding == "stochastic" else None
-        q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, generator=generator,
-                           operand_dtype=_OPERAND)
+        if transposed and t.dim() == 2 and not spec.block_2d:  # tᵀ blocked down t's columns, no copy of tᵀ
+            q = quantize_nvfp4_t(t, rounding=spec.rounding, generator=generator, operand_dtype=_OPERAND,
+                                 rht_signs=rht_signs)
+        else:
+            source = t.t() if transposed else t
+            if rht_signs is not None:  # zero rows pad the token axis to whole blocks: they add nothing to the product
+                source = rht(pad_to_multiple(source.float(), RHT_BLOCK), rht_signs)
+            q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, generator=generator,
+                               operand_dtype=_OPERAND)
         if record:
             self._observe(role, t, q)
         return q.gemm_operand(_OPERAND)

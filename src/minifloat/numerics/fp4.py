@@ -35,9 +35,10 @@ from minifloat.core.validate import check_bool, check_choice
 from minifloat.numerics.formats import E2M1, E4M3, FP32, NumberFormat
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.granularity import Granularity, pad_to_multiple
+from minifloat.numerics.hadamard import rht
 from minifloat.numerics.intquant import pack_nibbles, unpack_nibbles
 from minifloat.numerics.quantize import Quantized, abs_max, cast
-from minifloat.numerics.rounding import ROUNDINGS, counter_uniform
+from minifloat.numerics.rounding import ROUNDINGS, counter_uniform, counter_uniform_at
 
 NVFP4_BLOCK = 16  # arXiv 2509.25149 §2: 16 elements (1×16, or a 16×16 weight tile) share one E4M3 scale
 GLOBAL_RANGE = E4M3.max * E2M1.max  # 448 · 6 = 2688: the largest block scale times the largest element
@@ -271,30 +272,91 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
     s_enc = global_encode_scale(amax)
     g = _divide(1.0, s_enc)
 
-    # contiguous: a transposed x (wgrad's xᵀ, dyᵀ) would block into a strided view the kernel reads 10× slower
-    xb = _blocked(x.contiguous().float(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
-    # stochastic rounding: one 62-bit seed from `generator`, the draws from it inside the kernel (counter_uniform)
-    seed = torch.randint(0, 2**62, (), generator=generator, device=xb.device) if rounding == "stochastic" else None
-    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, seed, block_2d, operand_dtype)
+    # contiguous: a strided view would block into one the kernel reads 10× slower (quantize_nvfp4_t quantizes a
+    # transpose without the copy); float32 inside the kernel, which fuses the conversion
+    xb = _blocked(x.contiguous(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
+    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device),
+                                     (-3, -1) if block_2d else (-1,), operand_dtype)
 
     scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
     return NVFP4Quantized(_unblocked(data, x.shape, block_2d), scale.to(E4M3.torch_dtype), g, amax, block_2d,
                           None if operand is None else _unblocked(operand, x.shape, block_2d))
 
 
+def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: torch.Generator | None = None,
+                     global_amax: torch.Tensor | None = None, operand_dtype: torch.dtype | None = None,
+                     rht_signs: torch.Tensor | None = None) -> NVFP4Quantized:
+    """quantize_nvfp4(xᵀ) of a 2-D x (M, K), 1×16 blocks along M, without materializing xᵀ.
+
+    The wgrad GEMM quantizes dyᵀ and xᵀ along the token axis M. Transposing first costs a strided copy larger than
+    the cast itself; here the blocks run down x's columns (x viewed as (M/16, 16, K)) and the result's data, scale
+    and operand are transposed views. The values are those of quantize_nvfp4(x.t(), ...): bitwise with rounding to
+    nearest (tested); stochastic rounding draws from the same distribution, indexed in x's layout. `rht_signs`
+    first rotates each column's blocks of 16 (hadamard.rht along dim -2, = rht(xᵀ, signs)ᵀ), as the wgrad operands
+    of NVFP4 training are (arXiv 2509.25149 §4.3). M is zero-padded to a multiple of 16; the rotated result keeps
+    the padded length (rotation fills the padding, and the product over M needs it), the plain one is trimmed to M.
+    Other arguments as in quantize_nvfp4.
+    """
+    check_choice("rounding", rounding, ROUNDINGS)
+    if not x.is_floating_point() or x.dim() != 2:
+        raise ValueError(f"quantize_nvfp4_t expects a 2-D floating tensor, got {x.dtype} of shape {tuple(x.shape)}")
+    m, k = x.shape
+    xp = pad_to_multiple(x.detach(), NVFP4_BLOCK, 0).contiguous()
+    if rht_signs is not None:  # in float32; zero rows add nothing to the rotated blocks or to a product over M
+        xp = rht(xp.float(), rht_signs, dim=-2)
+    amax = abs_max(xp, None) if global_amax is None else global_amax.detach().float().reshape(())
+    s_enc = global_encode_scale(amax)
+    g = _divide(1.0, s_enc)
+    xb = xp.reshape(xp.shape[0] // NVFP4_BLOCK, NVFP4_BLOCK, k)  # (M/16, 16, K): a block is 16 rows of a column
+    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device), (-2,), operand_dtype)
+
+    # rotated, the padding rows are no longer zero and the product over M needs them: keep M padded then
+    keep = xp.shape[0] if rht_signs is not None else m
+
+    def t(y: torch.Tensor) -> torch.Tensor:  # (M/16, 16, K) → the (K, M) view
+        return y.reshape(-1, k)[:keep].t()
+
+    return NVFP4Quantized(t(data), s_b.squeeze(-2).t().to(E4M3.torch_dtype), g, amax, False,
+                          None if operand is None else t(operand))
+
+
+def _sr_seed(rounding: str, generator: torch.Generator | None, device: torch.device) -> torch.Tensor | None:
+    """Stochastic rounding's one 62-bit seed from `generator` (the draws are made from it inside the kernel:
+    counter_uniform); None for rounding to nearest."""
+    return torch.randint(0, 2**62, (), generator=generator, device=device) if rounding == "stochastic" else None
+
+
 def _nvfp4_cast_kernel(xb: torch.Tensor, s_enc: torch.Tensor, g: torch.Tensor, seed: torch.Tensor | None,
-                       block_2d: bool, operand_dtype: torch.dtype | None
+                       dims: tuple[int, ...], operand_dtype: torch.dtype | None
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The elementwise part of quantize_nvfp4 on blocked x, in one pass when compiled: (E2M1 data, the E4M3 block
-    scales as float32, and with `operand_dtype` the GEMM operand data · s_b in it). A `seed` rounds the elements
-    stochastically with the draws counter_uniform(seed, xb.shape); None rounds to nearest."""
-    dims = (-3, -1) if block_2d else (-1,)
+    """The elementwise part of quantize_nvfp4 on blocked x (any floating dtype), in one pass when compiled: (E2M1
+    data, the E4M3 block scales as float32, and with `operand_dtype` the GEMM operand data · s_b in it). A block
+    is the elements along `dims`: (-1,) for 1×16 blocks, (-3, -1) for 16×16 tiles, (-2,) for blocks down columns.
+    A `seed` rounds the elements stochastically with the draws counter_uniform(seed, xb.shape); None rounds to
+    nearest."""
+    xb = xb.float()
     block_amax = xb.abs().amax(dim=dims, keepdim=True)  # NaN propagates through amax
     s_b = block_scales(block_amax, s_enc)
-    u = None if seed is None else counter_uniform(seed, xb.shape)
+    u = None if seed is None else _draws(seed, xb, dims)
     data = cast(xb * encode_multipliers(s_b, g), E2M1, rounding="nearest" if u is None else "stochastic", uniform=u)
     operand = None if operand_dtype is None else (data * s_b).to(operand_dtype)  # exact: see gemm_operand
     return data, s_b, operand
 
 
 _nvfp4_cast = maybe_compile(_nvfp4_cast_kernel)
+
+
+def _draws(seed: torch.Tensor, xb: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """Stochastic rounding's draws for blocked x: counter_uniform(seed, ·) at each element's row-major index in the
+    tensor that is quantized. For column blocks (M/16, 16, K) that tensor is xᵀ (K, M), so element (g, i, k) takes
+    index k·M + 16·g + i: quantize_nvfp4_t(x) rounds exactly as quantize_nvfp4(x.t()) does."""
+    if dims != (-2,):
+        return counter_uniform(seed, xb.shape)
+    groups, block, k = xb.shape
+    dtype = torch.int64 if xb.numel() > 2**31 else torch.int32
+    def arange(n: int) -> torch.Tensor:
+        return torch.arange(n, dtype=dtype, device=xb.device)
+
+    rows = groups * block  # M, padded
+    index = arange(groups)[:, None, None] * block + arange(block)[None, :, None] + arange(k)[None, None, :] * rows
+    return counter_uniform_at(seed, index)

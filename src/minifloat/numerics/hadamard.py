@@ -61,36 +61,45 @@ def rht_signs(seed: int, n: int = RHT_BLOCK) -> torch.Tensor:
     return torch.randint(0, 2, (n,), generator=generator, device="cpu").float() * 2 - 1
 
 
-def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool) -> torch.Tensor:
+def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool, dim: int = -1) -> torch.Tensor:
     check_int("block", block, low=1)
     if signs.shape != (block,):
         raise ValueError(f"signs must have shape ({block},), got {tuple(signs.shape)}")
-    if x.dim() == 0 or x.shape[-1] % block:
-        raise ValueError(f"the last dim must be a multiple of the block {block}, got shape {tuple(x.shape)}")
+    if dim not in (-1, -2):
+        raise ValueError(f"dim must be -1 (along rows) or -2 (down columns), got {dim!r}")
+    if x.dim() < -dim or x.shape[dim] % block:
+        raise ValueError(f"{'the last dim' if dim == -1 else 'dim -2'} must be a multiple of the block {block}, "
+                         f"got shape {tuple(x.shape)}")
     dtype = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 input
     h = hadamard_matrix(block, dtype=dtype, device=x.device)
     s = signs.to(dtype=dtype, device=x.device)
-    xb = x.to(dtype).reshape(-1, block)  # (·, n): one block per row; 2-D, so one GEMM (a batched one is ~10× slower)
     norm = 1.0 / math.sqrt(block)  # 1/4 for n = 16: exact
     # rows: y_b = x_b·(H·S)ᵀ/√n = x_b·(S·H/√n) (H symmetric); inverse x_b = y_b·(H·S/√n). The ±1/√n matrix is
     # exact for a power-of-two √n (n = 16), so one GEMM does what scaling, sign flips and the product did in three.
     m = (h * s * norm) if inverse else (s[:, None] * h * norm)
+    if dim == -2:  # column blocks: y_b = x_b·m for each column's block b, i.e. mᵀ @ (16, N) per group of 16 rows
+        *lead, rows, cols = x.shape
+        groups = x.to(dtype).reshape(*lead, rows // block, block, cols)
+        return torch.matmul(m.t(), groups).reshape(x.shape).to(x.dtype)
+    xb = x.to(dtype).reshape(-1, block)  # (·, n): one block per row; 2-D, so one GEMM (a batched one is ~10× slower)
     return (xb @ m).reshape(x.shape).to(x.dtype)
 
 
-def rht(x: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK) -> torch.Tensor:
-    """H·diag(signs)/√block applied to each block of `block` elements along the last dim.
+def rht(x: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK, dim: int = -1) -> torch.Tensor:
+    """H·diag(signs)/√block applied to each block of `block` elements along `dim`.
 
     Args:
-        x: floating tensor whose last dim is a multiple of `block`.
+        x: floating tensor whose `dim` is a multiple of `block`.
         signs: (block,) tensor of ±1 (see `rht_signs`).
         block: transform size, a power of two (16 in NVFP4 training).
+        dim: -1 (blocks along rows) or -2 (blocks down columns: rht(x, s, dim=-2) = rht(xᵀ, s)ᵀ for 2-D x, with
+            no transposed copy: a batched 16×16 product on x's layout).
     Returns:
         A tensor of x's shape and dtype, computed in float32 (float64 for float64 input).
     """
-    return _transform(x, signs, block, inverse=False)
+    return _transform(x, signs, block, inverse=False, dim=dim)
 
 
-def rht_inverse(y: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK) -> torch.Tensor:
+def rht_inverse(y: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK, dim: int = -1) -> torch.Tensor:
     """The inverse (= transpose) of `rht` with the same signs: rht_inverse(rht(x, s), s) = x up to rounding."""
-    return _transform(y, signs, block, inverse=True)
+    return _transform(y, signs, block, inverse=True, dim=dim)

@@ -105,12 +105,18 @@ def counter_uniform(seed: torch.Tensor, shape: torch.Size | tuple[int, ...], *, 
     tested statistically (tests/test_rounding.py). `wide` computes in int64 (the reference form; the same bits).
     """
     n = math.prod(shape)
+    index_dtype = torch.int64 if wide or n > _INT32_INDICES else torch.int32
+    return counter_uniform_at(seed, torch.arange(n, dtype=index_dtype, device=seed.device)).reshape(shape)
+
+
+def counter_uniform_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """counter_uniform's draws at the given flat indices (int32, or int64 taken modulo 2^32), of index's shape: the
+    draws a tensor would get at those positions, for a kernel that walks a tensor in another layout."""
     seed = seed.to(torch.int64)
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
-    if wide or n > _INT32_INDICES:
-        index = torch.arange(n, dtype=torch.int64, device=seed.device) & _MASK32
+    if index.dtype == torch.int64:
+        index = index & _MASK32
     else:  # the halves' bits as int32 (values from 2^31 become negative: the same 32 bits)
         lo, hi = (torch.where(v >= 2**31, v - 2**32, v).to(torch.int32) for v in (lo, hi))
-        index = torch.arange(n, dtype=torch.int32, device=seed.device)
     h = _hash32(_hash32(index ^ lo) ^ hi)
-    return (_shift_right(h, 32 - UNIFORM_BITS).to(torch.float32) * 2.0**-UNIFORM_BITS).reshape(shape)
+    return _shift_right(h, 32 - UNIFORM_BITS).to(torch.float32) * 2.0**-UNIFORM_BITS
