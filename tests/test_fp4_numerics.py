@@ -793,3 +793,20 @@ def test_rht_down_columns_is_the_rht_of_the_transpose(shape, gen):
         rht(x, signs, dim=0)
     with pytest.raises(ValueError, match="dim -2 must be a multiple of the block 16"):
         rht(torch.ones(20, 16), signs, dim=-2)
+
+
+@pytest.mark.parametrize("block_2d", [False, True], ids=["1x16", "16x16"])
+def test_keep_data_false_keeps_the_operand_and_scales_only(block_2d, gen):
+    x = torch.randn(40, 56, generator=gen)
+    full = quantize_nvfp4(x, block_2d=block_2d, operand_dtype=torch.bfloat16)
+    lean = quantize_nvfp4(x, block_2d=block_2d, operand_dtype=torch.bfloat16, keep_data=False)
+    assert lean.data is None and lean.shape == full.shape
+    assert torch.equal(lean.operand, full.operand) and torch.equal(lean.scale.float(), full.scale.float())
+    assert torch.equal(lean.dequantize(), full.dequantize())  # the operand holds data · scale exactly
+    lean_t = quantize_nvfp4_t(x, operand_dtype=torch.bfloat16, keep_data=False)
+    assert lean_t.data is None
+    assert torch.equal(lean_t.operand, quantize_nvfp4(x.t(), operand_dtype=torch.bfloat16).operand)
+    with pytest.raises(ValueError, match="keep_data=True"):
+        lean.codes()
+    with pytest.raises(ValueError, match="needs operand_dtype"):
+        quantize_nvfp4(x, keep_data=False)

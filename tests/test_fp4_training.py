@@ -174,7 +174,8 @@ def test_weight_2d_gives_dgrad_the_forward_weight(monkeypatch, gen):
         assert same is weight_2d, weight_2d  # 1×16 blocks along K and along N round W differently
 
 
-def identity_nvfp4(x, *, block_2d=False, rounding="nearest", generator=None, global_amax=None, operand_dtype=None):
+def identity_nvfp4(x, *, block_2d=False, rounding="nearest", generator=None, global_amax=None, operand_dtype=None,
+                   keep_data=True):
     """quantize_nvfp4 with the quantization taken out: data x, block scales 1, global scale 1."""
     x = x.detach().float()
     blocks = [-(-n // 16) for n in x.shape[-2:]] if block_2d else [*x.shape[:-1], -(-x.shape[-1] // 16)]

@@ -27,6 +27,7 @@ Rounding goes through `minifloat.numerics.quantize.cast`, the one rounding path.
 from __future__ import annotations
 
 import dataclasses
+import math
 import functools
 
 import torch
@@ -173,7 +174,7 @@ class NVFP4Quantized:
 
     Attributes:
         data: the E2M1 element values, float32, of x's shape (NaN where x was NaN); `codes()` / `packed()` give
-            their 4-bit encodings.
+            their 4-bit encodings. None for a cast made for its GEMM operand only (quantize_nvfp4's keep_data).
         scale: E4M3 block decode scales, torch.float8_e4m3fn: (..., ceil(K/16)) for 1×16 blocks along the last
             dim, (..., ceil(M/16), ceil(K/16)) for 16×16 tiles (block_2d).
         global_scale: float32 0-d decode scale g = 1 / s_enc, s_enc = 2688 / amax (see the module docstring).
@@ -181,7 +182,7 @@ class NVFP4Quantized:
         block_2d: 16×16 tiles over the last two dims instead of 1×16 blocks along the last.
     """
 
-    data: torch.Tensor
+    data: torch.Tensor | None
     scale: torch.Tensor
     global_scale: torch.Tensor
     amax: torch.Tensor
@@ -190,7 +191,7 @@ class NVFP4Quantized:
 
     @property
     def shape(self) -> torch.Size:
-        return self.data.shape
+        return (self.data if self.data is not None else self.operand).shape
 
     @property
     def block(self) -> tuple[int, int]:
@@ -203,6 +204,8 @@ class NVFP4Quantized:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """(data · scale) · global_scale in float32 (the first product exact, the second rounded once), in `dtype`."""
+        if self.data is None:  # the operand holds data · scale exactly
+            return (self.operand.float() * self.global_scale).to(dtype)
         return ((self.data * self.expanded_scale()) * self.global_scale).to(dtype)
 
     def gemm_operand(self, dtype: torch.dtype = torch.bfloat16) -> Quantized:
@@ -218,11 +221,17 @@ class NVFP4Quantized:
 
     def codes(self) -> torch.Tensor:
         """uint8 E2M1 codes of data (ValueError if data holds NaN, which E2M1 cannot encode)."""
-        return encode_e2m1(self.data)
+        return encode_e2m1(self._elements())
 
     def packed(self) -> torch.Tensor:
         """data as E2M1 codes packed two per byte along the last dim (see `pack_e2m1`)."""
-        return pack_e2m1(self.data)
+        return pack_e2m1(self._elements())
+
+    def _elements(self) -> torch.Tensor:
+        if self.data is None:
+            raise ValueError("this NVFP4 cast kept only its GEMM operand (keep_data=False); quantize with "
+                             "keep_data=True for the E2M1 elements")
+        return self.data
 
     def t(self) -> NVFP4Quantized:
         """Transpose of a 2-D tensor with 16×16 tiles: bitwise quantize_nvfp4(x.t(), block_2d=True)."""
@@ -230,19 +239,20 @@ class NVFP4Quantized:
             raise ValueError(f"only 2-D tensors with 16×16 blocks (block_2d=True) transpose exactly; 1×16 blocks "
                              f"run along K, so xᵀ must be quantized from x (got block_2d={self.block_2d}, "
                              f"shape {tuple(self.shape)})")
-        return NVFP4Quantized(self.data.t(), self.scale.t(), self.global_scale, self.amax, True,
+        return NVFP4Quantized(None if self.data is None else self.data.t(), self.scale.t(), self.global_scale,
+                              self.amax, True,
                               None if self.operand is None else self.operand.t())
 
     def nbytes(self) -> int:
         """Bytes of packed elements, E4M3 block scales and the fp32 global scale."""
         k = self.shape[-1]
-        rows = self.data.numel() // k if k else 0
+        rows = math.prod(self.shape) // k if k else 0
         return rows * -(-k // 2) + self.scale.numel() + 4
 
 
 def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "nearest",
                    generator: torch.Generator | None = None, global_amax: torch.Tensor | None = None,
-                   operand_dtype: torch.dtype | None = None) -> NVFP4Quantized:
+                   operand_dtype: torch.dtype | None = None, keep_data: bool = True) -> NVFP4Quantized:
     """Quantize `x` to NVFP4 with the two-level scales of the module docstring.
 
     Args:
@@ -257,11 +267,14 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
         global_amax: a per-tensor amax the caller has (e.g. the whole tensor's, for one shard of it); None measures
             x's own.
         operand_dtype: also make the GEMM operand (`gemm_operand(operand_dtype)`) in the same pass.
+        keep_data: False (with operand_dtype) makes only the operand and the scales: data is None. A GEMM needs no
+            more, and the kernel then skips a float32 write per element.
     Returns:
         NVFP4Quantized with data of x's shape.
     """
     check_bool("block_2d", block_2d)
     check_choice("rounding", rounding, ROUNDINGS)
+    _check_keep_data(keep_data, operand_dtype)
     if not x.is_floating_point():
         raise TypeError(f"quantize_nvfp4 expects a floating tensor, got {x.dtype}")
     if x.dim() < (2 if block_2d else 1):
@@ -276,16 +289,18 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
     # transpose without the copy); float32 inside the kernel, which fuses the conversion
     xb = _blocked(x.contiguous(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
     data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device),
-                                     (-3, -1) if block_2d else (-1,), operand_dtype)
+                                     (-3, -1) if block_2d else (-1,), operand_dtype, keep_data)
 
     scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
-    return NVFP4Quantized(_unblocked(data, x.shape, block_2d), scale.to(E4M3.torch_dtype), g, amax, block_2d,
-                          None if operand is None else _unblocked(operand, x.shape, block_2d))
+    def unblocked(y: torch.Tensor | None) -> torch.Tensor | None:
+        return None if y is None else _unblocked(y, x.shape, block_2d)
+
+    return NVFP4Quantized(unblocked(data), scale.to(E4M3.torch_dtype), g, amax, block_2d, unblocked(operand))
 
 
 def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: torch.Generator | None = None,
                      global_amax: torch.Tensor | None = None, operand_dtype: torch.dtype | None = None,
-                     rht_signs: torch.Tensor | None = None) -> NVFP4Quantized:
+                     rht_signs: torch.Tensor | None = None, keep_data: bool = True) -> NVFP4Quantized:
     """quantize_nvfp4(xᵀ) of a 2-D x (M, K), 1×16 blocks along M, without materializing xᵀ.
 
     The wgrad GEMM quantizes dyᵀ and xᵀ along the token axis M. Transposing first costs a strided copy larger than
@@ -298,6 +313,7 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
     Other arguments as in quantize_nvfp4.
     """
     check_choice("rounding", rounding, ROUNDINGS)
+    _check_keep_data(keep_data, operand_dtype)
     if not x.is_floating_point() or x.dim() != 2:
         raise ValueError(f"quantize_nvfp4_t expects a 2-D floating tensor, got {x.dtype} of shape {tuple(x.shape)}")
     m, k = x.shape
@@ -308,7 +324,8 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
     s_enc = global_encode_scale(amax)
     g = _divide(1.0, s_enc)
     xb = xp.reshape(xp.shape[0] // NVFP4_BLOCK, NVFP4_BLOCK, k)  # (M/16, 16, K): a block is 16 rows of a column
-    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device), (-2,), operand_dtype)
+    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device), (-2,), operand_dtype,
+                                     keep_data)
 
     # rotated, the padding rows are no longer zero and the product over M needs them: keep M padded then
     keep = xp.shape[0] if rht_signs is not None else m
@@ -316,8 +333,14 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
     def t(y: torch.Tensor) -> torch.Tensor:  # (M/16, 16, K) → the (K, M) view
         return y.reshape(-1, k)[:keep].t()
 
-    return NVFP4Quantized(t(data), s_b.squeeze(-2).t().to(E4M3.torch_dtype), g, amax, False,
+    return NVFP4Quantized(None if data is None else t(data), s_b.squeeze(-2).t().to(E4M3.torch_dtype), g, amax, False,
                           None if operand is None else t(operand))
+
+
+def _check_keep_data(keep_data: bool, operand_dtype: torch.dtype | None) -> None:
+    check_bool("keep_data", keep_data)
+    if not keep_data and operand_dtype is None:
+        raise ValueError("keep_data=False keeps only the GEMM operand, so it needs operand_dtype (e.g. torch.bfloat16)")
 
 
 def _sr_seed(rounding: str, generator: torch.Generator | None, device: torch.device) -> torch.Tensor | None:
@@ -327,20 +350,20 @@ def _sr_seed(rounding: str, generator: torch.Generator | None, device: torch.dev
 
 
 def _nvfp4_cast_kernel(xb: torch.Tensor, s_enc: torch.Tensor, g: torch.Tensor, seed: torch.Tensor | None,
-                       dims: tuple[int, ...], operand_dtype: torch.dtype | None
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                       dims: tuple[int, ...], operand_dtype: torch.dtype | None, keep_data: bool = True
+                       ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """The elementwise part of quantize_nvfp4 on blocked x (any floating dtype), in one pass when compiled: (E2M1
     data, the E4M3 block scales as float32, and with `operand_dtype` the GEMM operand data · s_b in it). A block
     is the elements along `dims`: (-1,) for 1×16 blocks, (-3, -1) for 16×16 tiles, (-2,) for blocks down columns.
     A `seed` rounds the elements stochastically with the draws counter_uniform(seed, xb.shape); None rounds to
-    nearest."""
+    nearest. Without `keep_data` the data is not returned (a compiled kernel then never writes it)."""
     xb = xb.float()
     block_amax = xb.abs().amax(dim=dims, keepdim=True)  # NaN propagates through amax
     s_b = block_scales(block_amax, s_enc)
     u = None if seed is None else _draws(seed, xb, dims)
     data = cast(xb * encode_multipliers(s_b, g), E2M1, rounding="nearest" if u is None else "stochastic", uniform=u)
     operand = None if operand_dtype is None else (data * s_b).to(operand_dtype)  # exact: see gemm_operand
-    return data, s_b, operand
+    return data if keep_data else None, s_b, operand
 
 
 _nvfp4_cast = maybe_compile(_nvfp4_cast_kernel)
