@@ -101,22 +101,30 @@ def report(variants: list[str], seeds: list[int], out: pathlib.Path) -> dict:
             line += f"{r['val_loss']:>10.4f}{d:>+8.2f}%"
         mean = statistics.fmean(rel) if rel and v != BASELINE else float("nan")
         print(line + (f"{mean:>+8.2f}%" if rel and v != BASELINE else ""))
+        skips = {s: r["skipped"] for s, r in by_seed.items() if r is not None and r["skipped"]}
+        if skips:
+            print(f"{'':<18}steps skipped by the guard: " + ", ".join(f"seed {s}: {n}" for s, n in skips.items()))
         rows[v] = {"seeds": {str(s): r for s, r in by_seed.items()}, "mean_vs_bf16_pct": mean,
                    "what": VARIANTS[v][1]}
     return rows
 
 
-def throughput(steps: int, out: pathlib.Path) -> dict:
-    """tokens/s of each THROUGHPUT variant over `steps` steps (median after WARMUP_STEPS), one after another."""
-    result = {}
-    for v in THROUGHPUT:
-        cfg = dataclasses.replace(config(v, 0, out / "throughput", steps=steps), eval_every=10**6, eval_batches=1)
-        train(cfg, progress=False)
-        with open(pathlib.Path(cfg.out) / "log.csv", newline="") as f:
-            rates = [float(r["tokens_per_s"]) for r in csv.DictReader(f)][WARMUP_STEPS:]
-        result[v] = {"tokens_per_s": statistics.median(rates)}
+def throughput(steps: int, out: pathlib.Path, rounds: int = 1) -> dict:
+    """tokens/s of each THROUGHPUT variant over `steps` steps (median after WARMUP_STEPS), one after another; with
+    `rounds` > 1 the whole sequence repeats and each variant keeps the median of its rounds (slow drifts of the
+    machine then reach every variant alike)."""
+    per_round: dict[str, list[float]] = {v: [] for v in THROUGHPUT}
+    for _ in range(rounds):
+        for v in THROUGHPUT:
+            cfg = dataclasses.replace(config(v, 0, out / "throughput", steps=steps), eval_every=10**6,
+                                      eval_batches=1)
+            train(cfg, progress=False)
+            with open(pathlib.Path(cfg.out) / "log.csv", newline="") as f:
+                rates = [float(r["tokens_per_s"]) for r in csv.DictReader(f)][WARMUP_STEPS:]
+            per_round[v].append(statistics.median(rates))
+    result = {v: {"tokens_per_s": statistics.median(r), "rounds": r} for v, r in per_round.items()}
     base, fp8 = result["bf16"]["tokens_per_s"], result["fp8-current"]["tokens_per_s"]
-    print(f"\n10m Llama, {steps} steps each; {machine.line()}")
+    print(f"\n10m Llama, {steps} steps each, {rounds} round(s); {machine.line()}")
     print(f"{'variant':<16}{'tokens/s':>10}{'× bf16':>8}{'step ÷ fp8-current':>20}")
     for v, r in result.items():
         r["vs_bf16"], r["step_vs_fp8_current"] = r["tokens_per_s"] / base, fp8 / r["tokens_per_s"]
@@ -133,6 +141,8 @@ def main() -> int:
     p.add_argument("--report", action="store_true", help="only read the finished runs and print the table")
     p.add_argument("--throughput-steps", type=int, default=0, metavar="N",
                    help="instead: tokens/s of bf16, fp8-current and the 4-bit variants over N steps each")
+    p.add_argument("--rounds", type=int, default=1, metavar="R",
+                   help="with --throughput-steps: repeat the sequence R times, median per variant (default 1)")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     args = p.parse_args()
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
@@ -142,7 +152,7 @@ def main() -> int:
     out = pathlib.Path(args.out)
     torch.set_num_threads(args.threads)
     if args.throughput_steps:
-        result = {"throughput": throughput(args.throughput_steps, out)}
+        result = {"throughput": throughput(args.throughput_steps, out, args.rounds)}
     else:
         if not args.report:
             for seed in seeds:
