@@ -22,11 +22,11 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.core.rng import stream_generator
 from minifloat.fp8 import fp4linear, telemetry
 from minifloat.numerics.formats import E2M1, E4M3
 from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4
 from minifloat.numerics.hadamard import RHT_BLOCK, rht
+from minifloat.numerics.rounding import counter_seed
 from minifloat.numerics.granularity import pad_to_multiple
 from minifloat.safety.audit import audit
 
@@ -91,8 +91,8 @@ def expected_operands(recipe, state, x, w, dy):
     def q(t, block_2d=False, rounding="nearest", draw=None, rotate=False):
         if rotate:
             t = rht(pad_to_multiple(t.float(), RHT_BLOCK), state.rht_signs)
-        generator = None if draw is None else stream_generator(int(state.sr_seed), draw)
-        nq = quantize_nvfp4(t, block_2d=block_2d, rounding=rounding, generator=generator)
+        seed = None if draw is None else counter_seed(state.sr_seed, torch.tensor(draw))
+        nq = quantize_nvfp4(t, block_2d=block_2d, rounding=rounding, seed=seed)
         return (nq.data.double() * nq.expanded_scale().double()) * nq.global_scale.double()
 
     sr = "stochastic" if recipe.stochastic_rounding else "nearest"
@@ -175,7 +175,7 @@ def test_weight_2d_gives_dgrad_the_forward_weight(monkeypatch, gen):
 
 
 def identity_nvfp4(x, *, block_2d=False, rounding="nearest", generator=None, global_amax=None, operand_dtype=None,
-                   keep_data=True):
+                   keep_data=True, seed=None):
     """quantize_nvfp4 with the quantization taken out: data x, block scales 1, global scale 1."""
     x = x.detach().float()
     blocks = [-(-n // 16) for n in x.shape[-2:]] if block_2d else [*x.shape[:-1], -(-x.shape[-1] // 16)]

@@ -158,17 +158,17 @@ class LayerCaster:
         if self.amax_reduce is not None:
             raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not NVFP4 ({role.value} of "
                              f"{self.name or 'a layer'})")
-        generator = self.state.sr_generator(t.device) if spec.rounding == "stochastic" else None
+        seed = self.state.sr_next_seed() if spec.rounding == "stochastic" else None
         # the GEMM needs only the operand; telemetry also reads the E2M1 elements
         keep_data = record and self.recording and telemetry.enabled()
         if transposed and t.dim() == 2 and not spec.block_2d:  # tᵀ blocked down t's columns, no copy of tᵀ
-            q = quantize_nvfp4_t(t, rounding=spec.rounding, generator=generator, operand_dtype=_OPERAND,
+            q = quantize_nvfp4_t(t, rounding=spec.rounding, seed=seed, operand_dtype=_OPERAND,
                                  rht_signs=rht_signs, keep_data=keep_data)
         else:
             source = t.t() if transposed else t
             if rht_signs is not None:  # zero rows pad the token axis to whole blocks: they add nothing to the product
                 source = rht(pad_to_multiple(source.float(), RHT_BLOCK), rht_signs)
-            q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, generator=generator,
+            q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, seed=seed,
                                operand_dtype=_OPERAND, keep_data=keep_data)
         if record:
             self._observe(role, t, q)

@@ -13,7 +13,8 @@ rollback or a skipped step brings it back with the rest:
 
     rht_signs     (16,)  float32   the random Hadamard transform's fixed signs (numerics.hadamard.rht_signs)
     sr_seed       ()     int64     this layer's stochastic-rounding stream (core.rng.named_seed)
-    sr_draws      ()     int64     how many draws the stream has made: draw n uses core.rng.stream_generator(seed, n)
+    sr_draws      ()     int64     how many draws the stream has made: draw n rounds with the seed
+                                   numerics.rounding.counter_seed(sr_seed, n), derived on the device
 
 All are plain tensors in `state_dict` (no pickled objects) and restore exactly. Row 0 of every layer's history is
 what data-parallel ranks must agree on: `reduce_amax` concatenates those rows of all layers and reduces them with
@@ -29,9 +30,10 @@ from typing import Callable
 import torch
 from torch import nn
 
-from minifloat.core.rng import named_seed, stream_generator
+from minifloat.core.rng import named_seed
 from minifloat.numerics.hadamard import rht_signs
 from minifloat.numerics.quantize import scale_from_amax
+from minifloat.numerics.rounding import counter_seed
 from minifloat.fp8.recipes import DEFAULT_AMAX_HISTORY_LEN, ROLES, AmaxCompute, DelayedScaling, Role
 
 log = logging.getLogger("minifloat")
@@ -52,14 +54,12 @@ class ScalingState(nn.Module):
         self.register_buffer("nonfinite", torch.zeros(n, dtype=torch.int64, device=device))
         self._warned = False
         self._seeded: list[bool] | None = None  # host mirror of `initialized`, so GPU runs avoid a sync per cast
-        self._stream: tuple[int, int] | None = None  # host mirror of (sr_seed, sr_draws)
         # bumped whenever the scales may change outside a cast (a step's end, a load or restore): casts cached
         # for the step (the weight's) are only valid for the generation they were made in
         self.generation = 0
 
     def _load_from_state_dict(self, *args, **kwargs):
         self._seeded = None
-        self._stream = None
         self.generation += 1
         super()._load_from_state_dict(*args, **kwargs)
 
@@ -87,19 +87,16 @@ class ScalingState(nn.Module):
         self.register_buffer("rht_signs", rht_signs(seed).to(device))
         self.register_buffer("sr_seed", torch.tensor(named_seed(seed, name), dtype=torch.int64, device=device))
         self.register_buffer("sr_draws", torch.zeros((), dtype=torch.int64, device=device))
-        self._stream = None
 
-    def sr_generator(self, device: torch.device) -> torch.Generator | None:
-        """A generator for this layer's next stochastic-rounding draw (the stream's count goes up by one); None on
-        the meta device, where nothing is drawn."""
+    def sr_next_seed(self) -> torch.Tensor | None:
+        """The seed of this layer's next stochastic-rounding draw, counter_seed(sr_seed, sr_draws), and the stream's
+        count up by one; tensor operations only (no host read), so a compiled graph traces it. None on the meta
+        device, where nothing is drawn."""
         if self.sr_draws.is_meta:
             return None
-        if self._stream is None:
-            self._stream = (int(self.sr_seed), int(self.sr_draws))  # one host read, until the next load
-        seed, n = self._stream
-        self.sr_draws += 1
-        self._stream = (seed, n + 1)
-        return stream_generator(seed, n, device)
+        seed = counter_seed(self.sr_seed, self.sr_draws)
+        self.sr_draws.add_(1)
+        return seed
 
     def resize(self, history_len: int) -> None:
         """Change the history length, keeping the current row and the newest completed steps.

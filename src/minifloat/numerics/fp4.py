@@ -252,7 +252,8 @@ class NVFP4Quantized:
 
 def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "nearest",
                    generator: torch.Generator | None = None, global_amax: torch.Tensor | None = None,
-                   operand_dtype: torch.dtype | None = None, keep_data: bool = True) -> NVFP4Quantized:
+                   operand_dtype: torch.dtype | None = None, keep_data: bool = True,
+                   seed: torch.Tensor | None = None) -> NVFP4Quantized:
     """Quantize `x` to NVFP4 with the two-level scales of the module docstring.
 
     Args:
@@ -264,6 +265,8 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
             scales are always rounded to nearest.
         generator: the torch.Generator stochastic rounding draws its seed from (None: torch's default one); the
             draws themselves are `numerics.rounding.counter_uniform(seed, ...)`, made inside the cast's kernel.
+        seed: stochastic rounding's seed itself, a 0-d int64 tensor in [0, 2^62) (instead of one drawn from
+            `generator`): no host-side generator, so a compiled graph can pass one (a layer's counter_seed).
         global_amax: a per-tensor amax the caller has (e.g. the whole tensor's, for one shard of it); None measures
             x's own.
         operand_dtype: also make the GEMM operand (`gemm_operand(operand_dtype)`) in the same pass.
@@ -288,7 +291,7 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
     # contiguous: a strided view would block into one the kernel reads 10× slower (quantize_nvfp4_t quantizes a
     # transpose without the copy); float32 inside the kernel, which fuses the conversion
     xb = _blocked(x.contiguous(), block_2d)  # (..., KB, 16) or (..., MB, 16, KB, 16)
-    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device),
+    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, seed, xb.device),
                                      (-3, -1) if block_2d else (-1,), operand_dtype, keep_data)
 
     scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
@@ -300,7 +303,8 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
 
 def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: torch.Generator | None = None,
                      global_amax: torch.Tensor | None = None, operand_dtype: torch.dtype | None = None,
-                     rht_signs: torch.Tensor | None = None, keep_data: bool = True) -> NVFP4Quantized:
+                     rht_signs: torch.Tensor | None = None, keep_data: bool = True,
+                     seed: torch.Tensor | None = None) -> NVFP4Quantized:
     """quantize_nvfp4(xᵀ) of a 2-D x (M, K), 1×16 blocks along M, without materializing xᵀ.
 
     The wgrad GEMM quantizes dyᵀ and xᵀ along the token axis M. Transposing first costs a strided copy larger than
@@ -324,8 +328,8 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
     s_enc = global_encode_scale(amax)
     g = _divide(1.0, s_enc)
     xb = xp.reshape(xp.shape[0] // NVFP4_BLOCK, NVFP4_BLOCK, k)  # (M/16, 16, K): a block is 16 rows of a column
-    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, xb.device), (-2,), operand_dtype,
-                                     keep_data)
+    data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, seed, xb.device), (-2,),
+                                     operand_dtype, keep_data)
 
     # rotated, the padding rows are no longer zero and the product over M needs them: keep M padded then
     keep = xp.shape[0] if rht_signs is not None else m
@@ -343,10 +347,15 @@ def _check_keep_data(keep_data: bool, operand_dtype: torch.dtype | None) -> None
         raise ValueError("keep_data=False keeps only the GEMM operand, so it needs operand_dtype (e.g. torch.bfloat16)")
 
 
-def _sr_seed(rounding: str, generator: torch.Generator | None, device: torch.device) -> torch.Tensor | None:
-    """Stochastic rounding's one 62-bit seed from `generator` (the draws are made from it inside the kernel:
-    counter_uniform); None for rounding to nearest."""
-    return torch.randint(0, 2**62, (), generator=generator, device=device) if rounding == "stochastic" else None
+def _sr_seed(rounding: str, generator: torch.Generator | None, seed: torch.Tensor | None,
+             device: torch.device) -> torch.Tensor | None:
+    """Stochastic rounding's one 62-bit seed: `seed`, or one from `generator` (the draws are made from it inside the
+    kernel: counter_uniform); None for rounding to nearest."""
+    if rounding != "stochastic":
+        return None
+    if seed is not None:
+        return seed.to(device=device, dtype=torch.int64).reshape(())
+    return torch.randint(0, 2**62, (), generator=generator, device=device)
 
 
 def _nvfp4_cast_kernel(xb: torch.Tensor, s_enc: torch.Tensor, g: torch.Tensor, seed: torch.Tensor | None,

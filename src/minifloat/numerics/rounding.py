@@ -109,6 +109,21 @@ def counter_uniform(seed: torch.Tensor, shape: torch.Size | tuple[int, ...], *, 
     return counter_uniform_at(seed, torch.arange(n, dtype=index_dtype, device=seed.device)).reshape(shape)
 
 
+def counter_seed(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A 62-bit seed (0-d int64 tensor) for draw `index` of the stream `seed` (0-d int64 tensors, index < 2^32):
+    the hash of both, computed on the tensors' device with no host read, so that a compiled graph can derive each
+    stochastic-rounding cast's seed from a layer's buffers. Distinct (seed, index) pairs give unrelated seeds for
+    counter_uniform; int64 arithmetic on 32-bit halves never overflows."""
+    seed, index = seed.to(torch.int64), index.to(torch.int64) & _MASK32
+    lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
+    out_lo = _hash32(_hash32(index ^ lo) ^ hi)
+    out_hi = _hash32(out_lo ^ _hash32(hi ^ _SEED_SALT) ^ lo)
+    return ((out_hi >> 2) << 32) | out_lo  # below 2^62
+
+
+_SEED_SALT = 0x5BD1E995  # keeps out_hi from being a function of out_lo alone when both halves of the seed are 0
+
+
 def counter_uniform_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     """counter_uniform's draws at the given flat indices (int32, or int64 taken modulo 2^32), of index's shape: the
     draws a tensor would get at those positions, for a kernel that walks a tensor in another layout."""
