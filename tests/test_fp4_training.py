@@ -189,6 +189,20 @@ def identity_nvfp4_t(x, *, rht_signs=None, **options):
     return identity_nvfp4(xt if rht_signs is None else rht(pad_to_multiple(xt, RHT_BLOCK), rht_signs), **options)
 
 
+def test_rht_of_the_saved_operand_stays_float32_under_autocast(monkeypatch, gen):
+    """The forward rotates xᵀ for wgrad under the model's torch.autocast: the 16×16 product must not round to
+    bfloat16 there (it did: autocast caught the RHT's matmul), so the operand is the one made without autocast."""
+    recipe = mf.NVFP4Scaling(stochastic_rounding=False)
+    lin = layer(recipe)
+    x = torch.randn(RHT_BLOCKS_PAD, 64, generator=gen)
+    gemms = Gemms(monkeypatch)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = lin(x)
+    y.float().sum().backward()
+    expected_xt = expected_operands(recipe, lin.fp8_state, x, lin.weight.detach(), torch.ones(y.shape))[5]
+    assert torch.equal(values64(gemms.calls[-1][1]), expected_xt)  # wgrad (x needs no grad: no dgrad)
+
+
 def test_rht_without_quantization_is_exactly_the_plain_product(monkeypatch, gen):
     """(dyᵀ·Tᵀ)·(xᵀ·Tᵀ)ᵀ = dyᵀ·x. Small integers keep every rotated value (a multiple of 1/4 below 12) and every sum
     exact in bfloat16 and fp32, so the rotated wgrad is bitwise the plain one."""

@@ -13,7 +13,7 @@ import minifloat as mf
 from minifloat.numerics import compiling
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.quantize import cast
-from minifloat.numerics.rounding import UNIFORM_BITS, counter_uniform, round_stochastic
+from minifloat.numerics.rounding import UNIFORM_BITS, counter_seed, counter_uniform, round_stochastic
 
 SR_FORMATS = [mf.BF16, mf.E4M3, mf.E5M2, mf.E2M1]
 E2M1_VALUES = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]  # OCP MX v1.0 §5.3.3
@@ -247,3 +247,17 @@ def test_cast_takes_given_draws():
     out = cast(y, mf.E2M1, rounding="stochastic", uniform=u)
     assert torch.equal(out, round_stochastic(y, mf.E2M1, u))
     assert torch.equal(out, torch.where(u >= 0.5, 3.0, 2.0))
+
+
+def test_counter_seeds_depend_on_seed_and_index_only():
+    def seed_of(seed, index):
+        return int(counter_seed(torch.tensor(seed, dtype=torch.int64), torch.tensor(index, dtype=torch.int64)))
+
+    assert seed_of(3, 5) == seed_of(3, 5)  # no hidden state: (seed, index) is the whole state
+    pairs = [(3, 0), (3, 1), (4, 0), (3 + 2**32, 0), (0, 0), (2**62 - 1, 2**32 - 1)]
+    seeds = [seed_of(*p) for p in pairs]
+    assert len(set(seeds)) == len(pairs) and all(0 <= s < 2**62 for s in seeds)
+    # the draws of consecutive stream positions are uncorrelated
+    x, y = (counter_uniform(counter_seed(torch.tensor(9), torch.tensor(i)), (COUNTER_DRAWS,)).double() for i in (0, 1))
+    r = torch.corrcoef(torch.stack([x, y]))[0, 1].item()
+    assert abs(r) * math.sqrt(COUNTER_DRAWS) < Z_SIGMAS, r

@@ -14,8 +14,9 @@ without pickle (tensors to safetensors, the rest to JSON) and minifloat.safety.g
         set_rng_state(start)
         b = model(x)                 # the same dropout masks as `a`
 
-A counter-based stream is the other kind of state: `stream_generator(seed, n)` is a generator for draw n of stream
-`seed`, so the whole state of a stream is two integers (NVFP4's stochastic rounding keeps them as a layer's buffers).
+A counter-based stream is the other kind of state: its whole state is two integers, a seed (`named_seed` gives one
+per layer) and a count of draws. NVFP4's stochastic rounding keeps them as a layer's buffers and derives each draw's
+seed on the device (`minifloat.numerics.rounding.counter_seed`).
 """
 
 from __future__ import annotations
@@ -101,13 +102,3 @@ def named_seed(seed: int, name: str) -> int:
     """A seed in [0, 2^63) for the stream of `name` (e.g. a layer's) under the run's `seed`: the same on every
     machine and in every process (crc32, not Python's salted hash)."""
     return _splitmix64((seed << 32) ^ zlib.crc32(name.encode())) >> 1
-
-
-def stream_generator(seed: int, index: int, device: torch.device | str | None = None) -> torch.Generator:
-    """A torch.Generator on `device` for draw `index` of the stream `seed`.
-
-    Seed and index are mixed by SplitMix64 into the generator's seed: the CPU generator (mt19937) keeps only the low 32
-    bits of a seed, so `seed + index` or `seed << 32 | index` would repeat streams.
-    """
-    generator = torch.Generator(device=device if device is not None else "cpu")
-    return generator.manual_seed(_splitmix64(_splitmix64(seed) ^ index))

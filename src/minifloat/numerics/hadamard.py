@@ -23,6 +23,7 @@ import math
 
 import torch
 
+from minifloat.core.autocast import autocast_off
 from minifloat.core.validate import check_int
 
 RHT_BLOCK = 16  # arXiv 2509.25149 §4.3: 16×16 transforms, matching NVFP4's 16-element blocks
@@ -77,12 +78,15 @@ def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool, 
     # rows: y_b = x_b·(H·S)ᵀ/√n = x_b·(S·H/√n) (H symmetric); inverse x_b = y_b·(H·S/√n). The ±1/√n matrix is
     # exact for a power-of-two √n (n = 16), so one GEMM does what scaling, sign flips and the product did in three.
     m = (h * s * norm) if inverse else (s[:, None] * h * norm)
-    if dim == -2:  # column blocks: y_b = x_b·m for each column's block b, i.e. mᵀ @ (16, N) per group of 16 rows
-        *lead, rows, cols = x.shape
-        groups = x.to(dtype).reshape(*lead, rows // block, block, cols)
-        return torch.matmul(m.t(), groups).reshape(x.shape).to(x.dtype)
-    xb = x.to(dtype).reshape(-1, block)  # (·, n): one block per row; 2-D, so one GEMM (a batched one is ~10× slower)
-    return (xb @ m).reshape(x.shape).to(x.dtype)
+    # in `dtype` whatever torch.autocast is in force: under bf16 autocast the product would round its operands and
+    # result to bfloat16 (a 4-bit layer's forward runs under it)
+    with autocast_off(x.device.type):
+        if dim == -2:  # column blocks: y_b = x_b·m for each column's block b, i.e. mᵀ @ (16, N) per 16 rows
+            *lead, rows, cols = x.shape
+            groups = x.to(dtype).reshape(*lead, rows // block, block, cols)
+            return torch.matmul(m.t(), groups).reshape(x.shape).to(x.dtype)
+        xb = x.to(dtype).reshape(-1, block)  # (·, n): a block per row; 2-D, so one GEMM (batched is ~10× slower)
+        return (xb @ m).reshape(x.shape).to(x.dtype)
 
 
 def rht(x: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK, dim: int = -1) -> torch.Tensor:
