@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from minifloat.numerics.intquant import (
@@ -104,8 +104,17 @@ def test_zero_free_dynamic_map_drops_only_zero():
         dynamic_map(signed=True, bits=6)
 
 
+@pytest.mark.parametrize("bits, signed", [(8, True), (4, True), (8, False), (4, False)])
+def test_a_subnormal_block_keeps_its_values(bits, signed):
+    # amax / qmax underflowed to a 0 scale: codes divided by it and every value decoded to 0
+    xb = torch.tensor([[0.0, 2.0**-149, 3 * 2.0**-149]])
+    codes, scale = linear_encode(xb, bits, signed=signed)
+    assert torch.equal(linear_decode(codes, scale, bits, signed=signed), xb)  # exact: multiples of the smallest step
+
+
 @settings(max_examples=60, deadline=None)
 @given(xb=blocks, bits=st.sampled_from([8, 4]))
+@example(xb=torch.tensor([[0.0, 2.0**-149]]), bits=8)  # a subnormal amax: amax / 256 underflowed to a 0 scale
 def test_zero_free_linear_codes_never_decode_to_zero(xb, bits):
     # codes stand for (c + 1)·s, s = amax / 2^bits: half a step for x >= s / 2, else rounded up to s; never 0
     xb = xb.abs()

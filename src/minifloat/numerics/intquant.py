@@ -39,6 +39,16 @@ def block_absmax(xb: torch.Tensor) -> torch.Tensor:
     return xb.abs().amax(dim=-1).float() if xb.shape[-1] else torch.zeros(xb.shape[0], device=xb.device)
 
 
+# the smallest positive float32 (a subnormal): a code step below it would round to 0
+_SMALLEST_STEP = 2.0**-149
+
+
+def _step(amax: torch.Tensor, levels: int) -> torch.Tensor:
+    """amax / levels, at least the smallest positive float32: for a block whose amax is a subnormal, the quotient
+    underflows to 0 and every code would decode to 0 (or divide by it)."""
+    return (amax / levels).clamp(min=_SMALLEST_STEP)
+
+
 def linear_encode(xb: torch.Tensor, bits: int, *, signed: bool,
                   zero_free: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Linear codes of a (n_blocks, block) tensor.
@@ -58,12 +68,12 @@ def linear_encode(xb: torch.Tensor, bits: int, *, signed: bool,
             raise ValueError("zero-free linear codes are unsigned (for non-negative tensors)")
         levels = 2**bits
         amax = block_absmax(xb)
-        safe = torch.where(amax > 0, amax / levels, torch.ones_like(amax))
+        safe = torch.where(amax > 0, _step(amax, levels), torch.ones_like(amax))
         codes = (torch.round(xb.float() / safe[:, None]) - 1).clamp(0, levels - 1)
         return codes.to(torch.uint8), torch.where(amax > 0, safe, torch.zeros_like(amax))
     qmax = linear_qmax(bits, signed=signed)
     amax = block_absmax(xb)
-    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scale = torch.where(amax > 0, _step(amax, qmax), torch.ones_like(amax))
     lo = -qmax if signed else 0
     codes = torch.round(xb.float() / scale[:, None]).clamp(lo, qmax)
     if signed and bits == 8:
