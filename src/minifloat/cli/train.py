@@ -253,7 +253,8 @@ def add_parser(sub) -> None:
     tr.add_argument("--keep-blocks", default=None, metavar="FIRST,LAST",
                     help="keep the linear layers of the first FIRST and last LAST transformer blocks in BF16 under "
                          "an fp8 or fp4 preset; each a count or a fraction of the blocks below 1, rounded up "
-                         "(0,0.15 keeps the last 15%%) (default: the preset's; nvfp4 and mxfp4 keep the last block: 0,1)")
+                         "(0,0.15 keeps the last 15%%) (default: the preset's; nvfp4 and mxfp4 keep the last "
+                         "block: 0,1)")
     tr.add_argument("--tp-size", type=int, default=None, metavar="T",
                     help=f"ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
                          f"--seq-len (default {defaults.tp_size})")

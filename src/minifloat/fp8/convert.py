@@ -20,7 +20,6 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.roles import MIN_DIM_MULTIPLE
-from minifloat.core.validate import check_int
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
 

@@ -27,8 +27,8 @@ Rounding goes through `minifloat.numerics.quantize.cast`, the one rounding path.
 from __future__ import annotations
 
 import dataclasses
-import math
 import functools
+import math
 
 import torch
 
@@ -295,6 +295,7 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
                                      (-3, -1) if block_2d else (-1,), operand_dtype, keep_data)
 
     scale = s_b.squeeze(-1).squeeze(-2) if block_2d else s_b.squeeze(-1)
+
     def unblocked(y: torch.Tensor | None) -> torch.Tensor | None:
         return None if y is None else _unblocked(y, x.shape, block_2d)
 
@@ -309,8 +310,8 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
 
     The wgrad GEMM quantizes dyᵀ and xᵀ along the token axis M. Transposing first costs a strided copy larger than
     the cast itself; here the blocks run down x's columns (x viewed as (M/16, 16, K)) and the result's data, scale
-    and operand are transposed views. The values are those of quantize_nvfp4(x.t(), ...): bitwise with rounding to
-    nearest (tested); stochastic rounding draws from the same distribution, indexed in x's layout. `rht_signs`
+    and operand are transposed views. The values are bitwise those of quantize_nvfp4(x.t(), ...), stochastic
+    rounding included: its draws are indexed by position in xᵀ (tested). `rht_signs`
     first rotates each column's blocks of 16 (hadamard.rht along dim -2, = rht(xᵀ, signs)ᵀ), as the wgrad operands
     of NVFP4 training are (arXiv 2509.25149 §4.3). M is zero-padded to a multiple of 16; the rotated result keeps
     the padded length (rotation fills the padding, and the product over M needs it), the plain one is trimmed to M.
@@ -334,11 +335,10 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
     # rotated, the padding rows are no longer zero and the product over M needs them: keep M padded then
     keep = xp.shape[0] if rht_signs is not None else m
 
-    def t(y: torch.Tensor) -> torch.Tensor:  # (M/16, 16, K) → the (K, M) view
-        return y.reshape(-1, k)[:keep].t()
+    def t(y: torch.Tensor | None) -> torch.Tensor | None:  # (M/16, 16, K) → the (K, M) view
+        return None if y is None else y.reshape(-1, k)[:keep].t()
 
-    return NVFP4Quantized(None if data is None else t(data), s_b.squeeze(-2).t().to(E4M3.torch_dtype), g, amax, False,
-                          None if operand is None else t(operand))
+    return NVFP4Quantized(t(data), s_b.squeeze(-2).t().to(E4M3.torch_dtype), g, amax, False, t(operand))
 
 
 def _check_keep_data(keep_data: bool, operand_dtype: torch.dtype | None) -> None:
@@ -386,6 +386,7 @@ def _draws(seed: torch.Tensor, xb: torch.Tensor, dims: tuple[int, ...]) -> torch
         return counter_uniform(seed, xb.shape)
     groups, block, k = xb.shape
     dtype = torch.int64 if xb.numel() > 2**31 else torch.int32
+
     def arange(n: int) -> torch.Tensor:
         return torch.arange(n, dtype=dtype, device=xb.device)
 

@@ -95,6 +95,11 @@ def _hash32(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shift_right(x, c)
 
 
+def _mix(index: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """hash(hash(index ^ lo) ^ hi): a counter `index` under a seed's 32-bit halves, in index's dtype."""
+    return _hash32(_hash32(index ^ lo) ^ hi)
+
+
 def counter_uniform(seed: torch.Tensor, shape: torch.Size | tuple[int, ...], *, wide: bool = False) -> torch.Tensor:
     """Uniform draws u = k / 2^24 in [0, 1), float32 of `shape`, as a pure function of a 0-d int64 `seed` and each
     element's flat index: u_i = hash(hash(i ^ seed_lo) ^ seed_hi) >> 8 (seed_lo, seed_hi its 32-bit halves).
@@ -116,7 +121,7 @@ def counter_seed(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     counter_uniform; int64 arithmetic on 32-bit halves never overflows."""
     seed, index = seed.to(torch.int64), index.to(torch.int64) & _MASK32
     lo, hi = seed & _MASK32, (seed >> 32) & _MASK32
-    out_lo = _hash32(_hash32(index ^ lo) ^ hi)
+    out_lo = _mix(index, lo, hi)
     out_hi = _hash32(out_lo ^ _hash32(hi ^ _SEED_SALT) ^ lo)
     return ((out_hi >> 2) << 32) | out_lo  # below 2^62
 
@@ -133,5 +138,4 @@ def counter_uniform_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
         index = index & _MASK32
     else:  # the halves' bits as int32 (values from 2^31 become negative: the same 32 bits)
         lo, hi = (torch.where(v >= 2**31, v - 2**32, v).to(torch.int32) for v in (lo, hi))
-    h = _hash32(_hash32(index ^ lo) ^ hi)
-    return _shift_right(h, 32 - UNIFORM_BITS).to(torch.float32) * 2.0**-UNIFORM_BITS
+    return _shift_right(_mix(index, lo, hi), 32 - UNIFORM_BITS).to(torch.float32) * 2.0**-UNIFORM_BITS

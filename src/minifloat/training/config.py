@@ -271,7 +271,8 @@ class TrainConfig:
                 policy = dataclasses.replace(policy, recipe=dataclasses.replace(policy.recipe, **fp8))
             except ValueError as err:
                 raise ValueError(f"fp8_{str(err)}") from None  # DelayedScaling names its field: "margin must be ..."
-        nvfp4 = {field: getattr(self, name) for name, field in NVFP4_OVERRIDES.items() if getattr(self, name) is not None}
+        nvfp4 = {field: getattr(self, name) for name, field in NVFP4_OVERRIDES.items()
+                 if getattr(self, name) is not None}
         if nvfp4:
             policy = dataclasses.replace(policy, recipe=dataclasses.replace(policy.recipe, **nvfp4))
         return policy
