@@ -3,12 +3,16 @@
 `round_to_grid` is the rounding rule (round-to-nearest-even, subnormals kept); `cast` adds saturation; `quantize`
 adds scaling at a granularity and returns a `Quantized`. Every other module quantizes through `quantize`.
 
-Rounding is done in float32 arithmetic rather than by bit twiddling, because arithmetic vectorises in compiled
-kernels and bit casts do not:
-  * normal range — Veltkamp's split: c = y·(2^(23-m) + 1); hi = c - (c - y) is y rounded to m+1 significant bits,
-    round-to-nearest-even under IEEE float32 arithmetic (Dekker 1971; exhaustively checked against ml_dtypes in tests);
-  * subnormal range — (y + K) - K with K = 1.5·2^23·min_subnormal rounds y to a multiple of min_subnormal (RNE),
-    because the ulp of K is exactly min_subnormal.
+Rounding is exact by construction, on every device and under every compiler setting: each value is scaled by a
+power of two read from its own float32 exponent field (integer arithmetic on the bit pattern), rounded to an integer
+with torch.round (round-half-to-even) and scaled back:
+    ulp = 2^(max(e, emin) - m)     e = floor(log2 |y|) from y's exponent bits, m the format's mantissa bits
+    round_to_grid(y) = round(y / ulp) · ulp
+Every product and quotient here is exact (a power-of-two scaling that neither overflows nor underflows), so a compiler
+that contracts a multiply and an add into an FMA (inductor's Triton code on a GPU, or the C++ backend with
+TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast) cannot change a bit: an FMA of exact operations rounds
+the same exact value once. The Veltkamp split this replaces (c = y·(2^(23-m)+1); c - (c - y)) relies on each product
+being rounded on its own, and an FMA silently turned it into the identity (issue 20, tests/test_fma_contraction.py).
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ from minifloat.numerics.granularity import (
     scale_shape,
     to_blocks,
 )
-from minifloat.numerics.rounding import ROUNDINGS, round_stochastic
+from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, round_stochastic
 
 MX_RULES = ("up", "floor")
 
@@ -55,21 +59,22 @@ def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
         return y.to(fmt.torch_dtype).float()  # torch's conversion is RNE with subnormals
     if fmt.special == Special.SCALE:
         return _round_pow2(y, fmt)
-    c = y * float(2 ** (23 - fmt.mbits) + 1)
-    normal = c - (c - y)
-    k = 1.5 * 2.0**23 * fmt.min_subnormal
-    subnormal = (y + k) - k
-    # copysign: (y + k) - k turns -0 and negative values that round to zero into +0
-    return torch.copysign(torch.where(y.abs() < fmt.min_normal, subnormal, normal), y)
+    # floor(log2 |y|) from the exponent field; a zero or float32-subnormal y reads -127, below every format's emin
+    exponent = ((y.view(torch.int32) >> 23) & 0xFF) - 127
+    ulp = exact_pow2(exponent.clamp(min=fmt.emin) - fmt.mbits)
+    # y / ulp has at most m + 1 integer bits: exact; torch.round is round-half-to-even; · ulp is exact again (a
+    # carry into the next binade gives 2^(e+1), also exact). Signs, ±0, inf and NaN pass through unchanged.
+    return torch.round(y / ulp) * ulp
 
 
 def _round_pow2(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
-    # E8M0 holds 2^e, e in [emin, emax]. Nearest power of two in value: m·2^e rounds up when m >= 1.5
-    # (the midpoint of [2^e, 2^(e+1)]; ties go up). Zero, negatives and NaN have no encoding: NaN.
-    e = torch.floor(torch.log2(y))
-    e = e + (y / torch.exp2(e) >= 1.5).to(y.dtype)
-    out = torch.exp2(e.clamp(fmt.emin, fmt.emax))
-    return torch.where(y > 0, out, torch.full_like(y, float("nan")))
+    # E8M0 holds 2^e, e in [emin, emax]. Nearest power of two in value: y = m·2^k with m in [0.5, 1) (frexp, exact)
+    # rounds up to 2^k when 2m >= 1.5 (the midpoint of [2^(k-1), 2^k]; ties go up). Zero, negatives and NaN have no
+    # encoding: NaN. No log2/exp2: a GPU's approximate log2 misplaces values just below a power of two.
+    m, k = torch.frexp(y)
+    e = (k - 1 + (m >= 0.75).to(k.dtype)).clamp(fmt.emin, fmt.emax)
+    e = torch.where(torch.isinf(y), fmt.emax, e)  # frexp(inf) is (inf, 0): +inf saturates to the largest power
+    return torch.where(y > 0, exact_pow2(e), torch.full_like(y, float("nan")))
 
 
 def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
@@ -116,8 +121,8 @@ def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat, *, margin: int = 0, p
     amax = amax.float()
     # clamp: for amax below ~fmt.max/3.4e38 the quotient overflows float32, yet the tensor deserves a huge scale
     s = (fmt.max / amax / (2.0**margin)).clamp(max=torch.finfo(torch.float32).max)
-    if power_of_two:
-        s = torch.exp2(torch.floor(torch.log2(s)))
+    if power_of_two:  # 2^floor(log2 s), exactly: s = m·2^k with m in [0.5, 1) (frexp), so floor(log2 s) = k - 1
+        s = torch.where(torch.isfinite(s) & (s > 0), exact_pow2(torch.frexp(s)[1] - 1), s)
     good = torch.isfinite(s) & (amax > 0) & (s > 0)
     fallback = torch.as_tensor(fallback, dtype=torch.float32, device=amax.device)
     return torch.where(good, s, fallback)
@@ -137,7 +142,7 @@ def mx_scale(amax: torch.Tensor, fmt: NumberFormat, *, rule: str = "up") -> torc
     if rule == "up":  # amax / 2^e = 2m·2^emax (exact); above fmt.max the block needs the next binade
         e = e + (2.0 * m * 2.0**fmt.emax > fmt.max).float()
     e = torch.where(torch.isfinite(amax) & (amax > 0), e, torch.zeros_like(e)).clamp(E8M0.emin, E8M0.emax)
-    return torch.exp2(e)
+    return exact_pow2(e.to(torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------------- kernels

@@ -32,9 +32,10 @@ from minifloat.numerics.formats import NumberFormat, Special
 ROUNDINGS = ("nearest", "stochastic")
 
 
-def _exact_pow2(k: torch.Tensor) -> torch.Tensor:
-    """2^k as float32 for int32 k in [-149, 128]: the product of two normal powers of two built from their bit
-    patterns, exact (subnormal results included)."""
+def exact_pow2(k: torch.Tensor) -> torch.Tensor:
+    """2^k as float32 for integer k in [-149, 128]: the product of two normal powers of two built from their bit
+    patterns, exact (subnormal results included) on every device, where exp2 may be approximate or flush subnormals."""
+    k = k.to(torch.int32)
     half = k >> 1
     return ((half + 127) << 23).view(torch.float32) * ((k - half + 127) << 23).view(torch.float32)
 
@@ -59,7 +60,7 @@ def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> tor
     # floor(log2 a) from float32's exponent field: exact, and no frexp/exp2 (which compiled kernels run element by
     # element). A zero or float32-subnormal a reads -127, below every format's emin (>= -126), so the clamp holds it.
     exponent = ((a.view(torch.int32) >> 23) & 0xFF) - 127
-    ulp = _exact_pow2((exponent.clamp(min=fmt.emin) - fmt.mbits).to(torch.int32))
+    ulp = exact_pow2((exponent.clamp(min=fmt.emin) - fmt.mbits).to(torch.int32))
     units = a / ulp
     lo = torch.floor(units)
     up = (u >= 1.0 - (units - lo)).float()
