@@ -213,25 +213,133 @@ def test_unknown_backend_from_environment_raises(operands, monkeypatch):
         scaled_mm(quantize(a, E4M3), quantize(b, E4M3))
 
 
+# ---------------------------------------------------------------------------------------------------- native rules
+
+HOPPER, ADA, BLACKWELL = (9, 0), (8, 9), (10, 0)
+# (name, a granularity, b granularity, a fmt, b fmt, (M, K, N), capability, blockwise torch, out dtype, reason or None)
+NATIVE_CASES = [
+    ("tensor-hopper", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.bfloat16, None),
+    ("tensor-fp32-out", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.float32, None),
+    ("tensor-fp16-out", "tensor", "tensor", E4M3, E5M2, (64, 256, 128), ADA, False, torch.float16, None),
+    ("row-ada", "row", "row", E4M3, E4M3, (64, 256, 128), ADA, False, torch.float32, None),
+    ("tensor-ampere", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), (8, 0), True, torch.bfloat16, "SM 8.9+"),
+    ("e5m2-e5m2", "tensor", "tensor", E5M2, E5M2, (64, 256, 128), HOPPER, True, torch.bfloat16, "E5M2 × E5M2"),
+    ("k-not-16", "tensor", "tensor", E4M3, E4M3, (64, 200, 128), HOPPER, True, torch.bfloat16, "K a multiple"),
+    ("n-not-16", "row", "row", E4M3, E4M3, (64, 256, 120), HOPPER, True, torch.bfloat16, "N=120"),
+    ("tensor-row", "tensor", "row", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.bfloat16, "no tensor × row"),
+    ("tile-block-hopper", "tile", "block", E4M3, E4M3, (64, 512, 256), HOPPER, True, torch.bfloat16, None),
+    ("tile-block-e5m2", "tile", "block", E5M2, E4M3, (64, 512, 256), HOPPER, True, torch.float32, None),
+    ("tile-tile-hopper", "tile", "tile", E4M3, E4M3, (128, 1024, 256), HOPPER, True, torch.bfloat16, None),
+    ("tile-block-k640", "tile", "block", E4M3, E4M3, (64, 640, 256), HOPPER, True, torch.bfloat16, "K=640"),
+    ("tile-tile-k640", "tile", "tile", E4M3, E4M3, (200, 640, 256), HOPPER, True, torch.bfloat16, None),
+    ("tile-tile-k200", "tile", "tile", E4M3, E4M3, (200, 200, 256), HOPPER, True, torch.bfloat16, "multiple of 128"),
+    ("tile-block-old-torch", "tile", "block", E4M3, E4M3, (64, 512, 256), HOPPER, False, torch.bfloat16,
+     "blockwise _scaled_mm"),
+    ("tile-block-ada", "tile", "block", E4M3, E4M3, (64, 512, 256), ADA, True, torch.bfloat16, "SM 9.0+"),
+    ("tile-block-blackwell", "tile", "block", E4M3, E4M3, (64, 512, 256), BLACKWELL, True, torch.bfloat16,
+     "below SM 10.0"),
+    ("mx-mx", "mx", "mx", E4M3, E4M3, (64, 512, 256), BLACKWELL, True, torch.bfloat16, "no mx × mx"),
+    ("int-out", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.int32, "outputs"),
+]
+
+
+@pytest.mark.parametrize("ga, gb, fa, fb, mkn, capability, blockwise, out_dtype, reason",
+                         [c[1:] for c in NATIVE_CASES], ids=[c[0] for c in NATIVE_CASES])
+def test_native_support_table(gen, ga, gb, fa, fb, mkn, capability, blockwise, out_dtype, reason):
+    from minifloat.fp8.gemm import native_support
+
+    m, k, n = mkn
+    qa = quantize(torch.randn(m, k, generator=gen), fa, granularity=ga)
+    qb = quantize(torch.randn(n, k, generator=gen), fb, granularity=gb)
+    got = native_support(qa, qb, out_dtype, capability=capability, blockwise=blockwise)
+    if reason is None:
+        assert got is None
+    else:
+        assert got is not None and reason in got, got
+
+
+def test_native_support_needs_fp8_data(gen):
+    from minifloat.fp8.gemm import native_support
+
+    qa = quantize(torch.randn(64, 256, generator=gen), E4M3, operand_dtype=torch.bfloat16, keep_data=False)
+    qb = quantize(torch.randn(128, 256, generator=gen), E4M3)
+    assert "emulated backend" in native_support(qa, qb, capability=HOPPER, blockwise=True)
+
+
+def test_native_granularity_is_off_on_cpu_and_for_emulated():
+    from minifloat.fp8.gemm import native_granularity
+
+    for g in ("tensor", "row", "tile", "block", "mx"):
+        assert not native_granularity(torch.device("cpu"), g)
+        assert not native_granularity(torch.device("cuda", 0), g, "emulated")
+
+
+# (name, granularity, side, expected shape (from M, K), expected strides (from M, K)): the layouts torch._scaled_mm
+# checks (torch's ScaledBlas.cpp: is_blockwise_1x128_scaling / is_blockwise_128x128_scaling, applied to a and bᵀ)
+SCALE_LAYOUTS = [
+    ("tensor-a", "tensor", "a", lambda m, kb: (), lambda m, kb: ()),
+    ("row-a", "row", "a", lambda m, kb: (m, 1), lambda m, kb: (1, 1)),
+    ("row-b", "row", "b", lambda m, kb: (1, m), lambda m, kb: (m, 1)),
+    ("tile-a", "tile", "a", lambda m, kb: (m, kb), lambda m, kb: (1, m)),
+    ("tile-b", "tile", "b", lambda m, kb: (kb, m), lambda m, kb: (m, 1)),
+    ("block-a", "block", "a", lambda m, kb: (m // 128, kb), lambda m, kb: (kb, 1)),
+    ("block-b", "block", "b", lambda m, kb: (kb, m // 128), lambda m, kb: (1, kb)),
+]
+
+
+@pytest.mark.parametrize("granularity, side, shape, strides", [c[1:] for c in SCALE_LAYOUTS],
+                         ids=[c[0] for c in SCALE_LAYOUTS])
+def test_native_scale_layouts(gen, granularity, side, shape, strides):
+    from minifloat.fp8.gemm import _native_scale
+
+    m, k = 256, 512
+    q = quantize(torch.randn(m, k, generator=gen), E4M3, granularity=granularity)
+    s = _native_scale(q, side)
+    assert s.dtype == torch.float32
+    assert tuple(s.shape) == shape(m, k // 128) and s.stride() == strides(m, k // 128)
+    # the same numbers as q's scales, only laid out for cuBLASLt
+    flat = q.scale.float().reshape(s.shape) if granularity in ("tensor",) else None
+    if granularity == "tensor":
+        assert torch.equal(s, flat)
+    elif side == "a":
+        assert torch.equal(s, q.scale.float().reshape(s.shape))
+    else:
+        assert torch.equal(s.t(), q.scale.float().reshape(s.t().shape))
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
+
+
+# (name, a granularity, b granularity, M, K, N): every native pairing NATIVE_RULES admits on a Hopper GPU
+NATIVE_PAIRS = [
+    ("tensor", "tensor", "tensor", 256, 512, 128),
+    ("row", "row", "row", 256, 512, 128),
+    ("tile-block", "tile", "block", 256, 512, 384),
+    ("block-tile", "block", "tile", 256, 512, 384),
+    ("tile-tile", "tile", "tile", 256, 1024, 384),
+    ("tile-tile-ragged-m", "tile", "tile", 200, 640, 384),
+    ("tile-block-ragged-m", "tile", "block", 8, 512, 256),
+]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-@pytest.mark.parametrize("granularity", ["tensor", "row"])
-@pytest.mark.parametrize("out_dtype, rtol", [(torch.float32, NATIVE_FP32_RTOL), (torch.bfloat16, BF16_OUT_RTOL)],
-                         ids=["fp32", "bf16"])
+@pytest.mark.parametrize("ga, gb, m, k, n", [c[1:] for c in NATIVE_PAIRS], ids=[c[0] for c in NATIVE_PAIRS])
+@pytest.mark.parametrize("out_dtype, rtol", [(torch.float32, NATIVE_FP32_RTOL), (torch.bfloat16, BF16_OUT_RTOL),
+                                             (torch.float16, BF16_OUT_RTOL)], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("fa, fb", [c[1:] for c in FORMAT_PAIRS], ids=[c[0] for c in FORMAT_PAIRS])
-def test_native_matches_emulated(granularity, out_dtype, rtol, fa, fb):
-    from minifloat.fp8.gemm import native_fp8_available
+def test_native_matches_emulated(ga, gb, m, k, n, out_dtype, rtol, fa, fb):
+    from minifloat.fp8.gemm import native_support
 
-    if not native_fp8_available():
-        pytest.skip("GPU has no FP8 tensor cores (needs SM 8.9+)")
     gen = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(256, 512, device="cuda", generator=gen) * 3.0
-    b = torch.randn(128, 512, device="cuda", generator=gen) * 0.05
-    bias = torch.randn(128, device="cuda", generator=gen)
-    qa, qb = quantize(a, fa, granularity=granularity), quantize(b, fb, granularity=granularity)
+    a = torch.randn(m, k, device="cuda", generator=gen) * 3.0
+    b = torch.randn(n, k, device="cuda", generator=gen) * 0.05
+    a[:, : k // 4] *= 30.0  # scales that differ across K blocks, so a misplaced block scale shows
+    bias = torch.randn(n, device="cuda", generator=gen)
+    qa, qb = quantize(a, fa, granularity=ga), quantize(b, fb, granularity=gb)
+    reason = native_support(qa, qb, out_dtype)
+    if reason is not None:
+        pytest.skip(f"not native on this GPU: {reason}")
     native = scaled_mm(qa, qb, out_dtype=out_dtype, bias=bias, backend="native")
     emulated = scaled_mm(qa, qb, out_dtype=out_dtype, bias=bias, backend="emulated")
     ref_nobias = qa.dequantize().double() @ qb.dequantize().double().T
@@ -239,5 +347,21 @@ def test_native_matches_emulated(granularity, out_dtype, rtol, fa, fb):
     assert native.dtype == emulated.dtype == out_dtype
     assert rel_max_error(native, ref, ref_nobias) <= rtol
     assert rel_max_error(emulated, ref, ref_nobias) <= (FP32_ACC_RTOL if out_dtype == torch.float32 else rtol)
-    scale = max(ref.abs().max().item(), ref_nobias.abs().max().item())
-    assert (native.double() - emulated.double()).abs().max().item() <= 2 * rtol * scale
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_native_takes_expanded_row_scales():
+    """A row scale that is a stride-0 view (prepare_inference's) reaches cuBLASLt densely, not as an error."""
+    from minifloat.fp8.gemm import native_support
+    from minifloat.numerics.quantize import Quantized
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    qa = quantize(torch.randn(64, 256, device="cuda", generator=gen), E4M3, granularity="row")
+    qb = quantize(torch.randn(128, 256, device="cuda", generator=gen), E4M3, granularity="row")
+    qb = Quantized(qb.data, torch.ones((), device="cuda").expand(128, 1), qb.fmt, qb.granularity)
+    if native_support(qa, qb) is not None:
+        pytest.skip(native_support(qa, qb))
+    out = scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="native")
+    ref = qa.dequantize().double() @ qb.dequantize().double().T
+    assert ((out.double() - ref).abs().max() / ref.abs().max()).item() <= BF16_OUT_RTOL

@@ -92,11 +92,6 @@ PROPERTIES = [
     ("row-folds-p2", R, "folds_when_power_of_two", False),
     ("tile-folds-p2", TL, "folds_when_power_of_two", True),
     ("block-folds-p2", B, "folds_when_power_of_two", True),
-    ("tensor-native", T, "native_gemm", True),
-    ("row-native", R, "native_gemm", True),
-    ("tile-native", TL, "native_gemm", False),
-    ("block-native", B, "native_gemm", False),
-    ("mx-native", MX, "native_gemm", False),
 ]
 
 

@@ -42,7 +42,7 @@ from typing import Callable
 import torch
 
 from minifloat.fp8 import telemetry
-from minifloat.fp8.gemm import native_fp8_available, operand, scaled_mm
+from minifloat.fp8.gemm import native_granularity, operand, scaled_mm
 from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4, quantize_nvfp4_t
 from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
 from minifloat.numerics.hadamard import RHT_BLOCK, rht
@@ -112,10 +112,6 @@ class LayerCaster:
         amax = abs_max(t.detach(), None)
         return amax if self.amax_reduce is None else self.amax_reduce(amax)
 
-    def _native(self, t: torch.Tensor, granularity: Granularity) -> bool:
-        return (self.backend != "emulated" and t.is_cuda and native_fp8_available(t.device.index or 0)
-                and granularity_info(granularity).native_gemm)
-
     def cast(self, role: Role, t: torch.Tensor, *, record: bool = True, scale: torch.Tensor | None = None,
              keep_data: bool = False, transposed: bool = False, rht_signs: torch.Tensor | None = None) -> Quantized:
         """Quantize `t` (scaled along its last dim) for role `role`.
@@ -129,12 +125,13 @@ class LayerCaster:
         spec = self.recipe.spec(role)
         if isinstance(spec, NVFP4Spec):
             return self._cast_nvfp4(role, spec, t, record=record, transposed=transposed, rht_signs=rht_signs)
+        # FP8 data for the native backend, a bfloat16 operand for the emulated one (gemm decides, once)
+        native = native_granularity(t.device, Granularity.TENSOR if scale is not None else spec.granularity,
+                                    self.backend)
+        out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
         if transposed:
             return quantize_t(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
-                              power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, operand_dtype=_OPERAND,
-                              keep_data=False)
-        native = self._native(t, Granularity.TENSOR if scale is not None else spec.granularity)
-        out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
+                              power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
         if scale is not None:
             return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
         if spec.delayed:
@@ -267,6 +264,16 @@ def _requantize_weight_t(caster: LayerCaster, weight: torch.Tensor, granularity:
     return caster.cast(Role.WEIGHT, weight, record=False, transposed=True)
 
 
+def _gemm(caster: LayerCaster, which: str, a: Quantized, b: Quantized, out_dtype: torch.dtype,
+          bias: torch.Tensor | None = None) -> torch.Tensor:
+    """scaled_mm under the layer's backend; an error (backend="native" forced on a product it cannot run) names the
+    layer and the GEMM."""
+    try:
+        return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=caster.backend)
+    except ValueError as exc:
+        raise ValueError(f"{caster.name or 'an FP8 layer'} ({which}): {exc}") from None
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x @ Wᵀ + b with all three GEMMs in FP8.
 
@@ -282,7 +289,7 @@ class Fp8LinearFunction(torch.autograd.Function):
         qx = caster.cast(Role.INPUT, x2, keep_data=True)  # saved for backward in FP8
         qw = caster.cast_weight(weight)
         # fprop: x @ Wᵀ = y
-        y = scaled_mm(qx, qw, out_dtype=compute_dtype, bias=bias, backend=caster.backend)
+        y = _gemm(caster, "fprop", qx, qw, compute_dtype, bias)
         # Saved for backward: the input's FP8 bytes and scales, and the weight parameter itself (no copy: the
         # backward re-quantizes it, identically for per-tensor scales by reusing the forward's scale).
         ctx.save_for_backward(qx.data, qx.scale, weight,
@@ -303,12 +310,12 @@ class Fp8LinearFunction(torch.autograd.Function):
 
         # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
         qwt = _weight_along_n(caster, weight, wg, ws)
-        dx = scaled_mm(qdy, qwt, out_dtype=out_dtype, backend=caster.backend)
+        dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype)
 
         # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
         qdyt = _transposed(qdy, caster, Role.GRAD_OUTPUT, dy2)
         qxt = _transposed(qx, caster, Role.INPUT, None)
-        dw = scaled_mm(qdyt, qxt, out_dtype=out_dtype, backend=caster.backend)
+        dw = _gemm(caster, "wgrad", qdyt, qxt, out_dtype)
 
         # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)
         db = dy2.sum(0) if ctx.has_bias else None

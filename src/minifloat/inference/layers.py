@@ -22,7 +22,7 @@ from torch import nn
 
 from minifloat.core.autocast import compute_dtype
 from minifloat.core.validate import check_bool, check_choice, check_int
-from minifloat.fp8.gemm import BACKENDS, native_fp8_available, scaled_mm
+from minifloat.fp8.gemm import BACKENDS, native_granularity, scaled_mm
 from minifloat.fp8.recipes import CastSpec, Recipe, Role
 from minifloat.inference import storage
 from minifloat.numerics.formats import get_format
@@ -210,16 +210,12 @@ class Fp8InferenceLinear(nn.Module):
         w = self.quantized_weight().dequantize(dtype)
         return w / self.smooth_scale.to(dtype) if self.spec.smooth else w
 
-    def _native(self, x: torch.Tensor, granularity: Granularity) -> bool:
-        return (self.backend != "emulated" and x.is_cuda and native_fp8_available(x.device.index or 0)
-                and granularity_info(granularity).native_gemm)
-
     def quantize_input(self, x2: torch.Tensor) -> Quantized:
         """The (tokens, in) input quantized as the spec says: its own scales (dynamic) or input_scale (static)."""
         spec = self.spec.input
         if self.spec.smooth:
             x2 = x2.float() / self.smooth_scale
-        native = self._native(x2, spec.granularity)
+        native = native_granularity(x2.device, spec.granularity, self.backend)
         out = dict(operand_dtype=None if native else _OPERAND, keep_data=native)
         if self.spec.activations == Activations.STATIC:
             return quantize(x2, spec.fmt, granularity=Granularity.TENSOR, scale=self.input_scale, **out)
@@ -233,7 +229,8 @@ class Fp8InferenceLinear(nn.Module):
         if x2.shape[0] == 0:
             return x.new_zeros((*x.shape[:-1], self.out_features), dtype=out_dtype)
         qx, qw = self.quantize_input(x2), self.quantized_weight()
-        if self._native(x2, qx.granularity) and {qx.granularity, qw.granularity} == {"tensor", "row"}:
+        native = native_granularity(x2.device, qx.granularity, self.backend)
+        if native and {qx.granularity, qw.granularity} == {"tensor", "row"}:
             qx, qw = _as_rows(qx, x2.shape[0]), _as_rows(qw, self.out_features)
         # x̂ @ Ŵᵀ + b: (tokens, out)
         y = scaled_mm(qx, qw, out_dtype=out_dtype, bias=self.bias, backend=self.backend)

@@ -78,7 +78,6 @@ class GranularityInfo:
             to the GEMM output (per tensor, per row).
         folds_when_power_of_two: power-of-two block scales are multiplied into the bfloat16 GEMM operand (exact:
             an FP8 value times a power of two is a bfloat16 value), so the GEMM needs no per-block scaling.
-        native_gemm: torch._scaled_mm takes these scales (cuBLASLt per-tensor and row-wise scaling).
     """
 
     block: tuple[int, int] | None
@@ -87,7 +86,6 @@ class GranularityInfo:
     transposes_exactly: bool
     factors_out: bool
     folds_when_power_of_two: bool
-    native_gemm: bool
 
     @property
     def per_tensor(self) -> bool:
@@ -105,13 +103,14 @@ class GranularityInfo:
 
 
 _INFO: dict[Granularity, GranularityInfo] = {
-    #                                   block            per_row  scale_fmt  transposes  factors_out  folds_p2  native
-    Granularity.TENSOR: GranularityInfo(None,            False,   FP32,      True,       True,        False,    True),
-    Granularity.ROW:    GranularityInfo(None,            True,    FP32,      False,      True,        False,    True),
-    Granularity.TILE:   GranularityInfo((1, TILE),       False,   FP32,      False,      False,       True,     False),
-    Granularity.BLOCK:  GranularityInfo((TILE, TILE),    False,   FP32,      True,       False,       True,     False),
-    Granularity.MX:     GranularityInfo((1, MX_BLOCK),   False,   E8M0,      False,      False,       True,     False),
+    #                                   block            per_row  scale_fmt  transposes  factors_out  folds_p2
+    Granularity.TENSOR: GranularityInfo(None,            False,   FP32,      True,       True,        False),
+    Granularity.ROW:    GranularityInfo(None,            True,    FP32,      False,      True,        False),
+    Granularity.TILE:   GranularityInfo((1, TILE),       False,   FP32,      False,      False,       True),
+    Granularity.BLOCK:  GranularityInfo((TILE, TILE),    False,   FP32,      True,       False,       True),
+    Granularity.MX:     GranularityInfo((1, MX_BLOCK),   False,   E8M0,      False,      False,       True),
 }  # fmt: skip
+# Which pairs of scalings torch._scaled_mm runs natively, on which GPUs, is the GEMM's table: fp8.gemm.NATIVE_RULES.
 
 
 def granularity_info(granularity: Granularity | str) -> GranularityInfo:
