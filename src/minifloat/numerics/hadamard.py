@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from minifloat.core.autocast import autocast_off
 from minifloat.core.validate import check_int
+from minifloat.numerics.compiling import maybe_compile
 
 RHT_BLOCK = 16  # arXiv 2509.25149 §4.3: 16×16 transforms, matching NVFP4's 16-element blocks
 
@@ -72,21 +72,45 @@ def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool, 
         raise ValueError(f"{'the last dim' if dim == -1 else 'dim -2'} must be a multiple of the block {block}, "
                          f"got shape {tuple(x.shape)}")
     dtype = torch.promote_types(x.dtype, torch.float32)  # float32, or float64 for float64 input
-    h = hadamard_matrix(block, dtype=dtype, device=x.device)
     s = signs.to(dtype=dtype, device=x.device)
+    return _butterfly_kernel(x, s, block, inverse, dim).to(x.dtype)
+
+
+def _butterfly(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool, dim: int) -> torch.Tensor:
+    """The transform as a fast Walsh-Hadamard butterfly in a fixed order of additions.
+
+    y = H·(S·x)/√n forward, x = S·(H·y)/√n inverse, per block. log2(n) stages each replace pairs (a, b) at distance h
+    by (a + b, a - b), which yields the Sylvester matrix H_2k = [[H, H], [H, -H]]. The sign flips and the 1/√n = 1/4
+    are exact, and every rounding is one addition in an order fixed here: the same bits on every device and under
+    every compiler setting (a GEMM's summation order is the library's choice, and an FMA cannot reorder additions
+    of exact products). torch.autocast plays no part: no GEMM runs.
+    """
+    dtype = signs.dtype
     norm = 1.0 / math.sqrt(block)  # 1/4 for n = 16: exact
-    # rows: y_b = x_b·(H·S)ᵀ/√n = x_b·(S·H/√n) (H symmetric); inverse x_b = y_b·(H·S/√n). The ±1/√n matrix is
-    # exact for a power-of-two √n (n = 16), so one GEMM does what scaling, sign flips and the product did in three.
-    m = (h * s * norm) if inverse else (s[:, None] * h * norm)
-    # in `dtype` whatever torch.autocast is in force: under bf16 autocast the product would round its operands and
-    # result to bfloat16 (a 4-bit layer's forward runs under it)
-    with autocast_off(x.device.type):
-        if dim == -2:  # column blocks: y_b = x_b·m for each column's block b, i.e. mᵀ @ (16, N) per 16 rows
-            *lead, rows, cols = x.shape
-            groups = x.to(dtype).reshape(*lead, rows // block, block, cols)
-            return torch.matmul(m.t(), groups).reshape(x.shape).to(x.dtype)
-        xb = x.to(dtype).reshape(-1, block)  # (·, n): a block per row; 2-D, so one GEMM (batched is ~10× slower)
-        return (xb @ m).reshape(x.shape).to(x.dtype)
+    *lead, rows, cols = x.shape
+    if dim == -2:  # blocks of `block` rows down each column: (..., rows/block, block, cols)
+        y = x.to(dtype).reshape(*lead, rows // block, block, cols)
+        sign_shape = (block, 1)
+    else:
+        y = x.to(dtype).reshape(*lead, rows, cols // block, block)
+        sign_shape = (block,)
+    axis = y.dim() - (2 if dim == -2 else 1)
+    if not inverse:
+        y = y * signs.reshape(sign_shape)
+    h = 1
+    while h < block:  # pairs at distance h inside groups of 2h: (a, b) -> (a + b, a - b)
+        shape = y.shape[:axis] + (block // (2 * h), 2, h) + y.shape[axis + 1:]
+        pairs = y.reshape(shape)
+        a, b = pairs.select(axis + 1, 0), pairs.select(axis + 1, 1)
+        y = torch.stack((a + b, a - b), dim=axis + 1).reshape(y.shape)
+        h *= 2
+    y = y * norm
+    if inverse:
+        y = y * signs.reshape(sign_shape)
+    return y.reshape(x.shape)
+
+
+_butterfly_kernel = maybe_compile(_butterfly)
 
 
 def rht(x: torch.Tensor, signs: torch.Tensor, *, block: int = RHT_BLOCK, dim: int = -1) -> torch.Tensor:
