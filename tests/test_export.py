@@ -2,7 +2,9 @@
 export and computes our logits; the FP8 layouts (vLLM's per-tensor "fp8", DeepSeek-V3's 128×128 blocks) hold the
 documented names, dtypes, shapes and quantization_config, weights within E4M3's rounding error; read back through
 minifloat they compute exactly what the FP8 model built from the same quantized weights computes; static input
-scales of a run trained with delayed scaling are its own; and the command's one-line errors.
+scales of a run trained with delayed scaling are its own; what transformers (TESTED_TRANSFORMERS, on a CPU) loads
+from each FP8 layout, right or wrong, and that the export warns of every wrong load; and the command's one-line
+errors.
 
 Models are the tiny reference Llama with random weights (no download); one 2-step FP8 run is trained for the run
 folder tests.
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import copy
 import json
+import logging
 import math
 import pathlib
 
@@ -44,6 +47,7 @@ BF16_LOGITS_SQNR_FLOOR_DB = 40.0
 E4M3_REL_ERROR = 2.0 ** -4  # half an ulp of 3 mantissa bits, relative, for normal values
 E4M3_SUBNORMAL_ERROR = 2.0 ** -10  # half of E4M3's smallest subnormal 2^-9, times the scale
 USER_ERROR = 2
+TESTED_TRANSFORMERS = "5.24.0"  # pyproject.toml's dev pin: the release whose behaviour the transformers tests record
 ALIGNED = dict(d_model=128, d_ff=256)  # every size a multiple of 128: transformers' block dequantization reads it
 FP8 = ("hf-fp8", "hf-fp8-block")
 RECIPES = {"hf-fp8": mf.CurrentScaling(), "hf-fp8-block": mf.BlockScaling(power_of_two=False)}
@@ -299,33 +303,94 @@ def test_an_existing_export_is_refused_untouched_and_replaced_only_on_request(tm
 
 
 # ---- transformers and the FP8 layouts ------------------------------------------------------------------------
+# What transformers' from_pretrained does with each FP8 layout on a CPU, asserted exactly: these tests record
+# TESTED_TRANSFORMERS (pyproject's dev pin); under another release a failure names what changed, and
+# docs/inference.md ("What transformers loads") is updated with the test.
 
 
-def transformers_fp8(transformers, path):
-    """transformers' model of an FP8 export, or a skip that quotes why it cannot load or run one here."""
-    try:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
-        out = transformers_logits(model)
-    except (ImportError, RuntimeError) as err:  # no accelerate; or layout it does not read (weights left in FP8)
-        pytest.skip(f"transformers {transformers.__version__} cannot run this FP8 export on this machine: "
-                    f"{type(err).__name__}: {err}")
-    return model, out
+@pytest.fixture(scope="module")
+def transformers_fp8(transformers):
+    """transformers, with accelerate: without it from_pretrained refuses every FP8 checkpoint (an ImportError)."""
+    pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
+    return transformers
 
 
-@pytest.mark.parametrize("fmt", FP8)
-def test_transformers_reads_the_fp8_exports_where_it_can(transformers, tmp_path, fmt):
-    """transformers (5.x) reads "fp8" checkpoints as FineGrainedFP8 (`weight_scale_inv`, `activation_scale`); on a
-    CPU it needs accelerate and dequantizes the weights to bf16. DeepSeek's block layout is its own, so it loads;
-    vLLM's per-tensor names (`weight_scale`, `input_scale`) are not its names: it leaves the weights in FP8 and
-    the forward fails (docs/inference.md quotes the errors)."""
+def changed(transformers) -> str:
+    return (f"transformers {transformers.__version__} reads this export otherwise than {TESTED_TRANSFORMERS} did: "
+            f"update docs/inference.md ('What transformers loads'), the export's warnings and this test")
+
+
+def minifloat_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == "minifloat" and r.levelno == logging.WARNING]
+
+
+def transformers_block_dequantized(q) -> torch.Tensor:
+    """transformers' CPU dequantization of a block FP8 weight (its Fp8Dequantize): the block is size // blocks, not
+    the 128 of weight_block_size; fp32 products rounded to bf16."""
+    (rows, cols), (blocks_out, blocks_in) = q.data.shape, q.scale.shape
+    w = q.data.float().reshape(blocks_out, rows // blocks_out, blocks_in, cols // blocks_in)
+    return (w * q.scale[:, None, :, None]).reshape(rows, cols).to(torch.bfloat16)
+
+
+def test_transformers_dequantizes_the_block_export(transformers_fp8, tmp_path, caplog):
     model = tiny(**ALIGNED)
-    export_hf(model, tmp_path / "out", format=fmt)
-    theirs, out = transformers_fp8(transformers, tmp_path / "out")
+    with caplog.at_level(logging.WARNING, logger="minifloat"):
+        export_hf(model, tmp_path / "out", format="hf-fp8-block")
+    assert minifloat_warnings(caplog) == []  # nothing transformers would load wrong
+    theirs = transformers_fp8.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ours = load_hf_export(tmp_path / "out", fp8=False)  # dequantized weights, high-precision activations
+    for name in quantized_layers(model):  # on a CPU: plain bf16 linears holding weight · weight_scale_inv
+        layer = theirs.get_submodule(hf_name(name))
+        assert type(layer) is torch.nn.Linear, changed(transformers_fp8)
+        assert torch.equal(layer.weight, ours.get_submodule(name).weight.to(torch.bfloat16)), \
+            f"{name}: {changed(transformers_fp8)}"
+    assert sqnr_db(logits(ours), transformers_logits(theirs)) >= BF16_LOGITS_SQNR_FLOOR_DB
+
+
+def test_transformers_misplaces_partial_blocks_and_the_export_says_so(transformers_fp8, tmp_path, caplog):
+    model = tiny()  # the tiny preset: 64-wide, MLP 176 wide (over 128, not a multiple of it)
+    with caplog.at_level(logging.WARNING, logger="minifloat"):
+        export_hf(model, tmp_path / "out", format="hf-fp8-block")
+    export = read_hf_export(tmp_path / "out")
+    ragged = {n for n, q in export.quantized.items() if any(d > 128 and d % 128 for d in q.data.shape)}
+    assert ragged == {f"blocks.{i}.mlp.{p}_proj" for i in range(2) for p in ("gate", "up", "down")}
+    [warning] = minifloat_warnings(caplog)
+    assert f"{len(ragged)} layer(s)" in warning and "misplaces" in warning
+    theirs = transformers_fp8.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    for name, q in export.quantized.items():
+        weight, right = theirs.get_submodule(hf_name(name)).weight, q.dequantize(torch.float32).to(torch.bfloat16)
+        assert torch.equal(weight, transformers_block_dequantized(q)), f"{name}: {changed(transformers_fp8)}"
+        assert torch.equal(weight, right) == (name not in ragged), f"{name}: {changed(transformers_fp8)}"
+
+
+# transformers' logits from the unscaled hf-fp8 weights against ours from the same file: measured -2.4 dB (max |Δ|
+# 2.4); a right load of the block layout measures 46 dB (BF16_LOGITS_SQNR_FLOOR_DB)
+MISREAD_LOGITS_SQNR_CEILING_DB = 10.0
+
+
+@pytest.mark.parametrize("activations", ["dynamic", "static"])
+def test_transformers_loads_hf_fp8_unscaled_and_the_export_says_so(transformers_fp8, tmp_path, caplog,
+                                                                   activations):
+    """vLLM's per-tensor names (weight_scale, input_scale) are not transformers' (weight_scale_inv,
+    activation_scale): it reports ours as unexpected, dequantizes nothing and loads the E4M3 values as the weights.
+    No error: the export's warning is the only word of it."""
+    model = tiny(**ALIGNED)
+    calibration = [TOKENS] if activations == "static" else None
+    with caplog.at_level(logging.WARNING, logger="minifloat"):
+        export_hf(model, tmp_path / "out", format="hf-fp8", activations=activations, calibration=calibration)
+    [warning] = minifloat_warnings(caplog)
+    assert "hf-fp8" in warning and "unscaled" in warning and "vLLM" in warning
+    stored = load_file(str(tmp_path / "out" / hf.WEIGHTS_FILE))
+    theirs, info = transformers_fp8.AutoModelForCausalLM.from_pretrained(tmp_path / "out", output_loading_info=True)
+    scales = ("weight_scale", "input_scale") if activations == "static" else ("weight_scale",)
+    assert set(info["unexpected_keys"]) == {n for n in stored if n.endswith(scales)}, changed(transformers_fp8)
+    assert not info["missing_keys"]
     for name in quantized_layers(model):
-        assert torch.equal(theirs.get_submodule(hf_name(name)).weight,
-                           ours.get_submodule(name).weight.to(torch.bfloat16)), name
-    assert sqnr_db(logits(ours), out) >= BF16_LOGITS_SQNR_FLOOR_DB
+        raw = stored[f"{hf_name(name)}.weight"]
+        assert torch.equal(theirs.get_submodule(hf_name(name)).weight, raw.to(torch.bfloat16)), \
+            f"{name}: {changed(transformers_fp8)}"
+    ours = load_hf_export(tmp_path / "out", fp8=False)
+    assert sqnr_db(logits(ours), transformers_logits(theirs.eval())) < MISREAD_LOGITS_SQNR_CEILING_DB
 
 
 # ---- the command ----------------------------------------------------------------------------------------------
@@ -335,10 +400,25 @@ def test_cli_formats_are_the_librarys():
     assert cli_export.FORMATS == tuple(hf.FORMATS)
 
 
-def test_cli_exports_a_run(fp8_run, tmp_path, capsys):
-    assert main(["export", "--run", fp8_run, "--format", "hf-fp8-block", "--out", str(tmp_path / "out")]) == 0
-    assert "wrote" in capsys.readouterr().out
-    assert read_hf_export(tmp_path / "out").format.name == "hf-fp8-block"
+# (format, words of the one warning line on stderr: what transformers would load wrong; None: no line)
+CLI_WARNINGS = [
+    ("hf", None),
+    ("hf-fp8", "loads the FP8 values unscaled"),
+    ("hf-fp8-block", "misplaces"),  # the tiny run's MLP is 176 wide: partial 128×128 blocks
+]
+
+
+@pytest.mark.parametrize("fmt, words", CLI_WARNINGS, ids=[c[0] for c in CLI_WARNINGS])
+def test_cli_exports_a_run_and_warns_what_transformers_would_misread(fp8_run, tmp_path, capsys, fmt, words):
+    assert main(["export", "--run", fp8_run, "--format", fmt, "--out", str(tmp_path / "out")]) == 0
+    out, err = capsys.readouterr()
+    assert "wrote" in out
+    assert read_hf_export(tmp_path / "out").format.name == fmt
+    lines = err.splitlines()
+    if words is None:
+        assert lines == [], err
+    else:
+        assert len(lines) == 1 and words in lines[0] and "transformers" in lines[0], err
 
 
 def test_cli_calibrates_static_input_scales_on_the_runs_validation_batches(fp8_run, tmp_path, capsys):

@@ -1,4 +1,4 @@
-"""Tests for minifloat.fp8.gemm: scaled_mm against float64 matmul of the dequantized operands.
+"""Tests for minifloat.fp8.gemm and .native: scaled_mm against float64 matmul of the dequantized operands.
 
 The reference multiplies exactly what the operands hold (data · scale, dequantized) in float64, so the only error
 left is the GEMM's own: fp32 accumulation for a float32 output, plus the output rounding for bfloat16.
@@ -11,6 +11,7 @@ import torch
 
 from minifloat.numerics.formats import E4M3, E5M2
 from minifloat.fp8.gemm import GemmPath, gemm_path, resolve_backend, scaled_mm
+from minifloat.fp8.native import native_granularity, native_scale, native_support
 from minifloat.numerics.quantize import quantize
 
 # fp32 accumulation of K ≈ 300 exact products: rounding errors grow like sqrt(K)·2^-24 of the partial sums (measured
@@ -246,8 +247,6 @@ NATIVE_CASES = [
 @pytest.mark.parametrize("ga, gb, fa, fb, mkn, capability, blockwise, out_dtype, reason",
                          [c[1:] for c in NATIVE_CASES], ids=[c[0] for c in NATIVE_CASES])
 def test_native_support_table(gen, ga, gb, fa, fb, mkn, capability, blockwise, out_dtype, reason):
-    from minifloat.fp8.gemm import native_support
-
     m, k, n = mkn
     qa = quantize(torch.randn(m, k, generator=gen), fa, granularity=ga)
     qb = quantize(torch.randn(n, k, generator=gen), fb, granularity=gb)
@@ -259,16 +258,12 @@ def test_native_support_table(gen, ga, gb, fa, fb, mkn, capability, blockwise, o
 
 
 def test_native_support_needs_fp8_data(gen):
-    from minifloat.fp8.gemm import native_support
-
     qa = quantize(torch.randn(64, 256, generator=gen), E4M3, operand_dtype=torch.bfloat16, keep_data=False)
     qb = quantize(torch.randn(128, 256, generator=gen), E4M3)
     assert "emulated backend" in native_support(qa, qb, capability=HOPPER, blockwise=True)
 
 
 def test_native_granularity_is_off_on_cpu_and_for_emulated():
-    from minifloat.fp8.gemm import native_granularity
-
     for g in ("tensor", "row", "tile", "block", "mx"):
         assert not native_granularity(torch.device("cpu"), g)
         assert not native_granularity(torch.device("cuda", 0), g, "emulated")
@@ -290,11 +285,10 @@ SCALE_LAYOUTS = [
 @pytest.mark.parametrize("granularity, side, shape, strides", [c[1:] for c in SCALE_LAYOUTS],
                          ids=[c[0] for c in SCALE_LAYOUTS])
 def test_native_scale_layouts(gen, granularity, side, shape, strides):
-    from minifloat.fp8.gemm import _native_scale
 
     m, k = 256, 512
     q = quantize(torch.randn(m, k, generator=gen), E4M3, granularity=granularity)
-    s = _native_scale(q, side)
+    s = native_scale(q, side)
     assert s.dtype == torch.float32
     assert tuple(s.shape) == shape(m, k // 128) and s.stride() == strides(m, k // 128)
     # the same numbers as q's scales, only laid out for cuBLASLt
@@ -329,8 +323,6 @@ NATIVE_PAIRS = [
                                              (torch.float16, BF16_OUT_RTOL)], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("fa, fb", [c[1:] for c in FORMAT_PAIRS], ids=[c[0] for c in FORMAT_PAIRS])
 def test_native_matches_emulated(ga, gb, m, k, n, out_dtype, rtol, fa, fb):
-    from minifloat.fp8.gemm import native_support
-
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(m, k, device="cuda", generator=gen) * 3.0
     b = torch.randn(n, k, device="cuda", generator=gen) * 0.05
@@ -353,7 +345,6 @@ def test_native_matches_emulated(ga, gb, m, k, n, out_dtype, rtol, fa, fb):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_native_takes_expanded_row_scales():
     """A row scale that is a stride-0 view (prepare_inference's) reaches cuBLASLt densely, not as an error."""
-    from minifloat.fp8.gemm import native_support
     from minifloat.numerics.quantize import Quantized
 
     gen = torch.Generator(device="cuda").manual_seed(0)

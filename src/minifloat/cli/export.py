@@ -27,8 +27,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     (vLLM's / AutoFP8's "fp8" layout) and, when the run trained with delayed scaling or --calibrate N is given
     (its first N validation batches), a static input_scale;
     hf-fp8-block stores DeepSeek-V3's 128×128 blocks with fp32 weight_scale_inv. Embeddings, norms, lm_head and the
-    layers training kept in high precision stay --dtype. An --out that exists and is not empty is refused unless
-    --overwrite. Exits with status 2 on a bad option, run folder or checkpoint."""
+    layers training kept in high precision stay --dtype. transformers (5.24, CPU) reads hf, and hf-fp8-block whose
+    sizes are multiples of 128 (or at most 128), right, but loads hf-fp8's weights unscaled without an error: for
+    transformers export hf or hf-fp8-block; the command prints one warning line on stderr for each such case. An
+    --out that exists and is not empty is refused unless --overwrite. Exits with status 2 on a bad option, run
+    folder or checkpoint."""
     from minifloat.inference.export import export_hf, run_calibration
 
     _choice("--format", args.format, FORMATS)
@@ -58,8 +61,8 @@ def add_parser(sub) -> None:
                        description=cmd_export.__doc__)
     e.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
     e.add_argument("--format", default="hf", metavar="FORMAT",
-                   help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8') or hf-fp8-block (128×128 block "
-                        "FP8, DeepSeek-V3's) (default hf)")
+                   help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8'; transformers loads it wrong) or "
+                        "hf-fp8-block (128×128 block FP8, DeepSeek-V3's; transformers reads it) (default hf)")
     e.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty, or --overwrite)")
     e.add_argument("--checkpoint", default="latest", metavar="NAME",
                    help="latest (the run's ckpt/, default), or a checkpoint folder inside the run or elsewhere")

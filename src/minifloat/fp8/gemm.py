@@ -32,23 +32,27 @@ The native backend accumulates in the tensor core's own order and precision (doc
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
-import functools
 import logging
 import math
-import os
 
 import torch
 
 from minifloat.core.autocast import autocast_off
 from minifloat.numerics.compiling import maybe_compile
-from minifloat.numerics.granularity import Granularity, granularity_info
+from minifloat.fp8.native import (  # noqa: F401 - native_fp8_available, native_granularity: re-exported
+    BACKENDS,
+    backend_from_env,
+    fuses_bias,
+    native_fp8_available,
+    native_granularity,
+    native_mm,
+    native_support,
+)
+from minifloat.numerics.granularity import granularity_info
 from minifloat.numerics.quantize import Quantized, decode
 
 log = logging.getLogger("minifloat")
-BACKENDS = ("auto", "native", "emulated")
-OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 class GemmPath(str, enum.Enum):
@@ -60,130 +64,6 @@ class GemmPath(str, enum.Enum):
 
     def __str__(self) -> str:
         return self.value
-
-
-def _backend_from_env() -> str:
-    value = os.environ.get("MINIFLOAT_GEMM_BACKEND", "auto")
-    if value not in BACKENDS:
-        raise ValueError(f"MINIFLOAT_GEMM_BACKEND must be one of {BACKENDS}, got {value!r}")
-    return value
-
-
-# ---------------------------------------------------------------------------------------------------- native rules
-
-
-@dataclasses.dataclass(frozen=True)
-class NativeRule:
-    """Where torch._scaled_mm runs a pair of scalings.
-
-    Attributes:
-        min_capability: the oldest GPU generation (compute capability) with the kernel.
-        below_capability: the first generation without it (None: every newer one has it).
-        needs_blockwise_torch: the torch build must expose blockwise scaling (torch.nn.functional.ScalingType).
-        k_multiple: K must be a multiple of this.
-        fuses_bias: the kernel adds a bias (bfloat16/float16 outputs only); otherwise the bias is added after.
-    """
-
-    min_capability: tuple[int, int]
-    below_capability: tuple[int, int] | None
-    needs_blockwise_torch: bool
-    k_multiple: int
-    fuses_bias: bool
-
-
-_TENSOR_CORES = NativeRule((8, 9), None, False, 16, True)
-# cuBLAS 12.9's VEC128 / BLK128x128 scaling, on Hopper. The 128×128 scales' K blocks must fill whole 16-byte rows:
-# torch 2.11 does not check it, and on an H100 K = 128·{1, 2, 3, 5, 6} returned errors of 10% to 1e34 (scratch probe,
-# docs/fp8.md); 1×128 × 1×128 was right for every K that is a multiple of 128 and every M tried (8 to 4096).
-_DEEPSEEK_BLOCK = NativeRule((9, 0), (10, 0), True, 512, False)
-_DEEPSEEK_TILE = NativeRule((9, 0), (10, 0), True, 128, False)
-NATIVE_RULES: dict[tuple[Granularity, Granularity], NativeRule] = {
-    (Granularity.TENSOR, Granularity.TENSOR): _TENSOR_CORES,
-    (Granularity.ROW, Granularity.ROW): _TENSOR_CORES,
-    (Granularity.TILE, Granularity.BLOCK): _DEEPSEEK_BLOCK,
-    (Granularity.BLOCK, Granularity.TILE): _DEEPSEEK_BLOCK,
-    (Granularity.TILE, Granularity.TILE): _DEEPSEEK_TILE,
-}
-_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
-
-
-@functools.cache
-def blockwise_torch() -> bool:
-    """Whether this torch's _scaled_mm takes DeepSeek-style blockwise scales (torch 2.9+: F.ScalingType)."""
-    return hasattr(torch.nn.functional, "ScalingType")
-
-
-@functools.cache
-def device_capability(device_index: int = 0) -> tuple[int, int] | None:
-    """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm."""
-    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return None
-    return torch.cuda.get_device_capability(device_index)
-
-
-def native_fp8_available(device_index: int = 0) -> bool:
-    """Whether this machine has a CUDA GPU with FP8 tensor cores (SM 8.9+) and torch._scaled_mm."""
-    capability = device_capability(device_index)
-    return capability is not None and capability >= _TENSOR_CORES.min_capability
-
-
-def _rule_runs_on(rule: NativeRule, capability: tuple[int, int] | None, blockwise: bool) -> bool:
-    return (capability is not None and capability >= rule.min_capability
-            and (rule.below_capability is None or capability < rule.below_capability)
-            and (blockwise or not rule.needs_blockwise_torch))
-
-
-def native_granularity(device: torch.device, granularity: Granularity | str, backend: str | None = None) -> bool:
-    """Whether a tensor of `granularity` on `device` should be cast for the native backend (FP8 data and scales
-    rather than a bfloat16 operand): some native pairing of it runs on this GPU and torch. The cast-time half of
-    the one decision; `native_support` makes the rest with both operands and their shapes in hand."""
-    backend = backend or _backend_from_env()
-    if backend == "emulated" or device.type != "cuda":
-        return False
-    granularity = Granularity.parse(granularity)
-    capability, blockwise = device_capability(device.index or 0), blockwise_torch()
-    return any(granularity in pair and _rule_runs_on(rule, capability, blockwise)
-               for pair, rule in NATIVE_RULES.items())
-
-
-def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16, *,
-                   capability: tuple[int, int] | None = None, blockwise: bool | None = None) -> str | None:
-    """None when torch._scaled_mm can run a @ bᵀ, else the reason it cannot (one line, for errors and logs).
-
-    `capability` and `blockwise` describe the GPU and torch build (default: the operands' device and this torch);
-    tests pass them to check the table on machines without such a GPU.
-    """
-    if a.data is None or b.data is None:
-        return "an operand was cast for the emulated backend (no FP8 data kept)"
-    if capability is None:
-        if not a.data.is_cuda:
-            return "the operands are not on a CUDA device"
-        capability = device_capability(a.data.device.index or 0)
-        if capability is None:
-            return "this torch has no CUDA torch._scaled_mm"
-    blockwise = blockwise_torch() if blockwise is None else blockwise
-    rule = NATIVE_RULES.get((a.granularity, b.granularity))
-    if rule is None:
-        return f"torch._scaled_mm has no {a.granularity} × {b.granularity} scaling"
-    if not _rule_runs_on(rule, capability, blockwise):
-        gpus = f"SM {rule.min_capability[0]}.{rule.min_capability[1]}+" + (
-            "" if rule.below_capability is None else f" below SM {rule.below_capability[0]}.0")
-        torch_note = " and a torch with blockwise _scaled_mm" if rule.needs_blockwise_torch and not blockwise else ""
-        return (f"{a.granularity} × {b.granularity} scaling needs {gpus}{torch_note}; "
-                f"this GPU is SM {capability[0]}.{capability[1]}")
-    if a.data.dtype not in _FP8_DTYPES or b.data.dtype not in _FP8_DTYPES:
-        return f"torch._scaled_mm takes FP8 data, not {a.data.dtype} × {b.data.dtype}"
-    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
-        return "cuBLASLt has no E5M2 × E5M2 kernel"
-    if out_dtype not in OUT_DTYPES:
-        return f"torch._scaled_mm outputs {[str(d) for d in OUT_DTYPES]}, not {out_dtype}"
-    if len(a.shape) != 2 or len(b.shape) != 2:
-        return "torch._scaled_mm multiplies 2-D operands"
-    (m, k), n = a.shape, b.shape[0]
-    if k % rule.k_multiple or n % 16:
-        return (f"{a.granularity} × {b.granularity} needs K a multiple of {rule.k_multiple} and N of 16, "
-                f"got M={m}, K={k}, N={n}")
-    return None
 
 
 def gemm_path(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16,
@@ -200,9 +80,7 @@ def gemm_path(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat1
     Raises:
         ValueError for an unknown backend, or "native" for a product the native backend cannot run (the reason).
     """
-    backend = backend or _backend_from_env()
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = backend_from_env(backend)
     if backend != "emulated":
         reason = native_support(a, b, out_dtype)
         if reason is None:
@@ -252,42 +130,18 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
     return _emulated_k_blocks(a, b, out_dtype, bias)
 
 
-# ---------------------------------------------------------------------------------------------------- native
-
-
-def _native_scale(q: Quantized, side: str) -> torch.Tensor:
-    """q's dequantization scales in the shape and memory layout torch._scaled_mm checks for q's scaling on `side`
-    ("a": the (M, K) operand; "b": the (N, K) operand, passed as its transpose)."""
-    s = q.scale.float()
-    info = granularity_info(q.granularity)
-    if info.per_tensor:
-        return s.reshape(())
-    if info.per_row:  # (M, 1) and (1, N), dense: an expanded (stride-0) view is refused
-        return s.reshape(-1, 1).contiguous() if side == "a" else s.reshape(1, -1).contiguous()
-    if q.granularity == Granularity.TILE:  # (rows, K/128) laid out K-block-major (the row index runs fastest)
-        return s.t().contiguous().t() if side == "a" else s.t().contiguous()
-    # 128×128 blocks: (rows/128, K/128) row-major for a; b's transpose is that layout
-    return s.contiguous() if side == "a" else s.contiguous().t()
-
-
 def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
-    # torch._scaled_mm wants A row-major (M, K), B column-major (K, N) and dequantization scales.
-    fuse_bias = bias is not None and NATIVE_RULES[(a.granularity, b.granularity)].fuses_bias \
-        and out_dtype != torch.float32
-    try:
-        out = torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=_native_scale(a, "a"),
-                               scale_b=_native_scale(b, "b"), bias=bias.to(out_dtype) if fuse_bias else None,
-                               out_dtype=out_dtype if fuse_bias or bias is None else torch.float32)
+    fuse = bias is not None and fuses_bias(a, b, out_dtype)
+    try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
+        out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None)
     except RuntimeError as exc:
         if torch.compiler.is_compiling():
             raise
-        # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once
+        # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once per shape
         _warn_native_refused(a, b, exc)
         return _emulated(a, b, out_dtype, bias, GemmPath.FACTORED if _factors_or_folds(a) and _factors_or_folds(b)
                          else GemmPath.K_BLOCKS)
-    if bias is None or fuse_bias:
-        return out
-    return _epilogue(out, None, None, bias, out_dtype)
+    return out if bias is None or fuse else _epilogue(out, None, None, bias, out_dtype)
 
 
 _REFUSED: set[tuple] = set()

@@ -18,12 +18,16 @@ formats each quantized linear layer stores
                     W ≈ weight · weight_scale_inv per 128×128 block         activation_scheme "dynamic"
 
 hf-fp8 is vLLM's / AutoFP8's per-tensor "fp8" checkpoint; hf-fp8-block is DeepSeek-V3's, whose `weight_scale_inv`
-is, despite its name, the dequantization multiplier (transformers' finegrained_fp8 multiplies by it). Embeddings,
-norms and lm_head stay in `dtype`; the linears kept in high precision are listed under both "ignored_layers" (vLLM)
-and "modules_to_not_convert" (transformers). Weights are cast through minifloat's one rounding path
-(minifloat.numerics.quantize, E4M3, "tensor" / "block" granularity). A static input scale comes from calibration
-batches (amax / 448) or, for a model trained with delayed scaling, from each layer's delayed input scale: exactly
-the scale its FP8 forward used.
+is, despite its name, the dequantization multiplier (transformers' finegrained_fp8 multiplies by it). transformers
+reads hf, and hf-fp8-block whose sizes are multiples of 128 (or at most 128), right; it loads hf-fp8's weights
+unscaled without an error (its per-tensor names are not vLLM's): the export logs one warning line for each such
+case (`_transformers_warnings`; docs/inference.md, "What transformers loads").
+
+Embeddings, norms and lm_head stay in `dtype`; the linears kept in high precision are listed under both
+"ignored_layers" (vLLM) and "modules_to_not_convert" (transformers). Weights are cast through minifloat's one
+rounding path (minifloat.numerics.quantize, E4M3, "tensor" / "block" granularity). A static input scale comes from
+calibration batches (amax / 448) or, for a model trained with delayed scaling, from each layer's delayed input
+scale: exactly the scale its FP8 forward used.
 
 Which linears are quantized: a model trained in FP8 keeps its own choice (its Fp8Linear layers), a model prepared
 for FP8 inference its Fp8InferenceLinear layers (their stored weights are written as they are when the layout
@@ -260,6 +264,21 @@ def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers:
     return config
 
 
+def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str],
+                           tensors: dict[str, torch.Tensor]) -> list[str]:
+    """One line for each way transformers' from_pretrained would load the export wrong without raising (measured
+    with transformers 5.24 on a CPU, tests/test_export.py): the layout's own (hf.ExportFormat.transformers_misreads),
+    and partial 128×128 blocks, which its CPU dequantization places at size // blocks (vLLM reads them as written)."""
+    lines = [f"minifloat: {out} ({fmt.name}): {fmt.transformers_misreads}"] if fmt.transformers_misreads else []
+    ragged = [n for n in layers if fmt.granularity == Granularity.BLOCK
+              and any(d > TILE and d % TILE for d in tensors[hf.hf_name(f"{n}.weight")].shape)]
+    if ragged:
+        lines.append(f"minifloat: {out} ({fmt.name}): {len(ragged)} layer(s) have a size over {TILE} that {TILE} "
+                     f"does not divide (e.g. {hf.hf_name(ragged[0])}): vLLM reads their partial blocks, transformers' "
+                     f"CPU dequantization misplaces their scales without an error (docs/inference.md)")
+    return lines
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; choose a folder for the export")
@@ -277,7 +296,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     Args:
         model_or_run: a minifloat Llama (under any precision policy, or prepared for FP8 inference) or a run folder.
         out_dir: the export folder: written in a temporary sibling, then renamed into place.
-        format: "hf" (plain `dtype` tensors), "hf-fp8" (per-tensor FP8) or "hf-fp8-block" (128×128 block FP8).
+        format: "hf" (plain `dtype` tensors), "hf-fp8" (vLLM's per-tensor FP8, which transformers loads wrong: a
+            warning is logged) or "hf-fp8-block" (128×128 block FP8).
         dtype: of the unquantized tensors: "bfloat16", "float16" or "float32".
         checkpoint: with a run folder, "latest" or another checkpoint folder (see `run_checkpoint`).
         activations: "hf-fp8" only: "static" (input scales from `calibration` or the model's own static / delayed
@@ -304,14 +324,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     layers = quantized_layers(model) if fmt.granularity is not None else []
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
-    # transformers' CPU dequantization takes a block to be size // blocks: wrong for a size over 128 that 128 does
-    # not divide (vLLM reads the partial last block as written)
-    ragged = [n for n in layers if fmt.granularity == Granularity.BLOCK
-              and any(d > TILE and d % TILE for d in tensors[hf.hf_name(f"{n}.weight")].shape)]
-    if ragged:
-        log.warning("minifloat: %d layer(s) of %s have a size over %d that %d does not divide (e.g. %s): vLLM reads "
-                    "their partial blocks, transformers' CPU dequantization misplaces them (docs/inference.md)",
-                    len(ragged), out, TILE, TILE, hf.hf_name(ragged[0]))
+    warnings = _transformers_warnings(out, fmt, layers, tensors)
     files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None),
              hf.GENERATION_FILE: hf.generation_config(model.config)}
 
@@ -329,5 +342,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_path(out.parent)
+    for warning in warnings:  # once the export exists: what transformers would load from it without an error
+        log.warning("%s", warning)
     log.info("minifloat: exported %s (%s, %d tensors, %d FP8 linears)", out, fmt.name, len(tensors), len(layers))
     return out

@@ -61,6 +61,8 @@ class ExportFormat:
             (vLLM's per-tensor FP8 with CUTLASS) or per 1×128 tile (DeepSeek-V3 §3.3, vLLM's block FP8).
         static: whether the layout stores static input scales (`input_scale`).
         config: the fixed fields of quantization_config.
+        transformers_misreads: how transformers' from_pretrained loads the layout wrong without raising, "" where
+            it loads it right; every export of the format logs it (docs/inference.md, "What transformers loads").
     """
 
     name: str
@@ -69,6 +71,7 @@ class ExportFormat:
     dynamic_input: Granularity | None = None
     static: bool = False
     config: tuple[tuple[str, object], ...] = ()
+    transformers_misreads: str = ""
 
     def layer_spec(self, static: bool) -> LayerSpec:
         """The Fp8InferenceLinear spec that computes what a serving stack does with this layout."""
@@ -80,8 +83,14 @@ class ExportFormat:
 _FP8 = (("quant_method", "fp8"), ("fmt", WEIGHT_FORMAT.name))
 FORMATS = {f.name: f for f in (
     ExportFormat("hf", None),
+    # vLLM's per-tensor names. transformers reads the same quant_method "fp8" under its own (weight_scale_inv,
+    # activation_scale); one file cannot hold both, as vLLM's Llama loader fails on a tensor it has no parameter for
     ExportFormat("hf-fp8", Granularity.TENSOR, "weight_scale", Granularity.ROW, True,
-                 _FP8 + (("weight_block_size", None),)),
+                 _FP8 + (("weight_block_size", None),),
+                 transformers_misreads="transformers (5.24, CPU) ignores weight_scale / input_scale (its per-tensor "
+                                       "names are weight_scale_inv / activation_scale) and loads the FP8 values "
+                                       "unscaled, without an error: serve hf-fp8 with vLLM or read it with "
+                                       "load_hf_export; for transformers export hf or hf-fp8-block"),
     ExportFormat("hf-fp8-block", Granularity.BLOCK, "weight_scale_inv", Granularity.TILE, False,
                  _FP8 + (("weight_block_size", [TILE, TILE]),)),
 )}

@@ -1,4 +1,15 @@
-"""Rounding rules other than round-to-nearest-even: stochastic rounding onto a format's grid.
+"""Rounding rules onto a format's grid: round-to-nearest-even (`round_to_grid`) and stochastic rounding.
+
+Rounding is exact by construction, on every device and under every compiler setting: each value is scaled by a
+power of two read from its own float32 exponent field (integer arithmetic on the bit pattern), rounded to an integer
+with torch.round (round-half-to-even) and scaled back:
+    ulp = 2^(max(e, emin) - m)     e = floor(log2 |y|) from y's exponent bits, m the format's mantissa bits
+    round_to_grid(y) = round(y / ulp) · ulp
+Every product and quotient here is exact (a power-of-two scaling that neither overflows nor underflows), so a compiler
+that contracts a multiply and an add into an FMA (inductor's Triton code on a GPU, or the C++ backend with
+TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast) cannot change a bit: an FMA of exact operations rounds
+the same exact value once. The Veltkamp split this replaces (c = y·(2^(23-m)+1); c - (c - y)) relies on each product
+being rounded on its own, and an FMA silently turned it into the identity (issue 20, tests/test_fma_contraction.py).
 
 Stochastic rounding (SR) sends y, lying between the neighbouring grid values lo < y < hi, to hi with probability
 (y - lo) / (hi - lo) and to lo otherwise, so E[SR(y)] = y: rounding errors average out instead of piling up. An
@@ -38,6 +49,39 @@ def exact_pow2(k: torch.Tensor) -> torch.Tensor:
     k = k.to(torch.int32)
     half = k >> 1
     return ((half + 127) << 23).view(torch.float32) * ((k - half + 127) << 23).view(torch.float32)
+
+
+def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """Round float32 `y` to the nearest value of `fmt` (ties to even). No saturation: callers clamp first.
+
+    Args:
+        y: float32 tensor with |y| <= fmt.max (larger values are rounded but not saturated).
+        fmt: the target format.
+    Returns:
+        float32 tensor of values representable in `fmt` (NaN stays NaN).
+    """
+    if fmt.mbits >= 23:
+        return y
+    if fmt.torch_dtype in (torch.bfloat16, torch.float16):
+        return y.to(fmt.torch_dtype).float()  # torch's conversion is RNE with subnormals
+    if fmt.special == Special.SCALE:
+        return _round_pow2(y, fmt)
+    # floor(log2 |y|) from the exponent field; a zero or float32-subnormal y reads -127, below every format's emin
+    exponent = ((y.view(torch.int32) >> 23) & 0xFF) - 127
+    ulp = exact_pow2(exponent.clamp(min=fmt.emin) - fmt.mbits)
+    # y / ulp has at most m + 1 integer bits: exact; torch.round is round-half-to-even; · ulp is exact again (a
+    # carry into the next binade gives 2^(e+1), also exact). Signs, ±0, inf and NaN pass through unchanged.
+    return torch.round(y / ulp) * ulp
+
+
+def _round_pow2(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    # E8M0 holds 2^e, e in [emin, emax]. Nearest power of two in value: y = m·2^k with m in [0.5, 1) (frexp, exact)
+    # rounds up to 2^k when 2m >= 1.5 (the midpoint of [2^(k-1), 2^k]; ties go up). Zero, negatives and NaN have no
+    # encoding: NaN. No log2/exp2: a GPU's approximate log2 misplaces values just below a power of two.
+    m, k = torch.frexp(y)
+    e = (k - 1 + (m >= 0.75).to(k.dtype)).clamp(fmt.emin, fmt.emax)
+    e = torch.where(torch.isinf(y), fmt.emax, e)  # frexp(inf) is (inf, 0): +inf saturates to the largest power
+    return torch.where(y > 0, exact_pow2(e), torch.full_like(y, float("nan")))
 
 
 def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,175 @@
+"""Which FP8 products run on the GPU's tensor cores, and how torch._scaled_mm is called for them.
+
+`NATIVE_RULES` is the one table: per pair of scalings (a × b), the GPU generations that have the kernel, whether the
+torch build must expose blockwise scaling, and the K multiple the kernel needs. `native_granularity` (at cast time:
+keep FP8 data or make a bfloat16 operand?) and `native_support` (at GEMM time, with both operands' shapes) read it;
+`minifloat.fp8.gemm.gemm_path` makes the decision from them. docs/fp8.md has the table recipe × GPU generation.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from minifloat.numerics.granularity import Granularity, granularity_info
+from minifloat.numerics.quantize import Quantized
+
+BACKENDS = ("auto", "native", "emulated")
+OUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def backend_from_env(backend: str | None = None) -> str:
+    """`backend`, or $MINIFLOAT_GEMM_BACKEND (default "auto") when it is None; ValueError for an unknown one."""
+    if backend is None:
+        backend = os.environ.get("MINIFLOAT_GEMM_BACKEND", "auto")
+        if backend not in BACKENDS:
+            raise ValueError(f"MINIFLOAT_GEMM_BACKEND must be one of {BACKENDS}, got {backend!r}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    return backend
+
+
+@dataclasses.dataclass(frozen=True)
+class NativeRule:
+    """Where torch._scaled_mm runs a pair of scalings.
+
+    Attributes:
+        min_capability: the oldest GPU generation (compute capability) with the kernel.
+        below_capability: the first generation without it (None: every newer one has it).
+        needs_blockwise_torch: the torch build must expose blockwise scaling (torch.nn.functional.ScalingType).
+        k_multiple: K must be a multiple of this.
+        fuses_bias: the kernel adds a bias (bfloat16/float16 outputs only); otherwise the bias is added after.
+    """
+
+    min_capability: tuple[int, int]
+    below_capability: tuple[int, int] | None
+    needs_blockwise_torch: bool
+    k_multiple: int
+    fuses_bias: bool
+
+
+_TENSOR_CORES = NativeRule((8, 9), None, False, 16, True)
+# cuBLAS 12.9's VEC128 / BLK128x128 scaling, on Hopper. The 128×128 scales' K blocks must fill whole 16-byte rows:
+# torch 2.11 does not check it, and on an H100 K = 128·{1, 2, 3, 5, 6} returned errors of 10% to 1e34 (scratch probe,
+# docs/fp8.md); 1×128 × 1×128 was right for every K that is a multiple of 128 and every M tried (8 to 4096).
+_DEEPSEEK_BLOCK = NativeRule((9, 0), (10, 0), True, 512, False)
+_DEEPSEEK_TILE = NativeRule((9, 0), (10, 0), True, 128, False)
+NATIVE_RULES: dict[tuple[Granularity, Granularity], NativeRule] = {
+    (Granularity.TENSOR, Granularity.TENSOR): _TENSOR_CORES,
+    (Granularity.ROW, Granularity.ROW): _TENSOR_CORES,
+    (Granularity.TILE, Granularity.BLOCK): _DEEPSEEK_BLOCK,
+    (Granularity.BLOCK, Granularity.TILE): _DEEPSEEK_BLOCK,
+    (Granularity.TILE, Granularity.TILE): _DEEPSEEK_TILE,
+}
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
+@functools.cache
+def blockwise_torch() -> bool:
+    """Whether this torch's _scaled_mm takes DeepSeek-style blockwise scales (torch 2.9+: F.ScalingType)."""
+    return hasattr(torch.nn.functional, "ScalingType")
+
+
+@functools.cache
+def device_capability(device_index: int = 0) -> tuple[int, int] | None:
+    """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm."""
+    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
+        return None
+    return torch.cuda.get_device_capability(device_index)
+
+
+def native_fp8_available(device_index: int = 0) -> bool:
+    """Whether this machine has a CUDA GPU with FP8 tensor cores (SM 8.9+) and torch._scaled_mm."""
+    capability = device_capability(device_index)
+    return capability is not None and capability >= _TENSOR_CORES.min_capability
+
+
+def _rule_runs_on(rule: NativeRule, capability: tuple[int, int] | None, blockwise: bool) -> bool:
+    return (capability is not None and capability >= rule.min_capability
+            and (rule.below_capability is None or capability < rule.below_capability)
+            and (blockwise or not rule.needs_blockwise_torch))
+
+
+def native_granularity(device: torch.device, granularity: Granularity | str, backend: str | None = None) -> bool:
+    """Whether a tensor of `granularity` on `device` should be cast for the native backend (FP8 data and scales
+    rather than a bfloat16 operand): some native pairing of it runs on this GPU and torch. The cast-time half of
+    the one decision; `native_support` makes the rest with both operands and their shapes in hand."""
+    backend = backend_from_env(backend)
+    if backend == "emulated" or device.type != "cuda":
+        return False
+    granularity = Granularity.parse(granularity)
+    capability, blockwise = device_capability(device.index or 0), blockwise_torch()
+    return any(granularity in pair and _rule_runs_on(rule, capability, blockwise)
+               for pair, rule in NATIVE_RULES.items())
+
+
+def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16, *,
+                   capability: tuple[int, int] | None = None, blockwise: bool | None = None) -> str | None:
+    """None when torch._scaled_mm can run a @ bᵀ, else the reason it cannot (one line, for errors and logs).
+
+    `capability` and `blockwise` describe the GPU and torch build (default: the operands' device and this torch);
+    tests pass them to check the table on machines without such a GPU.
+    """
+    if a.data is None or b.data is None:
+        return "an operand was cast for the emulated backend (no FP8 data kept)"
+    if capability is None:
+        if not a.data.is_cuda:
+            return "the operands are not on a CUDA device"
+        capability = device_capability(a.data.device.index or 0)
+        if capability is None:
+            return "this torch has no CUDA torch._scaled_mm"
+    blockwise = blockwise_torch() if blockwise is None else blockwise
+    rule = NATIVE_RULES.get((a.granularity, b.granularity))
+    if rule is None:
+        return f"torch._scaled_mm has no {a.granularity} × {b.granularity} scaling"
+    if not _rule_runs_on(rule, capability, blockwise):
+        gpus = f"SM {rule.min_capability[0]}.{rule.min_capability[1]}+" + (
+            "" if rule.below_capability is None else f" below SM {rule.below_capability[0]}.0")
+        torch_note = " and a torch with blockwise _scaled_mm" if rule.needs_blockwise_torch and not blockwise else ""
+        return (f"{a.granularity} × {b.granularity} scaling needs {gpus}{torch_note}; "
+                f"this GPU is SM {capability[0]}.{capability[1]}")
+    if a.data.dtype not in _FP8_DTYPES or b.data.dtype not in _FP8_DTYPES:
+        return f"torch._scaled_mm takes FP8 data, not {a.data.dtype} × {b.data.dtype}"
+    if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
+        return "cuBLASLt has no E5M2 × E5M2 kernel"
+    if out_dtype not in OUT_DTYPES:
+        return f"torch._scaled_mm outputs {[str(d) for d in OUT_DTYPES]}, not {out_dtype}"
+    if len(a.shape) != 2 or len(b.shape) != 2:
+        return "torch._scaled_mm multiplies 2-D operands"
+    (m, k), n = a.shape, b.shape[0]
+    if k % rule.k_multiple or n % 16:
+        return (f"{a.granularity} × {b.granularity} needs K a multiple of {rule.k_multiple} and N of 16, "
+                f"got M={m}, K={k}, N={n}")
+    return None
+
+
+
+def native_scale(q: Quantized, side: str) -> torch.Tensor:
+    """q's dequantization scales in the shape and memory layout torch._scaled_mm checks for q's scaling on `side`
+    ("a": the (M, K) operand; "b": the (N, K) operand, passed as its transpose)."""
+    s = q.scale.float()
+    info = granularity_info(q.granularity)
+    if info.per_tensor:
+        return s.reshape(())
+    if info.per_row:  # (M, 1) and (1, N), dense: an expanded (stride-0) view is refused
+        return s.reshape(-1, 1).contiguous() if side == "a" else s.reshape(1, -1).contiguous()
+    if q.granularity == Granularity.TILE:  # (rows, K/128) laid out K-block-major (the row index runs fastest)
+        return s.t().contiguous().t() if side == "a" else s.t().contiguous()
+    # 128×128 blocks: (rows/128, K/128) row-major for a; b's transpose is that layout
+    return s.contiguous() if side == "a" else s.contiguous().t()
+
+
+def fuses_bias(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
+    """Whether the native kernel for a × b adds a bias itself (tensor and row scaling, 16-bit outputs)."""
+    return NATIVE_RULES[(a.granularity, b.granularity)].fuses_bias and out_dtype != torch.float32
+
+
+def native_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """torch._scaled_mm(a, bᵀ) for a pair `native_support` admits (a bias only where `fuses_bias`)."""
+    # torch._scaled_mm wants A row-major (M, K), B column-major (K, N) and dequantization scales.
+    return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=native_scale(a, "a"),
+                            scale_b=native_scale(b, "b"), bias=None if bias is None else bias.to(out_dtype),
+                            out_dtype=out_dtype)
