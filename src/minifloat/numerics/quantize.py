@@ -314,14 +314,23 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded)
 
 
-def _scales(amax: torch.Tensor, fmt: NumberFormat, info: GranularityInfo, margin: int, power_of_two: bool,
-            mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quantization multipliers, dequantization scales) from block amaxes."""
-    if info.scale_fmt == E8M0:  # MX: power-of-two scales by the MX rule
+def _scales_kernel(amax: torch.Tensor, fmt_name: str, e8m0: bool, margin: int, power_of_two: bool,
+                   mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    fmt = FORMATS[fmt_name]
+    if e8m0:  # MX: power-of-two scales by the MX rule
         dscale = mx_scale(amax, fmt, rule=mx_rule)
         return 1.0 / dscale, dscale
     qscale = scale_from_amax(amax, fmt, margin=margin, power_of_two=power_of_two)
     return qscale, 1.0 / qscale
+
+
+_scales_compiled = maybe_compile(_scales_kernel)  # one pass over a block-scaled tensor's amaxes, not ten
+
+
+def _scales(amax: torch.Tensor, fmt: NumberFormat, info: GranularityInfo, margin: int, power_of_two: bool,
+            mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(quantization multipliers, dequantization scales) from block amaxes."""
+    return _scales_compiled(amax, fmt.name, info.scale_fmt == E8M0, margin, power_of_two, mx_rule)
 
 
 def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
