@@ -9,7 +9,6 @@ keep FP8 data or make a bfloat16 operand?) and `native_support` (at GEMM time, w
 from __future__ import annotations
 
 import dataclasses
-import functools
 import os
 
 import torch
@@ -67,18 +66,23 @@ NATIVE_RULES: dict[tuple[Granularity, Granularity], NativeRule] = {
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
-@functools.cache
+_BLOCKWISE_TORCH = hasattr(torch.nn.functional, "ScalingType")
+# per CUDA device index, read once (a plain dict: a constant to dynamo once filled, where a functools.cache is traced
+# through on every compile)
+_CAPABILITY: dict[int, tuple[int, int] | None] = {}
+
+
 def blockwise_torch() -> bool:
     """Whether this torch's _scaled_mm takes DeepSeek-style blockwise scales (torch 2.9+: F.ScalingType)."""
-    return hasattr(torch.nn.functional, "ScalingType")
+    return _BLOCKWISE_TORCH
 
 
-@functools.cache
 def device_capability(device_index: int = 0) -> tuple[int, int] | None:
     """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm."""
-    if not torch.cuda.is_available() or not hasattr(torch, "_scaled_mm"):
-        return None
-    return torch.cuda.get_device_capability(device_index)
+    if device_index not in _CAPABILITY:
+        available = torch.cuda.is_available() and hasattr(torch, "_scaled_mm")
+        _CAPABILITY[device_index] = torch.cuda.get_device_capability(device_index) if available else None
+    return _CAPABILITY[device_index]
 
 
 def native_fp8_available(device_index: int = 0) -> bool:
