@@ -129,3 +129,10 @@ def test_train_runs_as_a_command(tmp_path):
     assert "2 (nonfinite_loss)" in proc.stdout
     assert "step 2 skipped (nonfinite_loss)" in proc.stderr  # the guard's warning, through logging
     assert len(_rows(out)) == 6
+
+
+def test_python_dash_m_minifloat_runs_the_cli():
+    """`python -m minifloat` is the same command line as the `minifloat` script (DESIGN.md)."""
+    done = subprocess.run([sys.executable, "-m", "minifloat", "formats"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert "e4m3" in done.stdout.lower() and "448" in done.stdout
