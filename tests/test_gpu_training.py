@@ -17,7 +17,6 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
-import torch.utils.checkpoint as ckpt
 from torch import nn
 
 import minifloat as mf
@@ -27,6 +26,7 @@ from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.master import MasterWeightOptimizer
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.optim import SGD, AdamW, Lion
+from residual_mlp import MLP
 
 pytestmark = pytest.mark.gpu
 
@@ -41,36 +41,10 @@ RECIPE_PARAMS = pytest.mark.parametrize("name", RECIPE_NAMES)
 COMPILE_FAST = {("delayed", True), ("delayed", False), ("nvfp4", True), ("nvfp4", False), ("mx", True)}
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class MLP(nn.Module):
-    """Three residual blocks, optionally each under activation checkpointing (tests/test_step.py's model)."""
-
-    def __init__(self, checkpoint: str | None = None):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.checkpoint = checkpoint
-
-    def forward(self, x):  # (TOKENS, DIM)
-        for block in self.blocks:
-            if self.checkpoint is None:
-                x = block(x)
-            else:
-                x = ckpt.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
-        return x
-
-
 def make_model(name: str, device: str, **kwargs) -> nn.Module:
     """Built on the CPU from a fixed seed, converted, then moved to the device."""
     torch.manual_seed(SEED)
-    return mf.convert(MLP(**kwargs), recipe=RECIPE_BY_NAME[name], keep_first_last=False).to(device)
+    return mf.convert(MLP(DIM, HIDDEN, **kwargs), recipe=RECIPE_BY_NAME[name], keep_first_last=False).to(device)
 
 
 def batches(n: int = STEPS) -> list[torch.Tensor]:

@@ -12,7 +12,6 @@ import copy
 
 import pytest
 import torch
-import torch.utils.checkpoint as ckpt
 from torch import nn
 
 import minifloat as mf
@@ -21,6 +20,7 @@ from minifloat.fp8 import telemetry
 from minifloat.fp8.recipes import Role
 from minifloat.numerics.compiling import eager_kernels
 from recipe_cases import RECIPES
+from residual_mlp import MLP
 
 RECIPE_IDS = [name for name, _ in RECIPES]
 ALL_RECIPES = pytest.mark.parametrize("recipe", [r for _, r in RECIPES], ids=RECIPE_IDS)
@@ -34,35 +34,9 @@ def _eager():
         yield
 
 
-class Block(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.up, self.down = nn.Linear(DIM, HIDDEN), nn.Linear(HIDDEN, DIM)
-
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-
-class MLP(nn.Module):
-    """Three residual blocks, optionally each under activation checkpointing."""
-
-    def __init__(self, checkpoint: str | None = None):
-        super().__init__()
-        self.blocks = nn.ModuleList(Block() for _ in range(3))
-        self.checkpoint = checkpoint
-
-    def forward(self, x):
-        for block in self.blocks:
-            if self.checkpoint is None:
-                x = block(x)
-            else:
-                x = ckpt.checkpoint(block, x, use_reentrant=self.checkpoint == "reentrant")
-        return x
-
-
 def make_model(recipe, seed: int = 0, **kwargs) -> nn.Module:
     torch.manual_seed(seed)
-    return mf.convert(MLP(**kwargs), recipe=recipe, keep_first_last=False)
+    return mf.convert(MLP(DIM, HIDDEN, **kwargs), recipe=recipe, keep_first_last=False)
 
 
 def batches(n: int, seed: int = 1) -> list[torch.Tensor]:
