@@ -82,32 +82,31 @@ def _butterfly(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool, 
     y = H·(S·x)/√n forward, x = S·(H·y)/√n inverse, per block. log2(n) stages each replace pairs (a, b) at distance h
     by (a + b, a - b), which yields the Sylvester matrix H_2k = [[H, H], [H, -H]]. The sign flips and the 1/√n = 1/4
     are exact, and every rounding is one addition in an order fixed here: the same bits on every device and under
-    every compiler setting (a GEMM's summation order is the library's choice, and an FMA cannot reorder additions
+    every compiler setting (a GEMM sums in the order its BLAS picks, which differs between devices; an FMA cannot reorder additions
     of exact products). torch.autocast plays no part: no GEMM runs.
     """
-    dtype = signs.dtype
     norm = 1.0 / math.sqrt(block)  # 1/4 for n = 16: exact
     *lead, rows, cols = x.shape
+    # the block's n elements as n tensors (views along the block axis): the stages below are then plain elementwise
+    # arithmetic, which the compiler fuses into one pass (a stacked-pairs form compiled to a kernel 20× slower)
     if dim == -2:  # blocks of `block` rows down each column: (..., rows/block, block, cols)
-        y = x.to(dtype).reshape(*lead, rows // block, block, cols)
-        sign_shape = (block, 1)
+        parts = list(x.to(signs.dtype).reshape(*lead, rows // block, block, cols).unbind(-2))
     else:
-        y = x.to(dtype).reshape(*lead, rows, cols // block, block)
-        sign_shape = (block,)
-    axis = y.dim() - (2 if dim == -2 else 1)
+        parts = list(x.to(signs.dtype).reshape(*lead, rows, cols // block, block).unbind(-1))
     if not inverse:
-        y = y * signs.reshape(sign_shape)
+        parts = [p * signs[j] for j, p in enumerate(parts)]
     h = 1
     while h < block:  # pairs at distance h inside groups of 2h: (a, b) -> (a + b, a - b)
-        shape = y.shape[:axis] + (block // (2 * h), 2, h) + y.shape[axis + 1:]
-        pairs = y.reshape(shape)
-        a, b = pairs.select(axis + 1, 0), pairs.select(axis + 1, 1)
-        y = torch.stack((a + b, a - b), dim=axis + 1).reshape(y.shape)
+        new = list(parts)
+        for start in range(0, block, 2 * h):
+            for i in range(start, start + h):
+                new[i], new[i + h] = parts[i] + parts[i + h], parts[i] - parts[i + h]
+        parts = new
         h *= 2
-    y = y * norm
+    parts = [p * norm for p in parts]
     if inverse:
-        y = y * signs.reshape(sign_shape)
-    return y.reshape(x.shape)
+        parts = [p * signs[j] for j, p in enumerate(parts)]
+    return torch.stack(parts, dim=-2 if dim == -2 else -1).reshape(x.shape)
 
 
 _butterfly_kernel = maybe_compile(_butterfly)
