@@ -114,6 +114,33 @@ def test_quantize_with_a_given_saturating_scale_is_the_cpu_cast(device):
     assert_same_quantized(got, expected, "given scale")
 
 
+# The native path's one-pass casts (minifloat.numerics.triton_cast: FP8 data without a bfloat16 operand, per tensor
+# with its transposed copy, per row, and per column written transposed): on CUDA the Triton kernel, on the CPU the
+# torch path; the same bits.
+FUSED_CASES = [("tensor", False), ("tensor-scale", False), ("row", False), ("row", True)]
+
+
+@pytest.mark.parametrize("fmt", [mf.E4M3, mf.E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("case, transposed", FUSED_CASES, ids=["tensor", "tensor-scale", "row", "column"])
+def test_one_pass_cast_is_the_cpu_cast_bit_for_bit(device, fmt, case, transposed):
+    x = wide_range().to(torch.bfloat16)
+    if case == "tensor-scale":
+        scale = x.float().abs().amax() / fmt.max / 4  # a quarter of the range saturates
+        fn = functools.partial(quantize, scale=scale, with_t=True)
+    elif case == "tensor":
+        fn = functools.partial(quantize, with_t=True)
+    else:
+        fn = functools.partial(quantize_t if transposed else quantize, granularity="row")
+    with eager_kernels():
+        expected = fn(x, fmt)
+    got = fn(x.to(device), fmt) if case != "tensor-scale" else quantize(x.to(device), fmt, scale=scale.to(device),
+                                                                         with_t=True)
+    assert_same_quantized(got, expected, case)
+    if case.startswith("tensor"):
+        assert_same_bits(got.data_t, expected.data_t, "transposed copy")
+        assert got.data_t.is_contiguous()
+
+
 # (layout, with the RHT): 1×16 blocks (activations, gradients), 16×16 tiles (weights), and blocks down the columns
 # (the wgrad operands, which the random Hadamard transform rotates)
 NVFP4_LAYOUTS = [("1x16", False), ("16x16", False), ("transposed", False), ("transposed", True)]

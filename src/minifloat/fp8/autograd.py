@@ -113,14 +113,17 @@ class LayerCaster:
         return amax if self.amax_reduce is None else self.amax_reduce(amax)
 
     def cast(self, role: Role, t: torch.Tensor, *, record: bool = True, scale: torch.Tensor | None = None,
-             keep_data: bool = False, transposed: bool = False, rht_signs: torch.Tensor | None = None) -> Quantized:
+             keep_data: bool = False, transposed: bool = False, rht_signs: torch.Tensor | None = None,
+             with_t: bool = False) -> Quantized:
         """Quantize `t` (scaled along its last dim) for role `role`.
 
         The result carries what its GEMM needs: FP8 data for the native backend, a bfloat16 operand for the
         emulated one; `keep_data` also keeps the FP8 data (for tensors saved for backward). `scale` (a
         dequantization scale) repeats an earlier per-tensor cast exactly. `transposed` quantizes tᵀ (scaled along
         t's first dim) without copying t; it is for re-quantizations in backward and records nothing. `rht_signs`
-        (NVFP4 only) rotates the blocks of the quantized axis first: the wgrad's operands.
+        (NVFP4 only) rotates the blocks of the quantized axis first: the wgrad's operands. `with_t` asks for the FP8
+        data's row-major transpose as well (`Quantized.data_t`, the same pass on a GPU) where the cast is for the native
+        backend and its scales transpose with it: the backward GEMM then reads it without a copy.
         """
         spec = self.recipe.spec(role)
         if isinstance(spec, NVFP4Spec):
@@ -129,6 +132,8 @@ class LayerCaster:
         native = native_granularity(t.device, Granularity.TENSOR if scale is not None else spec.granularity,
                                     self.backend)
         out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
+        if with_t and native and not transposed and granularity_info(spec.granularity).per_tensor:
+            out["with_t"] = True
         if transposed:
             return quantize_t(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                               power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
@@ -215,9 +220,9 @@ class LayerCaster:
                 self.state.record(Role.WEIGHT, precast.amax)
             return precast
         if self.weights is None:
-            return self.cast(Role.WEIGHT, weight)
+            return self.cast(Role.WEIGHT, weight, with_t=True)
         options = (self.recipe, self.backend, self.recording, self.state.generation)  # generation last: see peek
-        q, hit = self.weights.get("fprop", weight, options, lambda: self.cast(Role.WEIGHT, weight))
+        q, hit = self.weights.get("fprop", weight, options, lambda: self.cast(Role.WEIGHT, weight, with_t=True))
         if hit and self.recording:
             self.state.record(Role.WEIGHT, q.amax)  # a reentrant checkpoint's first recording forward may hit
         return q
@@ -259,7 +264,7 @@ def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Gran
 def _requantize_weight_t(caster: LayerCaster, weight: torch.Tensor, granularity: Granularity,
                          scale: torch.Tensor | None) -> Quantized:
     if granularity_info(granularity).per_tensor:  # the forward's scale: its FP8 values, transposed
-        return caster.cast(Role.WEIGHT, weight, scale=scale, record=False).t()
+        return caster.cast(Role.WEIGHT, weight, scale=scale, record=False, with_t=True).t()
     # 128×128 blocks transpose with their scales (quantize_t does that); rows, tiles and MX blocks re-quantize
     return caster.cast(Role.WEIGHT, weight, record=False, transposed=True)
 
@@ -286,15 +291,17 @@ class Fp8LinearFunction(torch.autograd.Function):
         # No autocast switch is needed in here (nor traceable inside a compiled autograd.Function): every op is
         # elementwise, a reduction, or a GEMM whose operands already have the dtype autocast would pick.
         x2 = x.reshape(-1, x.shape[-1])
-        qx = caster.cast(Role.INPUT, x2, keep_data=True)  # saved for backward in FP8
+        qx = caster.cast(Role.INPUT, x2, keep_data=True, with_t=True)  # saved for backward in FP8
         qw = caster.cast_weight(weight)
         # fprop: x @ Wᵀ = y
         y = _gemm(caster, "fprop", qx, qw, compute_dtype, bias)
-        # Saved for backward: the input's FP8 bytes and scales, and the weight parameter itself (no copy: the
-        # backward re-quantizes it, identically for per-tensor scales by reusing the forward's scale).
-        ctx.save_for_backward(qx.data, qx.scale, weight,
+        # Saved for backward: the input's FP8 bytes (only xᵀ's row-major copy where the cast made one: wgrad reads
+        # that) and scales, and the weight parameter itself (no copy: the backward re-quantizes it, identically for
+        # per-tensor scales by reusing the forward's scale).
+        transposed = qx.data_t is not None
+        ctx.save_for_backward(qx.data_t if transposed else qx.data, qx.scale, weight,
                               qw.scale if granularity_info(qw.granularity).per_tensor else None)
-        ctx.meta = (qx.fmt, qx.granularity, qx.scale_folded, qw.granularity)
+        ctx.meta = (qx.fmt, qx.granularity, qx.scale_folded, qw.granularity, transposed)
         ctx.caster, ctx.compute_dtype = caster, compute_dtype
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
@@ -302,11 +309,12 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         xd, xs, weight, ws = ctx.saved_tensors
-        xf, xg, xfold, wg = ctx.meta
-        qx = Quantized(xd, xs, xf, xg, scale_folded=xfold)
+        xf, xg, xfold, wg, transposed = ctx.meta
+        qx = (Quantized(xd.t(), xs, xf, xg, scale_folded=xfold, data_t=xd) if transposed
+              else Quantized(xd, xs, xf, xg, scale_folded=xfold))
         caster, out_dtype = ctx.caster, ctx.compute_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
-        qdy = caster.cast(Role.GRAD_OUTPUT, dy2)
+        qdy = caster.cast(Role.GRAD_OUTPUT, dy2, with_t=True)
 
         # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
         qwt = _weight_along_n(caster, weight, wg, ws)

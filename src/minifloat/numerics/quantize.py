@@ -29,6 +29,7 @@ from minifloat.numerics.granularity import (
     to_blocks,
 )
 from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, round_stochastic, round_to_grid
+from minifloat.numerics import triton_cast
 
 MX_RULES = ("up", "floor")
 
@@ -173,6 +174,8 @@ class Quantized:
         operand: optional bfloat16 copy of the grid values for the emulated GEMM (None unless asked for).
         scale_folded: True for power-of-two block scales ("mx", and "tile"/"block" with power_of_two), which the
             GEMM operand carries folded in (data · scale is still an exact bfloat16 value).
+        data_t: optional row-major copy of a 2-D data's transpose (the same values; quantize(..., with_t=True)), so
+            that `.t()` hands a GEMM a row-major operand instead of a view it would have to copy.
     """
 
     data: torch.Tensor | None
@@ -182,6 +185,7 @@ class Quantized:
     amax: torch.Tensor | None = None
     operand: torch.Tensor | None = None
     scale_folded: bool = False
+    data_t: torch.Tensor | None = None
 
     def __post_init__(self):
         self.granularity = Granularity.parse(self.granularity)
@@ -231,19 +235,22 @@ class Quantized:
         def flip(a):  # per-tensor (0-d) scales and amaxes stay as they are
             return a if a is None or a.dim() < 2 else a.t()
 
+        if self.data_t is not None:  # the transposed copy becomes the data, the data its transposed copy
+            return Quantized(self.data_t, flip(self.scale), self.fmt, self.granularity, flip(self.amax),
+                             flip(self.operand), self.scale_folded, self.data)
         return Quantized(flip(self.data), flip(self.scale), self.fmt, self.granularity, flip(self.amax),
                          flip(self.operand), self.scale_folded)
 
     def nbytes(self) -> int:
-        """Bytes of data and scales (the optional operand excluded)."""
-        data = 0 if self.data is None else self.data.numel() * self.data.element_size()
+        """Bytes of data (both layouts, where a transposed copy is kept) and scales (the optional operand excluded)."""
+        data = sum(t.numel() * t.element_size() for t in (self.data, self.data_t) if t is not None)
         return data + self.scale.numel() * self.scale.element_size()
 
 
 def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str = "tensor",
              scale: torch.Tensor | None = None, margin: int = 0, power_of_two: bool = False,
              mx_rule: str = "up", operand_dtype: torch.dtype | None = None, keep_data: bool = True,
-             amax: torch.Tensor | None = None) -> Quantized:
+             amax: torch.Tensor | None = None, with_t: bool = False) -> Quantized:
     """Scale `x` per `granularity` and cast it onto `fmt` (saturating, RNE).
 
     Args:
@@ -264,6 +271,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
             result's amax instead of being computed again in the cast's pass; without one the scale is computed
             from it instead of from x (e.g. the whole tensor's amax, for one shard of it: the shard's cast is then
             bitwise that part of the whole tensor's).
+        with_t: also keep `data_t`, the 2-D data transposed into row-major order (written in the same pass on a
+            GPU: minifloat.numerics.triton_cast).
     Returns:
         Quantized with data of x's shape.
     """
@@ -300,8 +309,16 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None
     want_amax = amax is None and info.per_tensor and xb.numel() > 0
-    data, operand, kernel_amax = _cast_kernel_compiled(xb, qscale, fmt.name, storage, operand_dtype, fold,
-                                                       want_amax)
+    if with_t and x.dim() != 2:
+        raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
+    data_t = None
+    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # one Triton pass: both layouts and the amax
+        data, data_t, kernel_amax = triton_cast.fused_cast(x.detach(), fmt, qscale, along="row" if info.per_row
+                                                           else "tensor", write_t=with_t, want_amax=want_amax)
+        operand = None
+    else:
+        data, operand, kernel_amax = _cast_kernel_compiled(xb, qscale, fmt.name, storage, operand_dtype, fold,
+                                                           want_amax)
     if want_amax:
         amax = kernel_amax
 
@@ -311,7 +328,10 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         amax = None if amax is None else amax.reshape(shape)
     data = None if data is None else from_blocks(data, x.shape, granularity)
     operand = None if operand is None else from_blocks(operand, x.shape, granularity)
-    return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded)
+    if with_t and data_t is None and data is not None:
+        data_t = data.t().contiguous()
+    return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded, data_t=data_t)
+
 
 
 def _scales_kernel(amax: torch.Tensor, fmt_name: str, e8m0: bool, margin: int, power_of_two: bool,
@@ -372,6 +392,9 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None
     storage = (fmt.torch_dtype or torch.float32) if keep_data else None
+    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # per-column scales, written straight into xᵀ's row-major layout
+        _, data_t, _ = triton_cast.fused_cast(x, fmt, qscale, along="column", write=False, write_t=True)
+        return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
     data, operand, _ = _cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
 
     def back(y):

@@ -1,0 +1,209 @@
+"""The one-pass Triton cast (minifloat.numerics.triton_cast) gives `quantize`'s bits, run in Triton's interpreter.
+
+On a GPU, `quantize` and `quantize_t` send 2-D FP8 casts per tensor, row or column to one Triton kernel that writes the
+row-major data, its transposed copy and the amax in one pass. Here TRITON_INTERPRET=1 runs that kernel on CPU tensors,
+and every result is compared bit for bit with the same call on the torch path (the CPU emulation): data, the
+transposed copy, scales and amax, for both FP8 formats, ragged and strided inputs, and the values where rounding is
+delicate (ties, binade edges, subnormals, saturation, ±0, ±inf, NaN). A spy checks the kernel really ran, so no test
+passes by comparing the torch path with itself. The GPU tier (tests/test_gpu_numerics.py) repeats the bitwise check
+on CUDA.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import minifloat as mf
+from minifloat.numerics import triton_cast
+from minifloat.numerics.quantize import quantize, quantize_t
+
+pytest.importorskip("triton", reason="the Triton interpreter needs `pip install triton` (in the dev extras)")
+
+FORMATS = [mf.E4M3, mf.E5M2]
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Counts fused_cast calls; the interpreter is switched on per comparison by `both`."""
+    seen = []
+    real = triton_cast.fused_cast
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("along", "tensor"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(triton_cast, "fused_cast", spy)
+    return seen
+
+
+def both(monkeypatch, fn):
+    """(fn() on the torch path, fn() through the Triton kernel in the interpreter)."""
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    reference = fn()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    try:
+        return reference, fn()
+    finally:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+def assert_same(ref, got, *, with_t: bool = False):
+    assert torch.equal(bits(got.data), bits(ref.data)), "FP8 data differs from the CPU emulation"
+    assert torch.equal(bits(got.scale), bits(ref.scale))
+    if ref.amax is not None or got.amax is not None:
+        assert torch.equal(bits(got.amax), bits(ref.amax))
+    if with_t:
+        assert got.data_t.is_contiguous() and got.data_t.shape == got.data.t().shape
+        assert torch.equal(bits(got.data_t), bits(ref.data.t()))
+
+
+def awkward(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
+    """Values over 30 binades, with the delicate ones planted in the first rows."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-14, 4, cols).roll(seed)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 1e-30, -1e-30, 0.487, -0.487, 448.0, 449.0,
+                             464.0, -465.0, 2.0**-9, 2.0**-10, 3 * 2.0**-11, 1.0625, 1.1875, 57344.0, 61440.0, 7.5e4])
+    x[0, : len(specials)] = specials
+    # exact midpoints between neighbouring E4M3 / E5M2 values (ties to even)
+    n = min(cols, 64)
+    grid = torch.arange(1, n + 1, dtype=torch.float32) / 8.0
+    x[1, :n] = grid + 1.0 / 16
+    x[2, :n] = (grid + 1.0 / 32) * 2.0**-6
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tensor_scale_given(monkeypatch, calls, fmt, dtype):
+    """Delayed scaling: a stored scale, data and its transposed copy and the step's amax in one pass."""
+    x = awkward(97, 130, dtype)
+    scale = torch.tensor(0.37)
+    ref, got = both(monkeypatch, lambda: quantize(x, fmt, scale=scale, with_t=True))
+    assert calls == ["tensor"]
+    assert_same(ref, got, with_t=True)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_tensor_scale_from_amax_strided(monkeypatch, calls, fmt):
+    """Current scaling of a transposed (non-contiguous) view; NaN-free so the scale is finite."""
+    x = awkward(70, 150, torch.bfloat16, seed=3).nan_to_num(posinf=3.0, neginf=-3.0).t()
+    ref, got = both(monkeypatch, lambda: quantize(x, fmt, margin=1, with_t=True))
+    assert calls == ["tensor"]
+    assert_same(ref, got, with_t=True)
+
+
+def test_nan_propagates_to_amax(monkeypatch, calls):
+    x = awkward(40, 66, torch.bfloat16)
+    x[5, 7] = float("nan")
+    ref, got = both(monkeypatch, lambda: quantize(x, mf.E4M3, scale=torch.tensor(2.0)))
+    assert calls == ["tensor"]
+    assert torch.isnan(got.amax) and torch.isnan(ref.amax)
+    assert got.data.view(torch.uint8)[5, 7] == ref.data.view(torch.uint8)[5, 7] == 0x7F
+    assert torch.equal(bits(got.data), bits(ref.data))
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_row_scales(monkeypatch, calls, fmt, power_of_two):
+    x = awkward(65, 129, torch.bfloat16, seed=1)
+    ref, got = both(monkeypatch, lambda: quantize(x, fmt, granularity="row", power_of_two=power_of_two))
+    assert calls == ["row"]
+    assert_same(ref, got)
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
+def test_column_scales_written_transposed(monkeypatch, calls, fmt):
+    """quantize_t per row of xᵀ: the kernel writes xᵀ's row-major data directly (the torch path returns a view)."""
+    x = awkward(130, 70, torch.bfloat16, seed=2)
+    ref, got = both(monkeypatch, lambda: quantize_t(x, fmt, granularity="row"))
+    assert calls == ["column"]
+    assert got.data.is_contiguous() and not ref.data.is_contiguous()
+    assert_same(ref, got)
+
+
+def test_other_casts_stay_on_the_torch_path(monkeypatch, calls):
+    """Block scales, bfloat16 operands and tensors other than 2-D are not the kernel's."""
+    x = awkward(128, 256, torch.bfloat16)
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    quantize(x, mf.E4M3, granularity="tile")
+    quantize(x, mf.E4M3, operand_dtype=torch.bfloat16)
+    quantize(x.reshape(2, 64, 256), mf.E4M3)
+    assert calls == []
+
+
+def test_transpose_swaps_layouts():
+    """Quantized.t() hands over the row-major transposed copy, and gives the original back as its own copy."""
+    q = quantize(torch.randn(8, 24), mf.E4M3, with_t=True)
+    t = q.t()
+    assert t.data is q.data_t and t.data_t is q.data and t.data.is_contiguous()
+    assert torch.equal(t.dequantize(), q.dequantize().t())
+    assert q.nbytes() == 2 * 8 * 24 + 4
+
+
+def test_with_t_needs_2d():
+    with pytest.raises(ValueError, match="with_t needs a 2-D tensor"):
+        quantize(torch.randn(2, 3, 4), mf.E4M3, with_t=True)
+
+
+# ---------------------------------------------------------------------------------------------------- in a layer
+
+
+@pytest.fixture
+def native_on_cpu(monkeypatch):
+    """The native backend's decisions on this CPU, with torch._scaled_mm replaced by the exact emulation of the same
+    FP8 operands. Records, per GEMM, whether each operand reached it row-major (what cuBLASLt reads without a copy)."""
+    from minifloat.fp8 import autograd, gemm
+    from minifloat.numerics.granularity import Granularity
+
+    per_tensor_or_row = (Granularity.TENSOR, Granularity.ROW)
+    monkeypatch.setattr(autograd, "native_granularity",
+                        lambda device, g, backend=None: Granularity.parse(g) in per_tensor_or_row)
+    monkeypatch.setattr(gemm, "native_support", lambda a, b, out_dtype=None, **kw: None
+                        if a.data is not None and b.data is not None and a.granularity == b.granularity else "no")
+    seen = []
+
+    def native_mm(a, b, out_dtype, bias=None):
+        seen.append((a.data.is_contiguous(), b.data.is_contiguous()))
+        return gemm._emulated(a, b, out_dtype, bias, gemm.GemmPath.FACTORED)
+
+    monkeypatch.setattr(gemm, "native_mm", native_mm)
+    return seen
+
+
+def _train(recipe, steps: int = 2):
+    """y, dx and the parameter gradients of an Fp8Linear over `steps` optimizer steps (bfloat16 autocast)."""
+    torch.manual_seed(0)
+    layer = mf.Fp8Linear(96, 80, recipe=recipe)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    out = []
+    for step in range(steps):
+        x = (torch.randn(70, 96) * (step + 1)).requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        y.float().square().mean().backward()
+        out += [y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()]
+        opt.step()
+        opt.zero_grad()
+    return out
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling(), mf.CurrentScaling(granularity="row")],
+                         ids=["delayed", "current", "row"])
+def test_layer_on_the_native_path_copies_no_operand(monkeypatch, calls, native_on_cpu, recipe):
+    """The native path with the one-pass casts: every GEMM operand arrives row-major (x, W and dy cast once with
+    their transposed copies; column scales written transposed), and the layer's results are bitwise the emulated
+    path's."""
+    expected = _train(recipe)  # TRITON_INTERPRET unset: the torch casts
+    assert calls == [] and len(native_on_cpu) == 6
+    native_on_cpu.clear()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    got = _train(recipe)
+    assert len(native_on_cpu) == 6 and all(a and b for a, b in native_on_cpu), native_on_cpu
+    assert calls, "the Triton kernel did not run"
+    for e, g in zip(expected, got):
+        assert torch.equal(bits(g), bits(e))
