@@ -167,8 +167,8 @@ def native_on_cpu(monkeypatch):
                         if a.data is not None and b.data is not None and a.granularity == b.granularity else "no")
     seen = []
 
-    def native_mm(a, b, out_dtype, bias=None):
-        seen.append((a.data.is_contiguous(), b.data.is_contiguous()))
+    def native_mm(a, b, out_dtype, bias=None, fast_accum=False):
+        seen.append((a.data.is_contiguous(), b.data.is_contiguous(), fast_accum))
         return gemm._emulated(a, b, out_dtype, bias, gemm.GemmPath.FACTORED)
 
     monkeypatch.setattr(gemm, "native_mm", native_mm)
@@ -196,14 +196,16 @@ def _train(recipe, steps: int = 2):
                          ids=["delayed", "current", "row"])
 def test_layer_on_the_native_path_copies_no_operand(monkeypatch, calls, native_on_cpu, recipe):
     """The native path with the one-pass casts: every GEMM operand arrives row-major (x, W and dy cast once with
-    their transposed copies; column scales written transposed), and the layer's results are bitwise the emulated
-    path's."""
+    their transposed copies; column scales written transposed), fprop alone asks for fast accumulation, and the
+    layer's results are bitwise the emulated path's."""
     expected = _train(recipe)  # TRITON_INTERPRET unset: the torch casts
     assert calls == [] and len(native_on_cpu) == 6
     native_on_cpu.clear()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = _train(recipe)
-    assert len(native_on_cpu) == 6 and all(a and b for a, b in native_on_cpu), native_on_cpu
+    assert len(native_on_cpu) == 6 and all(a and b for a, b, _ in native_on_cpu), native_on_cpu
+    # fast accumulation in fprop only (Transformer Engine's choice); GEMMs run fprop, dgrad, wgrad per step
+    assert [fast for _, _, fast in native_on_cpu] == [True, False, False] * 2
     assert calls, "the Triton kernel did not run"
     for e, g in zip(expected, got):
         assert torch.equal(bits(g), bits(e))

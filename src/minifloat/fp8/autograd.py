@@ -51,6 +51,9 @@ from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role
 from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
 
 _OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
+# The GEMMs a native tensor-wise or row-wise kernel runs with fast accumulation: Transformer Engine's choice, fprop
+# fast, dgrad and wgrad (sums over the token axis, long and with gradients of mixed size) with fp32 promotion.
+FAST_ACCUM = frozenset({"fprop"})
 
 
 class WeightCache:
@@ -274,7 +277,7 @@ def _gemm(caster: LayerCaster, which: str, a: Quantized, b: Quantized, out_dtype
     """scaled_mm under the layer's backend; an error (backend="native" forced on a product it cannot run) names the
     layer and the GEMM."""
     try:
-        return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=caster.backend)
+        return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=caster.backend, fast_accum=which in FAST_ACCUM)
     except ValueError as exc:
         raise ValueError(f"{caster.name or 'an FP8 layer'} ({which}): {exc}") from None
 

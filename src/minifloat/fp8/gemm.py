@@ -103,7 +103,7 @@ def resolve_backend(backend: str | None, a: Quantized, b: Quantized,
 
 
 def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.float32,
-              bias: torch.Tensor | None = None, backend: str | None = None) -> torch.Tensor:
+              bias: torch.Tensor | None = None, backend: str | None = None, fast_accum: bool = False) -> torch.Tensor:
     """(a.data · a.scale) @ (b.data · b.scale)ᵀ (+ bias) with fp32 accumulation.
 
     Args:
@@ -112,6 +112,8 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
         out_dtype: output dtype.
         bias: optional (N,) added to the fp32-scaled accumulator.
         backend: "auto" (default, or $MINIFLOAT_GEMM_BACKEND), "native" or "emulated".
+        fast_accum: let a native tensor-wise or row-wise kernel accumulate fast (Transformer Engine does for fprop;
+            the emulated backend always accumulates in fp32 and ignores it).
     Returns:
         (M, N) tensor of out_dtype.
     """
@@ -119,7 +121,7 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
         raise ValueError(f"scaled_mm needs a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
     path = gemm_path(a, b, out_dtype, backend)
     if path == GemmPath.NATIVE:
-        return _native(a, b, out_dtype, bias)
+        return _native(a, b, out_dtype, bias, fast_accum)
     return _emulated(a, b, out_dtype, bias, path)
 
 
@@ -130,10 +132,12 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
     return _emulated_k_blocks(a, b, out_dtype, bias)
 
 
-def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> torch.Tensor:
+def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None,
+            fast_accum: bool) -> torch.Tensor:
     fuse = bias is not None and fuses_bias(a, b, out_dtype)
     try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
-        out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None)
+        out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None,
+                        fast_accum)
     except RuntimeError as exc:
         if torch.compiler.is_compiling():
             raise

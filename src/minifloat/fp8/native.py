@@ -41,6 +41,8 @@ class NativeRule:
         needs_blockwise_torch: the torch build must expose blockwise scaling (torch.nn.functional.ScalingType).
         k_multiple: K must be a multiple of this.
         fuses_bias: the kernel adds a bias (bfloat16/float16 outputs only); otherwise the bias is added after.
+        fast_accum: the kernel offers fast accumulation (use_fast_accum: Hopper's FP8 tensor cores keep fewer
+            accumulator bits and skip the periodic promotion to fp32; faster, less precise at large K).
     """
 
     min_capability: tuple[int, int]
@@ -48,14 +50,15 @@ class NativeRule:
     needs_blockwise_torch: bool
     k_multiple: int
     fuses_bias: bool
+    fast_accum: bool
 
 
-_TENSOR_CORES = NativeRule((8, 9), None, False, 16, True)
+_TENSOR_CORES = NativeRule((8, 9), None, False, 16, True, True)
 # cuBLAS 12.9's VEC128 / BLK128x128 scaling, on Hopper. The 128×128 scales' K blocks must fill whole 16-byte rows:
 # torch 2.11 does not check it, and on an H100 K = 128·{1, 2, 3, 5, 6} returned errors of 10% to 1e34 (scratch probe,
 # docs/fp8.md); 1×128 × 1×128 was right for every K that is a multiple of 128 and every M tried (8 to 4096).
-_DEEPSEEK_BLOCK = NativeRule((9, 0), (10, 0), True, 512, False)
-_DEEPSEEK_TILE = NativeRule((9, 0), (10, 0), True, 128, False)
+_DEEPSEEK_BLOCK = NativeRule((9, 0), (10, 0), True, 512, False, False)
+_DEEPSEEK_TILE = NativeRule((9, 0), (10, 0), True, 128, False, False)
 NATIVE_RULES: dict[tuple[Granularity, Granularity], NativeRule] = {
     (Granularity.TENSOR, Granularity.TENSOR): _TENSOR_CORES,
     (Granularity.ROW, Granularity.ROW): _TENSOR_CORES,
@@ -171,9 +174,13 @@ def fuses_bias(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
     return NATIVE_RULES[(a.granularity, b.granularity)].fuses_bias and out_dtype != torch.float32
 
 
-def native_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """torch._scaled_mm(a, bᵀ) for a pair `native_support` admits (a bias only where `fuses_bias`)."""
-    # torch._scaled_mm wants A row-major (M, K), B column-major (K, N) and dequantization scales.
+def native_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None = None,
+              fast_accum: bool = False) -> torch.Tensor:
+    """torch._scaled_mm(a, bᵀ) for a pair `native_support` admits (a bias only where `fuses_bias`; fast accumulation
+    only where the rule offers it, else ignored)."""
+    # torch._scaled_mm wants A row-major (M, K), B column-major (K, N) and dequantization scales. Operands cast with
+    # their transposed copy (Quantized.data_t) arrive row-major, and .contiguous() is then free.
+    fast = fast_accum and NATIVE_RULES[(a.granularity, b.granularity)].fast_accum
     return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=native_scale(a, "a"),
                             scale_b=native_scale(b, "b"), bias=None if bias is None else bias.to(out_dtype),
-                            out_dtype=out_dtype)
+                            out_dtype=out_dtype, use_fast_accum=fast)
