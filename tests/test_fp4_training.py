@@ -1,4 +1,4 @@
-"""4-bit training recipes (minifloat.fp8.fp4linear and NVFP4Scaling / MXScaling(format="e2m1") behind it).
+"""4-bit training recipes (minifloat.fp8.fourbit and NVFP4Scaling / MXScaling(format="e2m1") behind it).
 
 What is checked, against what:
   * the three GEMMs of an Fp8Linear (fprop, dgrad, wgrad) receive exactly the operands an independent quantization
@@ -22,7 +22,8 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from minifloat.fp8 import fp4linear, telemetry
+from minifloat.fp8 import telemetry
+from minifloat.fp8.fourbit import linear as fp4linear
 from minifloat.numerics.formats import E2M1, E4M3
 from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4
 from minifloat.numerics.hadamard import RHT_BLOCK, rht
@@ -206,8 +207,8 @@ def test_rht_of_the_saved_operand_stays_float32_under_autocast(monkeypatch, gen)
 def test_rht_without_quantization_is_exactly_the_plain_product(monkeypatch, gen):
     """(dyᵀ·Tᵀ)·(xᵀ·Tᵀ)ᵀ = dyᵀ·x. Small integers keep every rotated value (a multiple of 1/4 below 12) and every sum
     exact in bfloat16 and fp32, so the rotated wgrad is bitwise the plain one."""
-    monkeypatch.setattr("minifloat.fp8.autograd.quantize_nvfp4", identity_nvfp4)
-    monkeypatch.setattr("minifloat.fp8.autograd.quantize_nvfp4_t", identity_nvfp4_t)
+    monkeypatch.setattr("minifloat.fp8.fourbit.cast.quantize_nvfp4", identity_nvfp4)
+    monkeypatch.setattr("minifloat.fp8.fourbit.cast.quantize_nvfp4_t", identity_nvfp4_t)
     x = torch.randint(-3, 4, (RHT_BLOCKS_PAD, 64), generator=gen).float()
     dy = torch.randint(-3, 4, (RHT_BLOCKS_PAD, 48), generator=gen).float()
     grads = {}

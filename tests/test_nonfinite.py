@@ -23,7 +23,7 @@ import minifloat as mf
 from minifloat.amp.scaler import LossScaler
 from minifloat.core.skip import SkipReason
 from minifloat.fp8 import telemetry
-from minifloat.fp8.autograd import LayerCaster
+from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.recipes import ROLES, Role
 from minifloat.fp8.scaling import NonfiniteWatch, ScalingState
 from minifloat.fp8.step import fp8_step

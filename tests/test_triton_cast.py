@@ -157,11 +157,11 @@ def test_with_t_needs_2d():
 def native_on_cpu(monkeypatch):
     """The native backend's decisions on this CPU, with torch._scaled_mm replaced by the exact emulation of the same
     FP8 operands. Records, per GEMM, whether each operand reached it row-major (what cuBLASLt reads without a copy)."""
-    from minifloat.fp8 import autograd, gemm
+    from minifloat.fp8 import caster, gemm
     from minifloat.numerics.granularity import Granularity
 
     per_tensor_or_row = (Granularity.TENSOR, Granularity.ROW)
-    monkeypatch.setattr(autograd, "native_granularity",
+    monkeypatch.setattr(caster, "native_granularity",
                         lambda device, g, backend=None: Granularity.parse(g) in per_tensor_or_row)
     monkeypatch.setattr(gemm, "native_support", lambda a, b, out_dtype=None, **kw: None
                         if a.data is not None and b.data is not None and a.granularity == b.granularity else "no")

@@ -11,7 +11,7 @@ parameter whose local shard defines `fsdp_pre_all_gather` / `fsdp_post_all_gathe
                                  scale the whole weight's cast has (LayerCaster.cast_weight_shard)
     all-gather                   the FP8 bytes; the scale is not sent: every rank computed the same one
     post-all-gather              an `Fp8GatheredWeight`: the FP8 data of the whole weight and its scale, which
-                                 Fp8Linear's fprop and dgrad use as their weight operand (fp8/autograd.py)
+                                 Fp8Linear's fprop and dgrad use as their weight operand (fp8/caster.py)
 
 Why the result is exact: a per-tensor cast is elementwise once its scale is fixed, and the scale depends only on the
 whole weight's amax (current scaling) or on the stored scale (delayed scaling, identical on all ranks because the
@@ -42,7 +42,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map_only
 
-from minifloat.fp8.autograd import LayerCaster
+from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import CastSpec, Role
 from minifloat.numerics.granularity import Granularity
@@ -133,7 +133,7 @@ class Fp8GatheredWeight(torch.Tensor):
     """A whole weight as FSDP2 gathered it: FP8 data and one scale, presented as a `dtype` tensor.
 
     `fp8_cast` is the cast Fp8Linear would make of the unsharded weight; its fprop and dgrad use it directly
-    (fp8/autograd.py). Other uses see `fp8_cast.dequantize()`.
+    (fp8/caster.py). Other uses see `fp8_cast.dequantize()`.
     """
 
     @staticmethod

@@ -4,8 +4,8 @@
     dgrad:  dy @ W  = dx       (M, N) · (N, K)
     wgrad:  dyᵀ @ x = dW       (N, M) · (M, K)
 
-Every operand of every GEMM is quantized through `minifloat.numerics.quantize.quantize` under the layer's recipe by a
-`LayerCaster`, which also applies delayed scaling, records amaxes and feeds telemetry. With per-tensor scales the
+Every operand of every GEMM is quantized under the layer's recipe by its `LayerCaster` (minifloat.fp8.caster), which
+also applies delayed scaling, records amaxes and feeds telemetry. With per-tensor scales the
 backward GEMMs reuse the forward's FP8 tensors transposed (exact). With row, tile or MX scales the backward needs the
 operands scaled along the other axis: the weight and the output gradient are re-quantized from high precision, the
 input from its saved FP8 copy (a second rounding, lossless for power-of-two scales except for values that fall into
@@ -17,225 +17,21 @@ input's dtype); gradients are returned in the dtype of the tensor they belong to
 weight gradient is therefore produced in bfloat16 and widened to the parameter dtype, as bfloat16 autocast and
 torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 rounding of the operands it comes from
 (2^-3/2^-4).
-
-A weight may arrive already cast: FSDP2's FP8 all-gather (minifloat.distributed.fsdp) gathers each rank's shard cast
-by `LayerCaster.cast_weight_shard`, and the gathered weight carries that cast as `weight.fp8_cast` (a `Quantized`)
-with the spec it was cast under as `weight.fp8_spec`. When that spec is the layer's weight spec, fprop and dgrad use
-the gathered cast as they would use the layer's own cast of the whole weight (it is bitwise that cast).
-
-The `LayerCaster` also casts for the 4-bit recipes (minifloat.fp8.fp4linear runs their GEMMs): an NVFP4 role
-(`NVFP4Spec`) goes through `numerics.fp4.quantize_nvfp4`, from the high-precision tensor, optionally rotated by the
-random Hadamard transform and rounded stochastically from the layer's stream, and comes back as its GEMM operand.
-
-A layer may see only a shard of its tensors: under tensor parallelism (minifloat.distributed.tp) a row- or
-column-parallel layer's weight, input or output gradient is a slice of the unsharded one. Its `LayerCaster` then
-carries `amax_reduce`, which turns a shard's amax into the whole tensor's (a MAX all-reduce over the TP group), and
-every per-tensor scale taken from a tensor (current scaling, a delayed role's seed, calibration) comes from that
-whole amax: each shard is cast with the unsharded cast's scale, so its FP8 values are the unsharded cast's.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Callable
-
 import torch
 
-from minifloat.fp8 import telemetry
-from minifloat.fp8.gemm import native_granularity, operand, scaled_mm
-from minifloat.numerics.fp4 import NVFP4Quantized, quantize_nvfp4, quantize_nvfp4_t
-from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
-from minifloat.numerics.hadamard import RHT_BLOCK, rht
-from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t
-from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role
-from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
+from minifloat.fp8.caster import LayerCaster
+from minifloat.fp8.gemm import operand, scaled_mm
+from minifloat.fp8.recipes import Role
+from minifloat.numerics.granularity import Granularity, granularity_info
+from minifloat.numerics.quantize import Quantized
 
-_OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
 # The GEMMs a native tensor-wise or row-wise kernel runs with fast accumulation: Transformer Engine's choice, fprop
 # fast, dgrad and wgrad (sums over the token axis, long and with gradients of mixed size) with fp32 promotion.
 FAST_ACCUM = frozenset({"fprop"})
-
-
-class WeightCache:
-    """A layer's weight casts for the current FP8 step (Transformer Engine's `is_first_microbatch`).
-
-    The weight does not change between the micro-batches of an optimizer step, so its casts are made once. An entry
-    is keyed by the weight's version counter and storage (an optimizer step, `load_state_dict` or a `.data`
-    swap invalidate it) and the casting options; `clear()` runs at every FP8 step, when delayed scales change.
-    Compiled graphs do not use it (the cast is part of the graph; keying on Python state would add guards).
-    """
-
-    def __init__(self):
-        self._entries: dict[str, tuple[tuple, Quantized]] = {}
-
-    def get(self, kind: str, weight: torch.Tensor, options: tuple, make: Callable[[], Quantized]
-            ) -> tuple[Quantized, bool]:
-        """(the cast, whether it came from the cache)."""
-        if torch.compiler.is_compiling():
-            return make(), False
-        key = (weight._version, weight.data_ptr(), weight.dtype, weight.device, options)
-        entry = self._entries.get(kind)
-        if entry is not None and entry[0] == key:
-            return entry[1], True
-        q = make()
-        self._entries[kind] = (key, q)
-        return q, False
-
-    def peek(self, kind: str, weight: torch.Tensor, generation: int) -> Quantized | None:
-        """The `kind` cast of this very weight in this scaling generation (whatever its other options), else None."""
-        entry = self._entries.get(kind)
-        if torch.compiler.is_compiling() or entry is None:
-            return None
-        same_weight = entry[0][:4] == (weight._version, weight.data_ptr(), weight.dtype, weight.device)
-        return entry[1] if same_weight and entry[0][4][-1] == generation else None
-
-    def clear(self) -> None:
-        self._entries.clear()
-
-
-@dataclasses.dataclass
-class LayerCaster:
-    """Quantizes one layer's tensors under a recipe and records their amaxes in its ScalingState.
-
-    `recording` is False for evaluation forwards (their amaxes stay out of the training history); casts then
-    still use the stored delayed scales but never seed them. `amax_reduce`, for a layer that sees shards of its
-    tensors, maps a shard's amax to the whole tensor's (see the module docstring); only per-tensor casts take it.
-    """
-
-    recipe: Recipe
-    state: ScalingState
-    name: str = ""
-    backend: str | None = None
-    recording: bool = True
-    weights: WeightCache | None = None
-    amax_reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-
-    def _whole_amax(self, t: torch.Tensor) -> torch.Tensor:
-        """amax(|t|) of the whole tensor `t` is a shard of (t's own without `amax_reduce`)."""
-        amax = abs_max(t.detach(), None)
-        return amax if self.amax_reduce is None else self.amax_reduce(amax)
-
-    def cast(self, role: Role, t: torch.Tensor, *, record: bool = True, scale: torch.Tensor | None = None,
-             keep_data: bool = False, transposed: bool = False, rht_signs: torch.Tensor | None = None,
-             with_t: bool = False) -> Quantized:
-        """Quantize `t` (scaled along its last dim) for role `role`.
-
-        The result carries what its GEMM needs: FP8 data for the native backend, a bfloat16 operand for the
-        emulated one; `keep_data` also keeps the FP8 data (for tensors saved for backward). `scale` (a
-        dequantization scale) repeats an earlier per-tensor cast exactly. `transposed` quantizes tᵀ (scaled along
-        t's first dim) without copying t; it is for re-quantizations in backward and records nothing. `rht_signs`
-        (NVFP4 only) rotates the blocks of the quantized axis first: the wgrad's operands. `with_t` asks for the FP8
-        data's row-major transpose as well (`Quantized.data_t`, the same pass on a GPU) where the cast is for the native
-        backend and its scales transpose with it: the backward GEMM then reads it without a copy.
-        """
-        spec = self.recipe.spec(role)
-        if isinstance(spec, NVFP4Spec):
-            return self._cast_nvfp4(role, spec, t, record=record, transposed=transposed, rht_signs=rht_signs)
-        # FP8 data for the native backend, a bfloat16 operand for the emulated one (gemm decides, once)
-        native = native_granularity(t.device, Granularity.TENSOR if scale is not None else spec.granularity,
-                                    self.backend)
-        out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
-        if with_t and native and not transposed and granularity_info(spec.granularity).per_tensor:
-            out["with_t"] = True
-        if transposed:
-            return quantize_t(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
-                              power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
-        if scale is not None:
-            return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
-        if spec.delayed:
-            qscale, amax = self.state.delayed_scale(ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt,
-                                                    margin=spec.margin, store=record and self.recording)
-            q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax, **out)
-        else:
-            if self.amax_reduce is not None and not granularity_info(spec.granularity).per_tensor:
-                raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not "
-                                 f"'{spec.granularity}' ({role.value} of {self.name or 'a layer'})")
-            q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
-                         power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
-                         amax=None if self.amax_reduce is None else self._whole_amax(t), **out)
-        if record:
-            self._observe(role, t, q)
-        return q
-
-    def _cast_nvfp4(self, role: Role, spec: NVFP4Spec, t: torch.Tensor, *, record: bool, transposed: bool,
-                    rht_signs: torch.Tensor | None) -> Quantized:
-        """An NVFP4 cast (always from `t` itself, never from a quantized copy), returned as its GEMM operand."""
-        if self.amax_reduce is not None:
-            raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not NVFP4 ({role.value} of "
-                             f"{self.name or 'a layer'})")
-        seed = self.state.sr_next_seed() if spec.rounding == "stochastic" else None
-        # the GEMM needs only the operand; telemetry also reads the E2M1 elements
-        keep_data = record and self.recording and telemetry.enabled()
-        if transposed and t.dim() == 2 and not spec.block_2d:  # tᵀ blocked down t's columns, no copy of tᵀ
-            q = quantize_nvfp4_t(t, rounding=spec.rounding, seed=seed, operand_dtype=_OPERAND,
-                                 rht_signs=rht_signs, keep_data=keep_data)
-        else:
-            source = t.t() if transposed else t
-            if rht_signs is not None:  # zero rows pad the token axis to whole blocks: they add nothing to the product
-                source = rht(pad_to_multiple(source.float(), RHT_BLOCK), rht_signs)
-            q = quantize_nvfp4(source, block_2d=spec.block_2d, rounding=spec.rounding, seed=seed,
-                               operand_dtype=_OPERAND, keep_data=keep_data)
-        if record:
-            self._observe(role, t, q)
-        return q.gemm_operand(_OPERAND)
-
-    def _observe(self, role: Role, t: torch.Tensor, q: Quantized | NVFP4Quantized) -> None:
-        if self.recording:
-            self.state.record(role, q.amax)
-        if telemetry.enabled():
-            telemetry.observe(self.name, role.value, t, q)
-
-    def precast_weight(self, weight: torch.Tensor) -> Quantized | None:
-        """The cast a weight arrived with (see the module docstring) when it is the one this layer would make, else
-        None (no cast attached, or another recipe in force: the weight's values are then cast as usual)."""
-        q = getattr(weight, "fp8_cast", None)
-        return q if q is not None and weight.fp8_spec == self.recipe.spec(Role.WEIGHT) else None
-
-    def cast_weight_shard(self, shard: torch.Tensor, amax: torch.Tensor) -> Quantized:
-        """One shard (rows) of the weight cast exactly as `cast_weight` casts the whole weight, per-tensor recipes only.
-
-        `amax` is the whole weight's amax (the MAX of the shards' amaxes) or, once a delayed role is seeded, anything
-        (the stored scale decides; the amax is only recorded). The state is only read: the forward that uses the
-        gathered cast records its amax and seeds a delayed role (`cast_weight`). Returns FP8 data (kept) and the
-        dequantization scale the whole weight's cast has.
-        """
-        spec = self.recipe.spec(Role.WEIGHT)
-        if not granularity_info(spec.granularity).per_tensor:
-            raise ValueError(f"only per-tensor weight casts can be made shard by shard, not '{spec.granularity}'")
-        if spec.delayed:
-            qscale, _ = self.state.delayed_scale(ROLE_INDEX[Role.WEIGHT], lambda: amax, spec.fmt, margin=spec.margin,
-                                                 store=False)
-            return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax)
-        # current scaling: the scale from the whole weight's amax, by the same rule (not a scale passed in: 1/(1/s) is
-        # not s in float32), so every FP8 value is the unsharded cast's
-        return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, margin=spec.margin,
-                        power_of_two=spec.power_of_two, amax=amax)
-
-    def cast_weight(self, weight: torch.Tensor) -> Quantized:
-        """The forward's weight cast, made once per FP8 step when the layer caches (its amax recorded each time)."""
-        precast = self.precast_weight(weight)
-        if precast is not None:
-            spec = self.recipe.spec(Role.WEIGHT)
-            if self.recording:
-                if spec.delayed:  # a first step seeds from the whole weight's amax, which the gather was cast with
-                    self.state.delayed_scale(ROLE_INDEX[Role.WEIGHT], lambda: precast.amax, spec.fmt,
-                                             margin=spec.margin)
-                self.state.record(Role.WEIGHT, precast.amax)
-            return precast
-        if self.weights is None:
-            return self.cast(Role.WEIGHT, weight, with_t=True)
-        options = (self.recipe, self.backend, self.recording, self.state.generation)  # generation last: see peek
-        q, hit = self.weights.get("fprop", weight, options, lambda: self.cast(Role.WEIGHT, weight, with_t=True))
-        if hit and self.recording:
-            self.state.record(Role.WEIGHT, q.amax)  # a reentrant checkpoint's first recording forward may hit
-        return q
-
-    def observe_high_precision(self, role: Role, t: torch.Tensor) -> None:
-        """Calibration: record `t`'s amax (and seed the scale) without quantizing anything."""
-        spec = self.recipe.spec(role)
-        amax = self._whole_amax(t)
-        self.state.record(role, amax)
-        self.state.delayed_scale(ROLE_INDEX[role], lambda: amax, spec.fmt, margin=spec.margin)
 
 
 def _transposed(q: Quantized, caster: LayerCaster, role: Role, source: torch.Tensor | None) -> Quantized:

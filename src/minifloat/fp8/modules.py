@@ -15,8 +15,9 @@ from torch.distributed.tensor import DTensor
 
 from minifloat.core.autocast import compute_dtype
 from minifloat.fp8 import step as fp8_steps
-from minifloat.fp8.autograd import Fp8LinearFunction, LayerCaster, WeightCache, recording_linear
-from minifloat.fp8.fp4linear import Fp4LinearFunction
+from minifloat.fp8.autograd import Fp8LinearFunction, recording_linear
+from minifloat.fp8.caster import LayerCaster, WeightCache
+from minifloat.fp8.fourbit.linear import Fp4LinearFunction
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.recipes import DelayedScaling, NVFP4Scaling, Recipe, check_recipe
 from minifloat.fp8.scaling import ScalingState
@@ -92,7 +93,7 @@ class Fp8Linear(nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as nn.Linear.
         recipe: DelayedScaling, CurrentScaling, BlockScaling, MXScaling or NVFP4Scaling (default DelayedScaling());
-            4-bit recipes run minifloat.fp8.fp4linear's autograd function.
+            4-bit recipes run minifloat.fp8.fourbit.linear's autograd function.
         backend: GEMM backend ("auto", "native", "emulated"); None means auto / $MINIFLOAT_GEMM_BACKEND.
         step_on: "optimizer" (the FP8 step ends after any torch.optim step over this layer's parameters) or
             "manual" (only `minifloat.fp8.step.fp8_step(model)` ends it).

@@ -4,7 +4,7 @@ A recipe decides, for each of the three tensors a linear layer quantizes (its in
 its output), the element format, the granularity of the scales and whether a scale comes from the tensor itself
 ("current") or from an amax history of earlier steps ("delayed"). `Role` and `CastSpec` (`NVFP4Spec` for NVFP4's
 two-level scales) are that decision written out; the rest of minifloat only reads `recipe.spec(role)` and the
-recipe's `four_bit` flag (which autograd function runs the layer: minifloat.fp8.fp4linear for 4-bit recipes).
+recipe's `four_bit` flag (which autograd function runs the layer: minifloat.fp8.fourbit.linear for 4-bit recipes).
 """
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ class _JustInTime:
 
     delayed = False
     history_len = DEFAULT_AMAX_HISTORY_LEN
-    four_bit = False  # 4-bit elements: the layer runs minifloat.fp8.fp4linear's autograd function
+    four_bit = False  # 4-bit elements: the layer runs minifloat.fp8.fourbit.linear's autograd function
 
 
 @dataclasses.dataclass(frozen=True)
@@ -204,7 +204,7 @@ class MXScaling(_JustInTime):
     """MXFP8 and MXFP4 (OCP MX v1.0): blocks of 32 elements along K sharing an E8M0 (power-of-two) scale.
 
     format "e4m3" uses E4M3 for all tensors (the usual MXFP8 training choice), "hybrid" E5M2 for gradients, "e2m1"
-    E2M1 for all tensors (MXFP4: the layer then runs as every 4-bit recipe does, minifloat.fp8.fp4linear, with the
+    E2M1 for all tensors (MXFP4: the layer then runs as every 4-bit recipe does, minifloat.fp8.fourbit.linear, with the
     transposed operands of the backward quantized from high precision; round to nearest, no stochastic rounding).
     scale_rule "up" picks the smallest power of two that avoids overflow; "floor" is the OCP rule, under which the
     largest element of a block may saturate by up to 12.5% — on output gradients that bias made a 500-step MLP run

@@ -34,7 +34,7 @@ from minifloat.core.roles import EMBEDDING_TYPES, HEAD_NAMES, is_norm_type_name,
 from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.validate import check_bool
 from minifloat.fp8.autograd import Fp8LinearFunction
-from minifloat.fp8.fp4linear import Fp4LinearFunction
+from minifloat.fp8.fourbit.linear import Fp4LinearFunction
 from minifloat.fp8.modules import Fp8Linear, current_autocast
 from minifloat.numerics.compiling import eager_kernels
 

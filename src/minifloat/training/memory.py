@@ -24,7 +24,7 @@ shapes; every figure is the storage of live tensors:
 Each storage is counted once in all, in the order above, so views and shared tensors never count twice. Saved
 tensors live from the forward to the backward of one micro-batch, so their figure is per micro-batch whatever
 grad_accum is. Not measured: temporaries freed within an op, the caching allocator's slack, and the per-step cache of
-FP8 weight casts that Fp8Linear holds until the step ends (minifloat.fp8.autograd.WeightCache).
+FP8 weight casts that Fp8Linear holds until the step ends (minifloat.fp8.caster.WeightCache).
 """
 
 from __future__ import annotations

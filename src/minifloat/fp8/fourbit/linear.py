@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from minifloat.fp8.autograd import LayerCaster
+from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.gemm import scaled_mm
 from minifloat.fp8.recipes import NVFP4Scaling, NVFP4Spec, Role
 from minifloat.numerics.quantize import Quantized
