@@ -1,0 +1,606 @@
+"""FP8 training speed on a GPU, in one command (issue 21): GEMMs, one linear layer, an MLP stack and the reference
+Llama, for bf16, every minifloat recipe and torchao.float8, eager and compiled.
+
+Sections (full sizes; --smoke shrinks every one of them so that the whole run takes seconds on a CPU):
+
+    gemm      one GEMM (M×K×N, bf16 output) on operands quantized beforehand: the ceiling. bf16 `a @ bᵀ` against
+              mf.scaled_mm on E4M3 operands scaled per tensor, per row, per 1×128 tile × 128×128 block and MX; and
+              torch._scaled_mm per tensor with fast accumulation (torchao's forward GEMM; minifloat never asks for it)
+    linear    one nn.Linear(K, N, bias=False), forward and backward (all three GEMMs: the input requires grad) at
+              8192³ and at Llama-3-8B's shapes with 16384 tokens, K×N = 4096×6144 (q, k, v fused under GQA),
+              4096×4096, 4096×14336, 14336×4096; no optimizer (the FP8 step still ends: mf.fp8_step)
+    mlp       4 residual SwiGLU blocks x + mlp(RMSNorm(x)) (d 4096, ffn 14336, 8192 tokens), MSE loss, AdamW
+    llama8b   the reference Llama (minifloat.training.model) at Llama-3-8B layer shapes: 4 layers, d 4096, ffn 14336,
+              32 heads (the model has no grouped-query attention: k and v are 4096×4096), vocab 32000, untied head,
+              RoPE θ 500000, 4×2048 tokens; the trainer's PrecisionPolicy presets; AdamW
+    100m      the "100m" preset (14 layers, d 768, byte vocabulary) at 8×1024 = 8192 tokens/step; AdamW
+
+Variants: bf16 (fp32 parameters, torch.autocast bfloat16: the baseline); minifloat's delayed, current, row (current
+scaling per row), block (DeepSeek 1×128 / 128×128), mxfp8, nvfp4, mxfp4 (mf.convert(..., keep_first_last=False) in
+the linear and MLP sections, the PrecisionPolicy preset in the Llama ones, with its fp32 head, norms and embeddings);
+torchao-tensorwise and torchao-rowwise (torchao.float8.convert_to_float8_training, on the linears minifloat's
+presets convert) when torchao imports. On an H100 (SM90) MX and NVFP4 GEMMs run emulated (docs/fp8.md), so their rows
+time the emulation. Every variant runs eager; compiled (torch.compile of the model, inductor defaults) runs a
+priority list (COMPILED_PRIORITY) while --budget-s lasts, or --compile-variants.
+
+Measured, per variant, one at a time (built from the same seed: same weights and data), memory freed in between:
+  * step time: the median of --steps steps after --warmup untimed ones, each step between two CUDA events (on a CPU,
+    wall clock); tokens/s and TFLOP/s from it (6·weights·tokens for linears, the trainer's flops_per_token for the
+    Llama); the speedup over bf16 in the same mode (eager against eager, compiled against compiled);
+  * peak memory: torch.cuda.max_memory_allocated over the timed steps (weights, optimizer state, activations);
+  * SQNR in dB of the first step's output (logits for the Llama) against bf16 eager's: finite where FP8 really ran;
+  * compiled runs: dynamo's graph count and graph breaks (with their reasons).
+A variant that fails (out of memory, a compile error) gets a row saying why, and the run goes on.
+
+Usage:
+    python benchmarks/gpu.py                                      # everything, under ~8 minutes on one H100
+    python benchmarks/gpu.py --sections linear,llama8b --variants current,torchao-tensorwise --compile-variants all
+    python benchmarks/gpu.py --smoke --device cpu --json /tmp/smoke.json    # tiny shapes, seconds on a CPU
+The JSON (default runs/gpu_bench.json; an existing file is refused without --overwrite) holds every figure and the
+machine; --markdown writes the tables for docs/benchmarks.md.
+
+No numbers here are asserted anywhere: this is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import json
+import math
+import pathlib
+import statistics
+import subprocess
+import sys
+import time
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from rich.table import Table
+from torch import nn
+from torch._dynamo.utils import counters
+
+import minifloat as mf
+from minifloat.fp8.native import native_scale
+from minifloat.training.model import Llama, LlamaConfig, SwiGLU
+from minifloat.training.throughput import flops_per_token
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
+import step_time  # noqa: E402 - benchmarks/step_time.py: its consoles, command line, torchao check, FP8 layer count
+
+BASELINE = "bf16"
+GIB = 2**30
+SECTIONS = ("gemm", "linear", "mlp", "llama8b", "100m")
+# seconds a compiled run is expected to take, compile included, until one of its section has been timed (then the
+# longest so far): the full Llama compiles in ~1 min per variant on an H100's host; the 100m preset has 14 layers
+COMPILE_GUESS_S = {"linear": 30, "mlp": 60, "llama8b": 90, "100m": 120}
+
+# (K, N) of Llama-3-8B's linears: q, k, v fused (4096 + 2·1024 under GQA), o, gate / up, down
+LLAMA3_8B_LINEARS = ((4096, 6144), (4096, 4096), (4096, 14336), (14336, 4096))
+GEMM_SHAPES = [(8192, 8192, 8192)] + [(16384, k, n) for k, n in LLAMA3_8B_LINEARS]  # (M = tokens, K, N)
+SMOKE_GEMM_SHAPES = [(64, 128, 128), (128, 128, 128)]
+FULL = {
+    "gemm": GEMM_SHAPES,
+    "linear": GEMM_SHAPES,
+    "mlp": [dict(tokens=8192, d_model=4096, ffn=14336, blocks=4)],
+    "llama8b": [dict(config=dict(n_layer=4, d_model=4096, n_head=32, d_ff=14336, vocab_size=32000, max_seq_len=2048,
+                                 rope_theta=500000.0, tie_embeddings=False), batch=4, seq=2048)],
+    "100m": [dict(preset="100m", batch=8, seq=1024)],
+}
+# every quantized tensor under minifloat's EAGER_BELOW (32768 elements), so that no kernel compiles on a CPU
+SMOKE = {
+    "gemm": SMOKE_GEMM_SHAPES,
+    "linear": SMOKE_GEMM_SHAPES,
+    "mlp": [dict(tokens=64, d_model=128, ffn=128, blocks=2)],
+    "llama8b": [dict(config=dict(n_layer=2, d_model=128, n_head=4, d_ff=128, vocab_size=256, max_seq_len=32,
+                                 tie_embeddings=False), batch=2, seq=32)],
+    "100m": [dict(preset="tiny", batch=2, seq=32)],
+}
+
+# compiled runs by default, most wanted first (issue 21's targets), each on its section's first shape, while the
+# time budget lasts
+COMPILED_PRIORITY = (
+    ("linear", ("bf16", "current", "delayed", "torchao-tensorwise")),
+    ("llama8b", ("bf16", "delayed", "current")),
+    ("100m", ("bf16", "current", "delayed")),
+    ("llama8b", ("row", "block", "torchao-tensorwise")),
+    ("linear", ("row", "block", "torchao-rowwise")),
+    ("mlp", ("bf16", "current", "delayed")),
+)
+COMPILED_SMOKE = (("linear", ("bf16", "current")),)  # a compiled run in seconds on a CPU
+
+NOTES = {  # what a reader of each table should know; printed under it and written to the JSON
+    "gemm": "operands quantized before timing, bf16 output; minifloat's own GEMMs never ask for fast accumulation",
+    "linear": "fp32 weight under torch.autocast(bfloat16); the input requires grad, so all three GEMMs run",
+    "mlp": "fp32 weights under torch.autocast(bfloat16); RMSNorm in fp32 (mf.RMSNorm)",
+    "llama8b": "no grouped-query attention (k and v projections 4096x4096); attention scores, softmax and scores·V "
+               "materialised in fp32 (minifloat.amp.attention, no SDPA); fp32 head and cross-entropy "
+               "(PrecisionPolicy); nvfp4 and mxfp4 presets keep the last block in bf16",
+    "100m": "byte vocabulary (256), tied head in fp32; fp32 attention as above",
+}
+
+
+# ----------------------------------------------------------------------------------------------------------- variants
+
+@dataclasses.dataclass(frozen=True)
+class Variant:
+    name: str
+    recipe: object | None = None  # a minifloat recipe
+    preset: str = BASELINE  # the Llama sections' PrecisionPolicy preset (`recipe` replaces its recipe)
+    torchao: str | None = None  # a torchao.float8 recipe name
+
+
+VARIANTS = (
+    Variant(BASELINE),
+    Variant("delayed", mf.DelayedScaling(), "fp8-delayed"),
+    Variant("current", mf.CurrentScaling(), "fp8-current"),
+    Variant("row", mf.CurrentScaling(granularity="row"), "fp8-current"),
+    Variant("block", mf.BlockScaling(), "fp8-block"),
+    Variant("mxfp8", mf.MXScaling(), "mxfp8"),
+    Variant("nvfp4", mf.NVFP4Scaling(), "nvfp4"),
+    Variant("mxfp4", mf.MXScaling(format="e2m1"), "mxfp4"),
+    Variant("torchao-tensorwise", torchao="tensorwise"),
+    Variant("torchao-rowwise", torchao="rowwise"),
+)
+# the GEMM section's E4M3 operands: (granularity of a, of b, torch._scaled_mm's fast accumulation)
+GEMMS = {"tensor": ("tensor", "tensor", False), "tensor-fast-accum": ("tensor", "tensor", True),
+         "row": ("row", "row", False), "block": ("tile", "block", False), "mxfp8": ("mx", "mx", False)}
+
+
+def torchao_float8():
+    """The torchao.float8 module, or None and the reason it cannot be used."""
+    convert, why_not = step_time._import_torchao_float8()
+    if convert is None:
+        return None, why_not
+    import torchao.float8
+    return torchao.float8, None
+
+
+def to_fp8(model: nn.Module, variant: Variant, names: set[str] | None = None) -> nn.Module:
+    """`model`'s linears (those in `names`, or all) as the variant's FP8 layers: minifloat's or torchao's."""
+    if variant.recipe is not None:
+        return mf.convert(model, recipe=variant.recipe, keep_first_last=False,
+                          filter=None if names is None else lambda name, _: name in names)
+    if variant.torchao is not None:
+        float8, _ = torchao_float8()
+        config = float8.Float8LinearConfig.from_recipe_name(variant.torchao)
+        return float8.convert_to_float8_training(
+            model, config=config, module_filter_fn=None if names is None else lambda _, fqn: fqn in names)
+    return model
+
+
+# --------------------------------------------------------------------------------------------------------- workloads
+
+@dataclasses.dataclass
+class Workload:
+    step: Callable[[], torch.Tensor]  # one training step (or GEMM); returns its forward's output, detached
+    tokens: int  # per step
+    flops: float  # per step
+    model: nn.Module | None = None
+
+
+def autocast(device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def gemm_workload(shape, variant: str, device: torch.device, compiled: bool) -> Workload:
+    m, k, n = shape
+    a = torch.randn(m, k, device=device).to(torch.bfloat16)  # (M, K)
+    b = torch.randn(n, k, device=device).to(torch.bfloat16)  # (N, K)
+    if variant == BASELINE:
+        return Workload(lambda: a @ b.t(), m, 2.0 * m * k * n)
+    ga, gb, fast_accum = GEMMS[variant]
+    pow2 = ga == "tile"  # BlockScaling's power-of-two scales
+    qa = mf.quantize(a, mf.E4M3, granularity=ga, power_of_two=pow2, operand_dtype=torch.bfloat16)
+    qb = mf.quantize(b, mf.E4M3, granularity=gb, power_of_two=pow2, operand_dtype=torch.bfloat16)
+    if fast_accum:
+        def step():
+            return torch._scaled_mm(qa.data, qb.data.t(), scale_a=native_scale(qa, "a"),
+                                    scale_b=native_scale(qb, "b"), out_dtype=torch.bfloat16, use_fast_accum=True)
+    else:
+        def step():
+            return mf.scaled_mm(qa, qb, out_dtype=torch.bfloat16)
+    return Workload(step, m, 2.0 * m * k * n)
+
+
+def linear_workload(shape, variant: Variant, device: torch.device, compiled: bool) -> Workload:
+    tokens, k, n = shape
+    with torch.device(device):
+        model = to_fp8(nn.Sequential(nn.Linear(k, n, bias=False)), variant)  # mf.convert swaps children only
+        x = torch.randn(tokens, k, requires_grad=True)  # (T, K): the previous layer's activation
+        grad_y = torch.randn(tokens, n)  # (T, N)
+    forward = torch.compile(model) if compiled else model
+
+    def step():
+        with autocast(device):
+            y = forward(x)  # (T, N)
+        y.backward(grad_y.to(y.dtype))
+        mf.fp8_step(model)  # no optimizer here to end the FP8 step; a no-op without minifloat layers
+        x.grad = None
+        model.zero_grad(set_to_none=True)
+        return y.detach()
+
+    return Workload(step, tokens, 6.0 * tokens * k * n, model)
+
+
+class ResidualSwiGLU(nn.Module):
+    def __init__(self, config: LlamaConfig):
+        super().__init__()
+        self.norm, self.mlp = mf.RMSNorm(config.d_model, config.norm_eps), SwiGLU(config)
+
+    def forward(self, x):
+        return x + self.mlp(self.norm(x))  # (T, C)
+
+
+def train_step(forward, opt: torch.optim.Optimizer, device: torch.device, *inputs):
+    """A step that returns (output, loss) from forward(*inputs) and ends at opt.step() (which ends the FP8 step)."""
+    def step():
+        with autocast(device):
+            out, loss = forward(*inputs)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return out.detach()
+
+    return step
+
+
+def mlp_workload(shape: dict, variant: Variant, device: torch.device, compiled: bool) -> Workload:
+    config = LlamaConfig(d_model=shape["d_model"], d_ff=shape["ffn"], n_head=1, vocab_size=16)
+    with torch.device(device):
+        model = to_fp8(nn.Sequential(*(ResidualSwiGLU(config) for _ in range(shape["blocks"]))), variant)
+        x = torch.randn(shape["tokens"], shape["d_model"], requires_grad=True)  # (T, C)
+        target = torch.randn(shape["tokens"], shape["d_model"])
+    forward = torch.compile(model) if compiled else model
+
+    def with_loss(x):
+        y = forward(x)
+        return y, F.mse_loss(y.float(), target)
+
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    flops = 6.0 * shape["tokens"] * 3 * shape["d_model"] * shape["ffn"] * shape["blocks"]
+    return Workload(train_step(with_loss, opt, device, x), shape["tokens"], flops, model)
+
+
+def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled: bool) -> Workload:
+    config = (LlamaConfig.preset(shape["preset"]) if "preset" in shape else LlamaConfig(**shape["config"]))
+    config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, shape["seq"]))
+    with torch.device(device):
+        model = Llama(config)
+        idx = torch.randint(config.vocab_size, (shape["batch"], shape["seq"]))  # (B, T)
+        targets = torch.randint(config.vocab_size, (shape["batch"], shape["seq"]))
+    tokens = shape["batch"] * shape["seq"]
+    flops = tokens * flops_per_token(model, n_layers=config.n_layer, d_model=config.d_model, seq_len=shape["seq"])
+    policy = mf.PrecisionPolicy.preset(variant.preset)
+    if variant.recipe is not None:
+        policy = dataclasses.replace(policy, recipe=variant.recipe)
+    plan = mf.PrecisionPolicy.preset("fp8-current").plan(model)
+    model = policy.apply(model)
+    if variant.torchao is not None:  # on the linears minifloat's presets convert
+        model = to_fp8(model, variant, {name for name, kind in plan.items() if kind == "fp8"})
+    forward = torch.compile(model) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    return Workload(train_step(forward, opt, device, idx, targets), tokens, flops, model)
+
+
+BUILDERS = {"gemm": gemm_workload, "linear": linear_workload, "mlp": mlp_workload, "llama8b": llama_workload,
+            "100m": llama_workload}
+
+
+# ----------------------------------------------------------------------------------------------------------- running
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    section: str
+    shape_index: int
+    variant: str
+    compiled: bool
+
+    @property
+    def mode(self) -> str:
+        return "compiled" if self.compiled else "eager"
+
+
+def shape_name(shape) -> str:
+    if isinstance(shape, tuple):
+        return "x".join(map(str, shape))
+    if "preset" in shape:
+        return f"{shape['preset']}, {shape['batch']}x{shape['seq']} tokens"
+    if "config" in shape:
+        c = shape["config"]
+        return (f"{c['n_layer']} layers d{c['d_model']} ffn{c['d_ff']} {c['n_head']} heads vocab {c['vocab_size']}, "
+                f"{shape['batch']}x{shape['seq']} tokens")
+    return f"{shape['blocks']} blocks d{shape['d_model']} ffn{shape['ffn']}, {shape['tokens']} tokens"
+
+
+def time_steps(step: Callable, n: int, device: torch.device) -> tuple[list[float], int | None]:
+    """Milliseconds of each of `n` steps, and the peak memory allocated over them (None on a CPU)."""
+    if device.type != "cuda":
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+        return times, None
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    for start, end in events:
+        start.record()
+        step()
+        end.record()
+    torch.cuda.synchronize(device)
+    return [start.elapsed_time(end) for start, end in events], torch.cuda.max_memory_allocated(device)
+
+
+def free_memory(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_case(case: Case, shapes: dict, variants: dict[str, Variant], references: dict, args) -> dict:
+    """One variant's row: its figures, or the one-line reason it failed."""
+    shape = shapes[case.section][case.shape_index]
+    row = {"section": case.section, "shape": shape_name(shape), "variant": case.variant, "mode": case.mode}
+    t0 = time.perf_counter()
+    torch.manual_seed(args.seed)
+    counters.clear()
+    if case.compiled:
+        torch._dynamo.reset()  # a fresh cache: each variant compiles from scratch and cannot hit the recompile limit
+    try:
+        row.update(measure(case, shape, case.variant if case.section == "gemm" else variants[case.variant],
+                           references, args))
+    except Exception as exc:  # noqa: BLE001 - one failing variant (out of memory, a compile error) ends only its row
+        row["error"] = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"
+    free_memory(args.device)
+    row["wall_s"] = time.perf_counter() - t0
+    return row
+
+
+def measure(case: Case, shape, variant, references: dict, args) -> dict:
+    """Build, warm up and time one case. The bf16 eager run of a shape leaves its first output in `references`
+    (on the CPU) for the others' SQNR."""
+    work = BUILDERS[case.section](shape, variant, args.device, case.compiled)
+    out, key, figures = work.step(), (case.section, case.shape_index), {}
+    if case.variant == BASELINE and not case.compiled:
+        references[key] = out.float().cpu()
+        figures.update(sqnr_db=None, reference=True)
+    elif key in references:
+        sqnr = mf.sqnr_db(references[key].to(args.device), out.float())
+        figures.update(sqnr_db=sqnr if math.isfinite(sqnr) else None, bitwise_equal_to_bf16=sqnr == math.inf)
+    del out
+    for _ in range(args.warmup - 1):
+        work.step()
+    times, peak = time_steps(work.step, args.steps, args.device)
+    ms = statistics.median(times)
+    figures.update(step_ms=ms, step_ms_all=times, tokens_per_s=work.tokens / ms * 1e3, tflops=work.flops / ms / 1e9,
+                   peak_gib=None if peak is None else peak / GIB,
+                   fp8_linears=None if work.model is None else step_time.count_fp8_linears(work.model))
+    if case.compiled:
+        figures.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
+                       graph_break_reasons=sorted(counters["graph_break"])[:5])
+    return figures
+
+
+def plan(args, names: list[str]) -> list[Case]:
+    """Every eager case, section by section, then the compiled ones in priority order."""
+    gemm_names = [BASELINE, *GEMMS]
+    cases = [Case(s, i, v, False) for s in args.sections for i in range(len(args.shapes[s]))
+             for v in (gemm_names if s == "gemm" else names)]
+    if args.no_compile:
+        return cases
+    if args.compile_variants:
+        wanted = names if args.compile_variants == "all" else [BASELINE, *args.compile_variants.split(",")]
+        priority = [(s, tuple(v for v in names if v in wanted)) for s in args.sections if s != "gemm"]
+        return cases + [Case(s, i, v, True) for s, vs in priority for i in range(len(args.shapes[s])) for v in vs]
+    priority = COMPILED_SMOKE if args.smoke else COMPILED_PRIORITY
+    return cases + [Case(s, 0, v, True) for s, vs in priority if s in args.sections for v in vs if v in names]
+
+
+def run(cases: list[Case], args, variants: dict[str, Variant]) -> list[dict]:
+    references, rows, longest = {}, [], {}
+    for case in cases:
+        elapsed = time.perf_counter() - args.start
+        guess = max(longest.get(case.section, 0), COMPILE_GUESS_S.get(case.section, 0))
+        if case.compiled and elapsed + guess > args.budget_s:
+            rows.append({"section": case.section, "shape": shape_name(args.shapes[case.section][case.shape_index]),
+                         "variant": case.variant, "mode": case.mode,
+                         "skipped": f"time budget: {elapsed:.0f} s spent, a compiled run here takes ~{guess:.0f} s, "
+                                    f"--budget-s {args.budget_s:g}"})
+            continue
+        row = run_case(case, args.shapes, variants, references, args)
+        if case.compiled:
+            longest[case.section] = max(longest.get(case.section, 0), row["wall_s"])
+        rows.append(row)
+        what = row.get("error") or f"{row['step_ms']:9.2f} ms  SQNR {_db(row)}"
+        step_time.progress.print(f"{elapsed:6.0f} s  {case.section:<8} {row['shape']:<28.28} {case.variant:<19} "
+                                 f"{case.mode:<8} {what}  ({row['wall_s']:.1f} s)")
+    add_speedups(rows)
+    return rows
+
+
+def add_speedups(rows: list[dict]) -> None:
+    """Speedup over bf16 in the same mode and over bf16 eager, and peak memory over bf16's (same mode)."""
+    base = {(r["section"], r["shape"], r["mode"]): r for r in rows if r["variant"] == BASELINE and "step_ms" in r}
+    for r in rows:
+        same, eager = base.get((r["section"], r["shape"], r["mode"])), base.get((r["section"], r["shape"], "eager"))
+        if "step_ms" not in r:
+            continue
+        r["speedup_vs_bf16"] = same["step_ms"] / r["step_ms"] if same else None
+        r["speedup_vs_bf16_eager"] = eager["step_ms"] / r["step_ms"] if eager else None
+        r["peak_vs_bf16"] = r["peak_gib"] / same["peak_gib"] if same and r["peak_gib"] else None
+
+
+# ----------------------------------------------------------------------------------------------------------- reports
+
+def describe_machine(device: torch.device) -> dict:
+    """machine.describe() plus the GPU, its driver, CUDA, Triton, torchao and minifloat."""
+    info = machine.describe()
+    float8, _ = torchao_float8()
+    info.update(device=str(device), cuda=torch.version.cuda, minifloat=mf.__version__,
+                torchao=None if float8 is None else sys.modules["torchao"].__version__, triton=_version("triton"),
+                float32_matmul_precision=torch.get_float32_matmul_precision())
+    if device.type == "cuda":
+        props = torch.cuda.get_device_properties(device)
+        info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=props.total_memory / GIB,
+                    driver=_nvidia_smi_driver(device.index or 0))
+    return info
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def _nvidia_smi_driver(index: int) -> str | None:
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30, check=True).stdout.splitlines()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out[index].split(",")[-1].strip() if index < len(out) else None
+
+
+def machine_line(info: dict) -> str:
+    gpu = (f"{info['gpu']} (SM {info['capability']}), driver {info['driver']}, CUDA {info['cuda']}, "
+           f"Triton {info['triton']}, " if "gpu" in info else f"{info['cpu']} ({info['cores']} cores), ")
+    return gpu + f"torch {info['torch']}, torchao {info['torchao'] or 'not installed'}"
+
+
+def _db(r: dict) -> str:
+    if r.get("reference"):
+        return "ref"
+    return "=" if r.get("bitwise_equal_to_bf16") else "-" if r.get("sqnr_db") is None else f"{r['sqnr_db']:.1f}"
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return "-" if value is None else format(value, fmt)
+
+
+COLUMNS = ("shape", "variant", "mode", "FP8 linears", "step ms", "tokens/s", "TFLOP/s", "speedup × bf16", "peak GiB",
+           "SQNR dB vs bf16")
+
+
+def cells(r: dict) -> list[str]:
+    head = [r["shape"], r["variant"], r["mode"]]
+    if "step_ms" not in r:
+        return head + ["", f"{'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['error']}"] + [""] * 5
+    breaks = f" ({r['graph_breaks']} breaks)" if r.get("graph_breaks") else ""
+    return head + [_num(r["fp8_linears"], "d"), f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+                   f"{r['tflops']:.1f}", _num(r["speedup_vs_bf16"], ".2f") + breaks, _num(r["peak_gib"], ".2f"),
+                   _db(r)]
+
+
+def print_tables(rows: list[dict], skipped: dict[str, str], info: dict) -> None:
+    for section in dict.fromkeys(r["section"] for r in rows):
+        table = Table(title=f"{section}: step time, speedup over bf16 in the same mode", caption=machine_line(info))
+        for col in COLUMNS:
+            table.add_column(col, justify="left" if col in COLUMNS[:3] else "right")
+        for r in rows:
+            if r["section"] == section:
+                table.add_row(*cells(r))
+        step_time.stdout.print(table)
+        step_time.stdout.print(f"[dim]{section}: {NOTES[section]}[/dim]")
+    for name, why in skipped.items():
+        step_time.stdout.print(f"[yellow]skipped {name}: {why}[/yellow]")
+
+
+def markdown(rows: list[dict], skipped: dict[str, str], info: dict) -> str:
+    lines = [f"Machine: {machine_line(info)}.", ""]
+    for section in dict.fromkeys(r["section"] for r in rows):
+        lines += [f"**{section}**", "", "| " + " | ".join(COLUMNS) + " |", "|---|---|---|" + "---:|" * 7]
+        lines += ["| " + " | ".join(cells(r)) + " |" for r in rows if r["section"] == section]
+        lines += ["", NOTES[section], ""]
+    lines += [f"Skipped {name}: {why}" for name, why in skipped.items()]
+    return "\n".join(lines + ["", "Command:", "", "```", step_time.command_line(), "```"]) + "\n"
+
+
+# -------------------------------------------------------------------------------------------------------------- main
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of {', '.join(SECTIONS)}")
+    p.add_argument("--variants", default="", help="comma list (default: all) for every section but gemm; bf16 is "
+                                                  f"always added; of {', '.join(v.name for v in VARIANTS)}")
+    p.add_argument("--compile-variants", default="", help="comma list (or 'all') compiled in every section and shape "
+                                                          "instead of the default priority list")
+    p.add_argument("--no-compile", action="store_true", help="eager runs only")
+    p.add_argument("--budget-s", type=float, default=420.0, help="compiled runs that would end after this many "
+                                                                  "seconds of the run are skipped")
+    p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10, smoke 3)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed steps first (default 3, smoke 2)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda when torch sees one")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes, runs anywhere in seconds (checks the script)")
+    p.add_argument("--tf32", action="store_true", help="fp32 matmuls (the Llama's fp32 head and attention) on TF32 "
+                                                       "tensor cores; off by default, as the trainer runs them")
+    p.add_argument("--json", default="runs/gpu_bench.json", metavar="PATH")
+    p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --json / --markdown files")
+    args = p.parse_args(argv)
+    args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in args.sections if s not in SECTIONS]
+    if unknown:
+        p.error(f"unknown section(s) {unknown}; choose from {list(SECTIONS)}")
+    args.steps = args.steps or (3 if args.smoke else 10)
+    args.warmup = args.warmup or (2 if args.smoke else 3)
+    if args.steps < 1 or args.warmup < 1:
+        p.error(f"--steps and --warmup must be >= 1, got {args.steps} and {args.warmup}")
+    args.shapes = SMOKE if args.smoke else FULL
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    args.start = time.perf_counter()
+    args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    on_gpu = args.device.type == "cuda" and torch.cuda.is_available()
+    if (args.device.type == "cuda" or not args.smoke) and not on_gpu:
+        print(f"benchmarks/gpu.py needs a CUDA GPU (device {args.device}, torch "
+              f"{torch.__version__} sees {torch.cuda.device_count()} GPUs); --smoke --device cpu runs its tiny shapes on the CPU",
+              file=sys.stderr)
+        return 2
+    for path in filter(None, (args.json, args.markdown)):
+        if pathlib.Path(path).exists() and not args.overwrite:
+            print(f"{path} exists; pass --overwrite to replace it, or another path", file=sys.stderr)
+            return 2
+    if args.smoke and args.device.type == "cpu":
+        torch.set_num_threads(1)  # tiny shapes gain nothing from threads, which wait on each other on a busy machine
+    if args.tf32:
+        torch.set_float32_matmul_precision("high")
+    names = [v.name for v in VARIANTS]
+    wanted = [n.strip() for n in args.variants.split(",") if n.strip()] or names
+    unknown = [n for n in wanted + args.compile_variants.split(",") if n and n not in names + ["all"]]
+    if unknown:
+        print(f"unknown variant(s) {unknown}; choose from {names}", file=sys.stderr)
+        return 2
+    float8, why_not = torchao_float8()
+    skipped = {} if float8 is not None else {n: f"torchao is not importable ({why_not})" for n in wanted
+                                             if n.startswith("torchao")}
+    names = [n for n in names if (n in wanted or n == BASELINE) and n not in skipped]
+
+    info = describe_machine(args.device)
+    step_time.progress.print(f"{machine_line(info)}\nsections {', '.join(args.sections)}; variants {', '.join(names)}")
+    rows = run(plan(args, names), args, {v.name: v for v in VARIANTS})
+    config = {k: v for k, v in vars(args).items() if k not in ("start", "device")}
+    result = {"command": step_time.command_line(), "config": config, "machine": info, "notes": NOTES,
+              "skipped": skipped, "sections": {s: [r for r in rows if r["section"] == s] for s in args.sections},
+              "wall_s": time.perf_counter() - args.start}
+    pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+    if args.markdown:
+        pathlib.Path(args.markdown).write_text(markdown(rows, skipped, info))
+    print_tables(rows, skipped, info)
+    step_time.progress.print(f"{result['wall_s']:.0f} s; wrote {args.json}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
