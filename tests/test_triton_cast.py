@@ -209,3 +209,46 @@ def test_layer_on_the_native_path_copies_no_operand(monkeypatch, calls, native_o
     assert calls, "the Triton kernel did not run"
     for e, g in zip(expected, got):
         assert torch.equal(bits(g), bits(e))
+
+
+@pytest.mark.parametrize("value", [3.5, 0.25, float("inf"), float("nan")])
+def test_recording_an_amax_is_the_torch_path(monkeypatch, value):
+    """ScalingState.record's one-launch form: the history keeps the max of finite amaxes, a non-finite one only
+    bumps the counter; the state's bytes are the torch path's."""
+    from minifloat.fp8.recipes import Role
+    from minifloat.fp8.scaling import ScalingState
+
+    def recorded():
+        state = ScalingState(history_len=4)
+        state.amax_history[0] = 1.0
+        for amax in (torch.tensor(value), torch.tensor(2.0)):
+            state.record(Role.INPUT, amax)
+        return state.state_dict()
+
+    seen = []
+    real = triton_cast.fold_amax
+    monkeypatch.setattr(triton_cast, "fold_amax", lambda *a: seen.append(1) or real(*a))
+    ref, got = both(monkeypatch, recorded)
+    assert len(seen) == 2
+    for key in ref:
+        assert torch.equal(bits(got[key]) if got[key].is_floating_point() else got[key],
+                           bits(ref[key]) if ref[key].is_floating_point() else ref[key]), key
+
+
+@pytest.mark.parametrize("power_of_two", [False, True])
+@pytest.mark.parametrize("margin", [0, 8])
+def test_scales_from_edge_amaxes(monkeypatch, calls, power_of_two, margin):
+    """Scales computed in the kernel from amaxes where `scale_from_amax` takes its branches: a zero row and an
+    infinite one (fallback 1), a tiny one (the quotient overflows: clamped to float32's max), a huge one (with a
+    margin of 8 the scale is float32-subnormal, whose power of two needs the 2^64 detour)."""
+    x = awkward(8, 40, torch.float32, seed=4).nan_to_num(posinf=1.0, neginf=-1.0)
+    x[1] = 0.0
+    x[2, 3] = float("inf")
+    x[3] = 1e-38
+    x[4, 5] = 3e38
+    ref, got = both(monkeypatch, lambda: quantize(x, mf.E4M3, granularity="row", margin=margin,
+                                                  power_of_two=power_of_two))
+    assert calls == ["row"]
+    assert_same(ref, got)
+    if margin == 8:
+        assert 0 < ref.scale[4] and 1.0 / ref.scale[4] < torch.finfo(torch.float32).tiny  # the subnormal case ran

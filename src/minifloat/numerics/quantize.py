@@ -271,8 +271,7 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
             result's amax instead of being computed again in the cast's pass; without one the scale is computed
             from it instead of from x (e.g. the whole tensor's amax, for one shard of it: the shard's cast is then
             bitwise that part of the whole tensor's).
-        with_t: also keep `data_t`, the 2-D data transposed into row-major order (written in the same pass on a
-            GPU: minifloat.numerics.triton_cast).
+        with_t: also keep `data_t`, the 2-D data's transpose in row-major order (the same pass on a GPU).
     Returns:
         Quantized with data of x's shape.
     """
@@ -292,46 +291,48 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
     if amax is not None and not info.per_tensor:
         raise ValueError(f"a given amax goes with a per-tensor cast, not '{granularity}'")
+    if with_t and x.dim() != 2:
+        raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
+    # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
+    fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
+    qscale = None
     if scale is None:
-        amax = abs_max(xb, None if info.per_tensor else -1) if amax is None else amax.float().reshape(())
-        qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
+        if amax is None:
+            amax = triton_cast.tensor_amax(x) if fused and info.per_tensor else abs_max(
+                xb, None if info.per_tensor else -1)
+        else:
+            amax = amax.float().reshape(())
+        if not fused:
+            qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
     else:
         if info.block is not None:  # a given scale must not depend on per-block amaxes the caller cannot see
             allowed = [g.value for g in Granularity if granularity_info(g).block is None]
             raise ValueError(f"an explicit scale is supported for {allowed} granularity, not '{granularity}'")
         dscale = scale.float().reshape(-1, 1) if info.per_row else scale.float().reshape(())
         qscale = 1.0 / dscale
-    if info.per_tensor:
-        qscale, dscale = qscale.reshape(()), dscale.reshape(())
-        if amax is not None:
-            amax = amax.reshape(())
 
     folded = info.folds(power_of_two)
-    fold = dscale if (folded and operand_dtype is not None) else None
     want_amax = amax is None and info.per_tensor and xb.numel() > 0
-    if with_t and x.dim() != 2:
-        raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
     data_t = None
-    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # one Triton pass: both layouts and the amax
-        data, data_t, kernel_amax = triton_cast.fused_cast(x.detach(), fmt, qscale, along="row" if info.per_row
-                                                           else "tensor", write_t=with_t, want_amax=want_amax)
-        operand = None
+    if fused:
+        data, data_t, kernel_amax, kernel_dscale = triton_cast.fused_cast(
+            x.detach(), fmt, qscale, along="row" if info.per_row else "tensor", write_t=with_t, want_amax=want_amax,
+            amax=amax if qscale is None else None, margin=margin, power_of_two=power_of_two)
+        dscale, operand = (dscale if qscale is not None else kernel_dscale), None
     else:
-        data, operand, kernel_amax = _cast_kernel_compiled(xb, qscale, fmt.name, storage, operand_dtype, fold,
-                                                           want_amax)
+        fold = dscale if (folded and operand_dtype is not None) else None
+        data, operand, kernel_amax = _cast_kernel_compiled(xb, qscale.reshape(()) if info.per_tensor else qscale,
+                                                           fmt.name, storage, operand_dtype, fold, want_amax)
     if want_amax:
         amax = kernel_amax
-
-    if not info.per_tensor:
-        shape = scale_shape(x.shape, granularity)
-        dscale = dscale.reshape(shape)
-        amax = None if amax is None else amax.reshape(shape)
+    shape = () if info.per_tensor else scale_shape(x.shape, granularity)
+    dscale = dscale.reshape(shape)
+    amax = None if amax is None else amax.reshape(shape)
     data = None if data is None else from_blocks(data, x.shape, granularity)
     operand = None if operand is None else from_blocks(operand, x.shape, granularity)
     if with_t and data_t is None and data is not None:
         data_t = data.t().contiguous()
     return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded, data_t=data_t)
-
 
 
 def _scales_kernel(amax: torch.Tensor, fmt_name: str, e8m0: bool, margin: int, power_of_two: bool,
@@ -388,13 +389,14 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
         view = pad_to_multiple(x, size, dim=-2)
         view = view.reshape(view.shape[0] // size, size, k)  # (MB, size, K): blocks down the columns
     amax = abs_max(view, -2) if m else torch.zeros(view.shape[:-2] + (1, k), device=x.device)
+    storage = (fmt.torch_dtype or torch.float32) if keep_data else None
+    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # scaled per column, written as xᵀ (GPU)
+        _, data_t, _, dscale = triton_cast.fused_cast(x, fmt, None, along="column", write=False, write_t=True,
+                                                      amax=amax, margin=margin, power_of_two=power_of_two)
+        return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
     qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None
-    storage = (fmt.torch_dtype or torch.float32) if keep_data else None
-    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # per-column scales, written straight into xᵀ's row-major layout
-        _, data_t, _ = triton_cast.fused_cast(x, fmt, qscale, along="column", write=False, write_t=True)
-        return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
     data, operand, _ = _cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
 
     def back(y):

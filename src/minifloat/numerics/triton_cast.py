@@ -19,6 +19,12 @@ The amax is the maximum of |x|'s float32 bit patterns as int32 (for non-negative
 and every NaN pattern lies above +inf), taken per tile and merged with an integer atomic max: NaN propagates, as
 torch's amax does.
 
+The multipliers come in computed (delayed scaling: from the stored scale) or are computed in the kernel from the
+amaxes by `scale_from_amax`'s rule, bit for bit (current scaling: `tensor_amax` takes the amax in one pass first;
+per-row amaxes come from one compiled reduction). `fold_amax` records an amax into a ScalingState in one launch.
+Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 41 (delayed), 160 to 32 (current) and 263
+to 69 (row scaling): benchmarks/launches.py counts them on any machine.
+
 `quantize` and `quantize_t` call `fused_cast` for 2-D tensors cast per tensor, row or column to FP8 data without a
 bfloat16 operand, on CUDA when Triton imports (the native GEMM path). Under torch.compile they do not: the graph's own
 ops are left to inductor, which fuses them itself. The kernels are built on first use, so TRITON_INTERPRET=1 set
@@ -66,11 +72,12 @@ def available(x: torch.Tensor) -> bool:
 def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dtype | None, unblocked: bool) -> bool:
     """Whether `quantize` casts `x` here: FP8 data (`storage`) of a 2-D tensor scaled per tensor, row or column
     (`unblocked`), no bfloat16 operand, where `available`."""
-    return (x.dim() == 2 and operand_dtype is None and storage in _FP8 and unblocked and available(x))
+    return (x.dim() == 2 and x.numel() > 0 and operand_dtype is None and storage in _FP8 and unblocked
+            and available(x))
 
 
 tl = None  # triton.language, bound by _kernel() where the kernels are built
-_larger = None  # _larger_fn once compiled by triton.jit
+_larger = _scale = None  # _larger_fn and _scale_fn once compiled by triton.jit
 
 
 @functools.cache
@@ -78,10 +85,11 @@ def _kernel():
     """The Triton kernel, built on first use, so TRITON_INTERPRET is read then, not at import. Its helpers are module
     globals (the kernel's source resolves names there; the interpreter runs tl's own library functions such as tl.max
     only when TRITON_INTERPRET was set before triton's import, hence the combine function of our own)."""
-    global tl, _larger
+    global tl, _larger, _scale
     triton = _triton()
     tl = triton.language
     _larger = triton.jit(_larger_fn)
+    _scale = triton.jit(_scale_fn)
     return triton.jit(_cast_kernel_fn)
 
 
@@ -89,10 +97,26 @@ def _larger_fn(a, b):
     return tl.maximum(a, b)
 
 
-def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, M, K, stride_xm, stride_xk, stride_qm, stride_qk,
-                    FMT_MAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
-                    WRITE: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _scale_fn(a, FMT_MAX: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr):
+    """`quantize.scale_from_amax` (fallback 1) in the kernel's arithmetic, bit for bit: torch computes fmt.max / amax
+    as fmt.max · (1 / amax) (Tensor.__rtruediv__ is reciprocal, then multiply), so this does too, with an IEEE
+    reciprocal; the power of two below s comes from its exponent bits (a subnormal s scaled up by 2^64 first)."""
+    s = tl.div_rn(FMT_MAX * tl.div_rn(1.0 + 0.0 * a, a), 2.0 ** MARGIN + 0.0 * a)
+    s = tl.where(s != s, s, tl.minimum(s, 3.4028234663852886e38))
+    if POW2:
+        normal = s >= 1.1754943508222875e-38
+        up = tl.where(normal, s, s * 18446744073709551616.0)
+        p = (up.to(tl.int32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)
+        p = tl.where(normal, p, p * 5.421010862427522e-20)
+        s = tl.where((s == s) & (s <= 3.4028234663852886e38) & (s > 0), p, s)
+    good = (s == s) & (s <= 3.4028234663852886e38) & (a > 0) & (s > 0)
+    return tl.where(good, s, 1.0)
+
+
+def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, dscale_ptr, M, K, stride_xm, stride_xk,
+                    ALONG: tl.constexpr, FMT_MAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
+                    WRITE: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr,
+                    MARGIN: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -100,7 +124,15 @@ def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, M, K, stride_xm,
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     x = x.to(tl.float32)
-    q = tl.load(q_ptr + rows[:, None] * stride_qm + cols[None, :] * stride_qk, mask=mask, other=1.0)
+    # the multipliers' offsets: one per tensor (ALONG 0), per row (1) or per column (2)
+    q_offsets = rows[:, None] * (ALONG == 1) + cols[None, :] * (ALONG == 2)
+    q = tl.load(q_ptr + q_offsets, mask=mask, other=1.0)
+    if FROM_AMAX:  # q_ptr holds amaxes: the multipliers are computed here; the tiles of the first row or column of
+        q = _scale(q, FMT_MAX, MARGIN, POW2)  # the grid store 1 / multiplier (repeated stores of equal values)
+        first_m = (rows[:, None] * 0 + pid_m) == 0  # (tensors, not scalars: the interpreter masks with tensors)
+        first_k = (cols[None, :] * 0 + pid_k) == 0
+        first = first_k if ALONG == 1 else (first_m if ALONG == 2 else first_m & first_k)
+        tl.store(dscale_ptr + q_offsets, tl.div_rn(1.0 + 0.0 * q, q), mask=mask & first)
     y = x * q
     y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))  # saturate; NaN stays NaN
     bits = y.to(tl.int32, bitcast=True)
@@ -128,39 +160,91 @@ def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, M, K, stride_xm,
         tl.atomic_max(amax_ptr, tl.reduce(tl.reduce(a, 1, _larger), 0, _larger))
 
 
-def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor, *, along: str = "tensor",
-               write: bool = True, write_t: bool = False, want_amax: bool = False
-               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor | None, *, along: str = "tensor",
+               write: bool = True, write_t: bool = False, want_amax: bool = False, amax: torch.Tensor | None = None,
+               margin: int = 0, power_of_two: bool = False
+               ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """cast(x · qscale) onto `fmt` for a 2-D `x`, in one pass over x.
 
     Args:
-        x: (M, K) floating tensor (any strides).
+        x: (M, K) floating tensor (any strides, at least one element).
         fmt: E4M3 or E5M2.
-        qscale: float32 quantization multipliers: () for along="tensor", M of them for "row", K for "column".
+        qscale: float32 quantization multipliers: () for along="tensor", M of them for "row", K for "column"; None
+            to compute them in the kernel from `amax` (same shapes) by `scale_from_amax`'s rule with `margin` and
+            `power_of_two`.
         along: which axis the multipliers follow: "tensor", "row" or "column".
         write: return the (M, K) row-major FP8 data.
         write_t: return the (K, M) row-major FP8 data of xᵀ (the same values).
         want_amax: return max |x| (float32, 0-dim; NaN if x holds one).
     Returns:
-        (data or None, data of xᵀ or None, amax or None); bitwise `quantize`'s data and amax for the same scales.
+        (data or None, data of xᵀ or None, amax or None, dequantization scales or None (the 1 / multiplier computed
+        from `amax`, shaped like it)); bitwise what `quantize` computes from the same scales or amaxes.
     """
-    if x.dim() != 2 or fmt.torch_dtype not in _FP8:
-        raise ValueError(f"fused_cast takes a 2-D tensor and an FP8 format, got shape {tuple(x.shape)} and {fmt.name}")
+    if x.dim() != 2 or fmt.torch_dtype not in _FP8 or not x.numel():
+        raise ValueError(f"fused_cast takes a non-empty 2-D tensor and an FP8 format, got shape {tuple(x.shape)} and "
+                         f"{fmt.name}")
+    if (qscale is None) == (amax is None):
+        raise ValueError("fused_cast takes either qscale or amax")
     m, k = x.shape
-    q = qscale.float().contiguous()
-    strides = {"tensor": (0, 0), "row": (1, 0), "column": (0, 1)}[along]
+    q = (qscale if qscale is not None else amax).float().contiguous()
+    along_code = {"tensor": 0, "row": 1, "column": 2}[along]
     dtype = fmt.torch_dtype
     out = torch.empty((m, k), dtype=dtype, device=x.device) if write else None
     out_t = torch.empty((k, m), dtype=dtype, device=x.device) if write_t else None
     amax_bits = torch.zeros((), dtype=torch.int32, device=x.device) if want_amax else None
-    if m and k:
-        grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
-        placeholder = out if out is not None else out_t
-        placeholder = placeholder.view(torch.uint8)
-        _kernel()[grid](x, q, out.view(torch.uint8) if write else placeholder,
-                        out_t.view(torch.uint8) if write_t else placeholder,
-                        amax_bits if want_amax else q, m, k, x.stride(0), x.stride(1), *strides,
-                        FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits,
-                        WRITE=write, WRITE_T=write_t, AMAX=want_amax, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
-    amax = amax_bits.view(torch.float32) if want_amax else None
-    return out, out_t, amax
+    dscale = torch.empty_like(q) if qscale is None else None
+    placeholder = (out if out is not None else out_t).view(torch.uint8)
+    grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
+    _kernel()[grid](x, q, out.view(torch.uint8) if write else placeholder,
+                    out_t.view(torch.uint8) if write_t else placeholder,
+                    amax_bits if want_amax else q, dscale if dscale is not None else q, m, k, x.stride(0),
+                    x.stride(1), ALONG=along_code, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits,
+                    WRITE=write, WRITE_T=write_t, AMAX=want_amax, FROM_AMAX=qscale is None, MARGIN=margin,
+                    POW2=power_of_two, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    return out, out_t, amax_bits.view(torch.float32) if want_amax else None, dscale
+
+
+def _amax_fn(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
+    a = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
+    tl.atomic_max(amax_ptr, tl.reduce(tl.reduce(a, 1, _larger), 0, _larger))
+
+
+@functools.cache
+def _amax_kernel():
+    _kernel()  # binds tl and the helpers
+    return _triton().jit(_amax_fn)
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max |x| of a non-empty 2-D tensor as a 0-dim float32 (NaN if x holds one), in one pass: the amax current
+    scaling needs before its cast."""
+    m, k = x.shape
+    bits = torch.zeros((), dtype=torch.int32, device=x.device)
+    _amax_kernel()[(-(-m // BLOCK_M), -(-k // BLOCK_K))](x, bits, m, k, x.stride(0), x.stride(1),
+                                                          BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    return bits.view(torch.float32)
+
+
+def _fold_amax_fn(slot_ptr, counter_ptr, amax_ptr):
+    a = tl.load(amax_ptr).to(tl.float32)
+    finite = tl.abs(a) <= 3.4028234663852886e38  # False for inf and NaN
+    slot = tl.load(slot_ptr)
+    tl.store(slot_ptr, tl.where(finite, tl.maximum(slot, a), slot))
+    tl.store(counter_ptr, tl.load(counter_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+
+
+@functools.cache
+def _fold_kernel():
+    _kernel()  # binds tl
+    return _triton().jit(_fold_amax_fn)
+
+
+def fold_amax(slot: torch.Tensor, counter: torch.Tensor, amax: torch.Tensor) -> None:
+    """slot = max(slot, amax) where amax is finite, else counter += 1: one kernel launch for what takes eight torch
+    ops (`ScalingState.record` on a GPU). `slot` (float32) and `counter` (int64) are 0-dim views into the state's
+    buffers, `amax` a 0-dim float tensor; all on the device `available` accepts."""
+    _fold_kernel()[(1,)](slot, counter, amax)

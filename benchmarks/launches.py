@@ -1,0 +1,132 @@
+"""Kernel launches of one FP8 layer's training step on the native path, counted on any machine.
+
+A GPU step pays a launch (and its host work) per op; small models are bound by that, not by FLOPs. This counts, for
+one bias-free Fp8Linear (--tokens x --dim, bfloat16 autocast) under each recipe, the ops of one forward+backward and
+of the FP8 step's end, as the native (GPU) path issues them:
+  * the GEMM backend is made "native" on this machine (the casts keep FP8 data, the GEMM is a stand-in);
+  * torch ops are counted by a dispatch mode (views, allocations and aliasing excluded: they launch nothing);
+  * minifloat's Triton kernels (minifloat.numerics.triton_cast) count one launch each; with --triton they run in
+    Triton's interpreter (TRITON_INTERPRET=1, on the CPU), without it the torch path runs instead: the counts before
+    the one-pass kernels.
+minifloat's small kernels run eagerly here (eager_kernels): on a GPU, tensors above EAGER_BELOW elements run a
+compiled kernel instead of several eager ops, so the --no-triton counts are an upper bound for large tensors.
+
+Usage:
+    python benchmarks/launches.py              # torch path
+    TRITON_INTERPRET=1 python benchmarks/launches.py --triton
+No numbers here are asserted anywhere: this is a measurement, not a test.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import minifloat as mf
+from minifloat.fp8 import caster, gemm
+from minifloat.fp8.step import fp8_step
+from minifloat.numerics import triton_cast
+from minifloat.numerics.compiling import eager_kernels
+from minifloat.numerics.granularity import Granularity
+
+RECIPES = {"delayed": mf.DelayedScaling(), "current": mf.CurrentScaling(),
+           "row": mf.CurrentScaling(granularity="row")}
+NO_LAUNCH = {"aten.view.default", "aten.detach.default", "aten.select.int", "aten.t.default", "aten.view.dtype",
+             "aten._reshape_alias.default", "aten.expand.default", "aten.alias.default", "aten.as_strided.default",
+             "aten.unsqueeze.default", "aten.squeeze.dim", "aten.reshape.default", "aten.transpose.int",
+             "aten.slice.Tensor", "aten.empty.memory_format", "aten.new_empty.default", "aten.empty_like.default",
+             "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset", "aten.lift_fresh.default",
+             "aten._unsafe_view.default"}
+_inside = [0]
+_launches: collections.Counter = collections.Counter()
+
+
+class CountOps(TorchDispatchMode):
+    """Counts the torch ops that launch a kernel, outside minifloat's Triton kernels."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops: collections.Counter = collections.Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not _inside[0] and str(func) not in NO_LAUNCH:
+            self.ops[str(func)] += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _count_triton(name: str) -> None:
+    real = getattr(triton_cast, name)
+
+    def counted(*args, **kwargs):
+        _launches[name] += 1
+        _inside[0] += 1
+        try:
+            return real(*args, **kwargs)
+        finally:
+            _inside[0] -= 1
+
+    setattr(triton_cast, name, counted)
+
+
+def native_everywhere() -> None:
+    """The native path's decisions on this machine, with a stand-in for torch._scaled_mm."""
+    per_tensor_or_row = (Granularity.TENSOR, Granularity.ROW)
+    caster.native_granularity = lambda device, g, backend=None: Granularity.parse(g) in per_tensor_or_row
+    gemm.native_support = lambda a, b, out_dtype=None, **kw: None
+    gemm.native_mm = lambda a, b, out_dtype, bias=None, fast_accum=False: torch.zeros(
+        a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
+    for name in ("fused_cast", "tensor_amax", "fold_amax"):
+        _count_triton(name)
+
+
+def count(recipe, tokens: int, dim: int) -> dict:
+    layer = mf.Fp8Linear(dim, dim, recipe=recipe, bias=False)
+
+    def train_step():
+        x = torch.randn(tokens, dim, requires_grad=True)
+        with eager_kernels(), torch.autocast("cpu", dtype=torch.bfloat16):
+            y = layer(x)
+        with eager_kernels():
+            y.backward(torch.ones_like(y))
+
+    for _ in range(2):  # seeded delayed scales, cached weight casts: the steady state
+        train_step()
+        fp8_step(layer)
+    _launches.clear()
+    with CountOps() as step_ops:
+        train_step()
+    triton = sum(_launches.values())
+    with CountOps() as end_ops:
+        fp8_step(layer)
+    return {"torch_ops": sum(step_ops.ops.values()), "triton_launches": triton,
+            "total": sum(step_ops.ops.values()) + triton, "step_end_ops": sum(end_ops.ops.values()),
+            "triton_kernels": dict(_launches), "ops": dict(step_ops.ops.most_common())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--dim", type=int, default=256)
+    parser.add_argument("--triton", action="store_true", help="run the Triton kernels (needs TRITON_INTERPRET=1 "
+                                                              "on a CPU)")
+    parser.add_argument("--verbose", action="store_true", help="list the ops")
+    args = parser.parse_args()
+    if args.triton and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        parser.error("--triton on a CPU needs TRITON_INTERPRET=1 in the environment")
+    if not args.triton:
+        os.environ.pop("TRITON_INTERPRET", None)
+    native_everywhere()
+    for name, recipe in RECIPES.items():
+        c = count(recipe, args.tokens, args.dim)
+        print(f"{name:8s} fwd+bwd: {c['total']:4d} launches ({c['torch_ops']} torch ops + {c['triton_launches']} "
+              f"Triton {c['triton_kernels']}); FP8 step end: {c['step_end_ops']} ops")
+        if args.verbose:
+            print("   ", c["ops"])
+
+
+if __name__ == "__main__":
+    main()
