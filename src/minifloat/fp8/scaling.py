@@ -195,11 +195,10 @@ class ScalingState(nn.Module):
             amax = self.amax_history.amax(dim=0)
         else:
             amax = self.amax_history[0]
-        for role in ROLES:
-            col = ROLE_INDEX[role]
-            # scale_from_amax keeps the previous scale where amax is 0 (nothing recorded in the whole history)
-            self.scale[col] = scale_from_amax(amax[col], formats[role], margin=recipe.margin,
-                                              fallback=self.scale[col])
+        # the three roles' scales in one pass (their formats' maxima as a tensor); scale_from_amax keeps the previous
+        # scale where amax is 0 (nothing recorded in the whole history)
+        self.scale.copy_(scale_from_amax(amax, _format_maxima(tuple(formats[r].max for r in ROLES), amax.device),
+                                         margin=recipe.margin, fallback=self.scale))
         self.roll()
 
     @torch.no_grad()
@@ -207,6 +206,17 @@ class ScalingState(nn.Module):
         """Move this step's amaxes into the history (oldest entry dropped) and clear row 0."""
         self.amax_history.copy_(torch.roll(self.amax_history, -1, 0))
         self.amax_history[0].zero_()
+
+
+_MAXIMA: dict[tuple, torch.Tensor] = {}
+
+
+def _format_maxima(maxima: tuple[float, ...], device: torch.device) -> torch.Tensor:
+    """The roles' format maxima as a float32 tensor on `device`, made once (no host-to-device copy per step)."""
+    key = (maxima, device)
+    if key not in _MAXIMA:
+        _MAXIMA[key] = torch.tensor(maxima, dtype=torch.float32, device=device)
+    return _MAXIMA[key]
 
 
 def scaling_states(model: nn.Module) -> list[ScalingState]:

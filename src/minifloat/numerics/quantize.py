@@ -70,9 +70,10 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
 # ---------------------------------------------------------------------------------------------------- scales
 
 
-def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat, *, margin: int = 0, power_of_two: bool = False,
-                    fallback: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Quantization multiplier s = fmt.max / amax / 2^margin (values are stored as x·s).
+def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat | torch.Tensor, *, margin: int = 0,
+                    power_of_two: bool = False, fallback: torch.Tensor | float = 1.0) -> torch.Tensor:
+    """Quantization multiplier s = fmt.max / amax / 2^margin (values are stored as x·s); `fmt` may also be a float32
+    tensor of format maxima broadcasting with amax (several formats' scales in one pass, the same bits).
 
     A zero, infinite or NaN amax yields `fallback` (Transformer Engine keeps the previous scale), so a bad tensor
     can never make a scale non-finite. With `power_of_two`, s is rounded down to a power of two so nothing overflows
@@ -80,7 +81,8 @@ def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat, *, margin: int = 0, p
     """
     amax = amax.float()
     # clamp: for amax below ~fmt.max/3.4e38 the quotient overflows float32, yet the tensor deserves a huge scale
-    s = (fmt.max / amax / (2.0**margin)).clamp(max=torch.finfo(torch.float32).max)
+    fmax = fmt if isinstance(fmt, torch.Tensor) else fmt.max  # fmax / amax is fmax · (1 / amax), as torch computes it
+    s = (amax.reciprocal() * fmax / (2.0**margin)).clamp(max=torch.finfo(torch.float32).max)
     if power_of_two:  # 2^floor(log2 s), exactly: s = m·2^k with m in [0.5, 1) (frexp), so floor(log2 s) = k - 1
         s = torch.where(torch.isfinite(s) & (s > 0), exact_pow2(torch.frexp(s)[1] - 1), s)
     good = torch.isfinite(s) & (amax > 0) & (s > 0)
