@@ -48,6 +48,8 @@ class Granularity(str, enum.Enum):
         Raises:
             ValueError naming `field`, the allowed values (all members unless `allowed` is given) and `value`.
         """
+        if allowed is None and isinstance(value, cls):  # the hot path: every cast parses its granularity
+            return value
         allowed = tuple(cls) if allowed is None else allowed
         try:
             member = value if isinstance(value, cls) else cls(value)
