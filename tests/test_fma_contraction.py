@@ -6,8 +6,9 @@ own. On a GPU inductor's Triton code fuses a multiply and an add into one FMA, w
 backend fuses the same way under TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast, so here the workload of
 tests/fma_probe.py (quantize at every granularity, quantize_t, NVFP4 with both roundings, Fp8Linear training steps;
 tensors above compiling.EAGER_BELOW so the compiled kernels run) goes through two fresh processes, contract=fast and
-contract=off, each with its own inductor cache, and every result must agree bitwise. (The layers have no bias: a GEMM
-epilogue's acc·scale + bias is a multiply-add that contraction rightly rounds once, an fp32 ulp from two roundings.)
+contract=off, each with its own inductor cache, and every result must agree bitwise. The layers have biases: the
+emulated GEMM's epilogue acc·scale + bias is a multiply-add, which a compiled kernel would contract into one rounding
+where eager code rounds twice; minifloat adds the bias in an op of its own (gemm.scale_then_add).
 
 So that the test cannot pass vacuously, each process must have compiled its kernels (no eager fallback, compiled
 libraries in its cache), and a canary, Veltkamp's split compiled on its own, must differ between the two: on a

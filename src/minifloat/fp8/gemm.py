@@ -176,7 +176,34 @@ def _epilogue_kernel(acc: torch.Tensor, sa: torch.Tensor | None, sb: torch.Tenso
     return out.to(out_dtype)
 
 
-_epilogue = maybe_compile(_epilogue_kernel)
+_epilogue_compiled = maybe_compile(_epilogue_kernel)
+
+
+def _epilogue(acc: torch.Tensor, sa: torch.Tensor | None, sb: torch.Tensor | None, bias: torch.Tensor | None,
+              out_dtype: torch.dtype) -> torch.Tensor:
+    """acc · sa · sb + bias rounded once to out_dtype. With both scales and a bias, the scaled product and the bias
+    are added by `scale_then_add` (a custom op that no compiler fuses), so the fp32 product is rounded before the add
+    on every device: a fused kernel would contract it into an FMA (one rounding) on a GPU and not on a CPU."""
+    if bias is not None and (sa is not None or sb is not None):
+        one = acc.new_ones(())
+        return scale_then_add(acc, one if sa is None else sa, one if sb is None else sb, bias, out_dtype)
+    return _epilogue_compiled(acc, sa, sb, bias, out_dtype)
+
+
+@torch.library.custom_op("minifloat::scale_then_add", mutates_args=(),
+                         schema="(Tensor acc, Tensor sa, Tensor sb, Tensor bias, ScalarType out_dtype) -> Tensor")
+def scale_then_add(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: torch.Tensor,
+                   out_dtype: torch.dtype) -> torch.Tensor:
+    """(acc · sa · sb) + bias in fp32, each operation rounded on its own (eager ops: no FMA contraction), then
+    rounded once to out_dtype."""
+    out = acc.float() * sa
+    out = out * sb
+    return (out + bias.float()).to(out_dtype)
+
+
+@scale_then_add.register_fake
+def _scale_then_add_shape(acc, sa, sb, bias, out_dtype):
+    return acc.new_empty(acc.shape, dtype=out_dtype)
 
 
 def operand(q: Quantized, dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
