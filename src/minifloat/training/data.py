@@ -185,6 +185,25 @@ class ByteCorpus:
         return self.train if Split(split) == Split.TRAIN else self.val
 
 
+def require_windows(corpus: ByteCorpus, *, seq_len: int) -> None:
+    """Refuse, before a run starts, a corpus whose train or validation split is too short for one sequence of
+    `seq_len` + 1 tokens: training samples such windows from the train split and every evaluation reads the
+    validation split, so a short split would otherwise end the run at its first evaluation.
+
+    Raises:
+        ValueError naming the split, the data, its size and the fixes.
+    """
+    where = "the standard library's sources" if corpus.config.path is None else f"--data {corpus.config.path}"
+    for split in Split:
+        n = corpus.tokens(split).numel()
+        if n <= seq_len:
+            cap = f"raise --max-bytes (now {corpus.config.max_bytes}), " if corpus.config.max_bytes else ""
+            raise ValueError(
+                f"the {'validation' if split == Split.VAL else 'training'} split of {where} holds {n} bytes, but one "
+                f"sequence needs {seq_len + 1} (--seq-len {seq_len} + 1); {cap}add text files (each file goes to "
+                f"one split, about {corpus.config.val_fraction:.0%} of them to validation), or lower --seq-len")
+
+
 def split_files(paths: list[str], val_fraction: float) -> dict[str, Split]:
     """Assign each relative path to a split by its hash; both splits are non-empty when len(paths) >= 2.
 

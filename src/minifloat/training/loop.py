@@ -19,11 +19,16 @@ Outputs under `out/` (minifloat.training.rundir; a folder holding a run is never
 log.csv (one row per step run, flushed as written; a rollback re-runs steps, so their numbers repeat), val.csv (one
 row per evaluation), ckpt/ (latest checkpoint), run.json (config and device) and, if tensorboard is installed,
 tensorboard/. SIGTERM or SIGINT ends the run after the current step with a checkpoint (TrainResult.stopped_by).
+
+No lost work: both data splits are checked for one sequence before the run folder is touched, and an error after
+training started checkpoints the steps done (the failing step's start when its update was not applied) before
+`TrainingFailed` says, in one line, what failed and that --resume continues (one process; the ranks of a
+multi-process run keep their last periodic checkpoint). The objects of a run and one step's computation live in
+minifloat.training.run.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
@@ -32,27 +37,20 @@ import pathlib
 import time
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-from minifloat.amp.policy import PrecisionPolicy
-from minifloat.amp.scaler import LossScaler
 from minifloat.core.version import __version__
-from minifloat.fp8.modules import autocast
-from minifloat.safety.guards import GuardConfig, StepGuard
-from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
-from minifloat.safety.stability import StabilityConfig
+from minifloat.safety.shadow import Mode
 from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
 from minifloat.training.config import TrainConfig
-from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, val_batches
-from minifloat.training.model import Llama, LlamaConfig
-from minifloat.training.optimizer import adamw, grad_param_groups
+from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, require_windows
+from minifloat.training.optimizer import grad_param_groups
 from minifloat.distributed.fsdp import precompute_fp8_scales
-from minifloat.training.tp_plan import llama_2d
-from minifloat.training.parallel import (Discard, Parallel, World, accumulating, any_rank, barrier, join_world,
-                                         mean_over_ranks, rank_batches, rank_device, shard, wrap)
+from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
+                                         rank_device)
 from minifloat.training.rundir import (CHECKPOINT_DIR, RUN_FILE, TENSORBOARD_DIR, CsvLog, GracefulStop,
                                        prepare_run_dir)
+from minifloat.training.run import Run, build, evaluate, forward_backward  # noqa: F401 - Run, re-exported
 from minifloat.training.schedule import Schedule
 from minifloat.training.sharded import is_sharded, load_sharded, read_extra, save_sharded
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops, resolve_device
@@ -114,97 +112,6 @@ class TrainResult:
 def get_lr(step: int, config: TrainConfig) -> float:
     """The learning rate of `step` under the config's own plan (minifloat.training.schedule.Schedule)."""
     return Schedule.from_config(config).lr_at(step)
-
-
-@dataclasses.dataclass
-class Run:
-    """The objects of one run, built by `build`: what a step needs, on `device`."""
-
-    config: TrainConfig
-    device: torch.device
-    policy: PrecisionPolicy
-    model: Llama
-    optimizer: torch.optim.Optimizer
-    scaler: LossScaler
-    guard: StepGuard
-    shadow: ShadowCheck
-    stability: StabilityConfig
-    world: World = World()
-    train_module: torch.nn.Module | None = None  # what the training forward calls: DDP(model), else model
-
-    @property
-    def autocast_device(self) -> str:
-        """torch.autocast's device type: cuda on a GPU, cpu for everything else (meta included)."""
-        return "cuda" if self.device.type == "cuda" else "cpu"
-
-
-def build(config: TrainConfig, device: torch.device | None = None, world: World = World()) -> Run:
-    """The model (seeded, under the config's policy, on `device`; sharded or wrapped for the world's ranks), AdamW
-    (behind the `master` mode's wrapper: minifloat.training.optimizer), loss scaler, guard and shadow check."""
-    device = device if device is not None else resolve_device(config.device)
-    torch.manual_seed(config.seed)
-    policy = config.policy()
-    model = policy.apply(Llama(LlamaConfig.preset(config.model))).to(device)
-    if world.parallel is Parallel.FSDP:
-        shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
-    elif world.parallel is Parallel.FSDP_TP:
-        llama_2d(model, init_device_mesh(device.type, (world.data_size, world.tp), mesh_dim_names=("dp", "tp")))
-    stability = StabilityConfig(embedding_grad_alpha=config.embedding_grad_alpha, max_grad_norm=config.grad_clip,
-                                weight_decay=config.weight_decay)
-    if config.embedding_grad_alpha != 1.0:
-        # GLM-130B: the embedding output's gradient times alpha (a forward hook, so the state-dict keys stay)
-        model.wte.register_forward_hook(lambda _module, _args, h: stability.shrink_embedding_grad(h))
-    optimizer = adamw(model, stability.param_groups(model), lr=config.lr, state_formats=config.state_formats,
-                      master=config.master, seed=config.seed)
-    scaler = LossScaler.for_dtype(policy.compute_dtype, model=model)  # a no-op for bf16 and fp32
-    guard = StepGuard(model, optimizer, stateful={"scaler": scaler},
-                      config=GuardConfig(rollback_after=config.rollback_after, snapshot_every=config.snapshot_every))
-    # without checks the mode stays FP8 and shadow.context() changes nothing
-    shadow = ShadowCheck(ShadowConfig(interval=config.shadow_every or 1, threshold=config.shadow_threshold,
-                                      reference_dtype=str(policy.compute_dtype).removeprefix("torch.")))
-    return Run(config, device, policy, model, optimizer, scaler, guard, shadow, stability, world, wrap(model, world))
-
-
-def forward_backward(run: Run, forward, batches: list[tuple[torch.Tensor, torch.Tensor]], step: int, *,
-                     poison: bool = False):
-    """The gradients of one optimizer step: each micro-batch's forward under the policy's autocast and the shadow's
-    mode, and its backward of loss / len(batches) (scaled by the loss scaler). Returns (mean loss, fp32 scalar
-    tensor; mode). `poison` multiplies the losses by NaN (TrainConfig.nan_steps). Across ranks the gradients are
-    reduced once, in the last micro-batch's backward."""
-    total = None
-    for i, (x, y) in enumerate(batches):
-        with accumulating(run.train_module, run.world, last=i == len(batches) - 1):
-            tail = step >= run.config.bf16_tail_start  # the late switch: FP8/FP4 layers in BF16 from here on
-            with torch.autocast(run.autocast_device, dtype=run.policy.compute_dtype,
-                                enabled=run.policy.autocast_enabled), run.shadow.context(step) as mode, \
-                    autocast(enabled=False) if tail else contextlib.nullcontext():
-                mode = Mode.BF16 if tail else mode
-                logits, loss = forward(x, y)  # (B, T, V), fp32 scalar
-                loss = loss + run.stability.z_loss(logits)
-            if poison:
-                loss = loss * math.nan
-            run.scaler.scale(loss / len(batches)).backward()
-        total = loss.detach() if total is None else total + loss.detach()
-    return total / len(batches), mode
-
-
-@torch.no_grad()
-def evaluate(model: Llama, tokens: torch.Tensor, policy: PrecisionPolicy, config: TrainConfig, *,
-             fp8: bool = True, device: torch.device | None = None) -> float:
-    """Mean cross-entropy over the first `eval_batches` fixed validation batches (rows weighted equally).
-
-    fp8=False runs the FP8 layers in high precision (the shadow check's BF16 fallback), recording nothing."""
-    device = device if device is not None else next(model.parameters()).device
-    model.eval()
-    total, rows = 0.0, 0
-    for x, y in val_batches(tokens, batch_size=config.batch_size, seq_len=config.seq_len,
-                            max_batches=config.eval_batches):
-        with policy.autocast("cuda" if device.type == "cuda" else "cpu"), autocast(enabled=fp8):
-            _, loss = model(x.to(device), y.to(device))
-        total += loss.item() * x.shape[0]
-        rows += x.shape[0]
-    model.train()
-    return total / rows
 
 
 def _tensorboard(out: pathlib.Path):
@@ -272,6 +179,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     out = pathlib.Path(config.out)
     device = rank_device(resolve_device(config.device))
     corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))  # bad input fails first
+    require_windows(corpus, seq_len=config.seq_len)  # both splits: not at the first evaluation, steps later
     world = join_world(config.parallel, nproc=config.nproc, device=device, tp=config.tp_size)
     if world.is_main:  # rank 0 owns the run folder: its logs, run.json and checkpoints
         prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
@@ -314,75 +222,83 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     with bar, log_rows, val_rows, GracefulStop() as stop:
         task = bar.add_task("train", total=config.steps, completed=start_step, info="")
         step, stopping = start_step, False
-        while step < config.steps:
-            t0 = time.perf_counter()
-            lr = schedule.lr_at(step)
-            for group in optimizer.param_groups:  # a bf16 --master wrapper's groups are its inner AdamW's
-                group["lr"] = lr
-            group_position = loader.position // per_step  # the step's batch group (guard and rollback count these)
-            first = loader.position
-            batches = [tuple(t.to(device, non_blocking=True) for t in b)
-                       for b in rank_batches(loader, accum=accum, world=world)]
+        resume_at = [step, loader.position]  # (steps done, loader position): a consistent state to save
+        try:
+            while step < config.steps:
+                resume_at[:] = [step, loader.position]  # what a failure in this step would checkpoint
+                t0 = time.perf_counter()
+                lr = schedule.lr_at(step)
+                for group in optimizer.param_groups:  # a bf16 --master wrapper's groups are its inner AdamW's
+                    group["lr"] = lr
+                group_position = loader.position // per_step  # the step's batch group (guard and rollback count these)
+                first = loader.position
+                batches = [tuple(t.to(device, non_blocking=True) for t in b)
+                           for b in rank_batches(loader, accum=accum, world=world)]
 
-            if config.shadow_every:  # on every rank the step's first micro-batch, so all ranks reach one verdict
-                check_batch = tuple(t.to(device) for t in loader.batch(first))
-                event = shadow.maybe_check(step, model, lambda output, _batch: output[1], check_batch)  # model(x, y)
-                if event is not None:
-                    shadow_events.append((step, event.switched_to, event.reason))
-            guard.begin_step(step, data_position=group_position)
-            loss, mode = forward_backward(run, forward, batches, step, poison=group_position in config.nan_steps)
-            loss = mean_over_ranks(loss, world)
-            scaler.unscale_(optimizer)
-            report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
-            if not report.skipped:
-                run.stability.clip_grad_norms(grad_param_groups(optimizer))  # the model's gradients
-                scaler.step(optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
-                if world.parallel is not None and world.parallel.sharded:
-                    precompute_fp8_scales(model)  # the next FP8 all-gathers' scales, in one all-reduce
-                final_loss = report.loss
-            else:
-                skipped.append((step, report.reason.value))
-            if report.level_shift:
-                level_shifts.append(step)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)  # the step's time is the GPU's, not the launch queue's
-            dt = time.perf_counter() - t0
-            times.append(dt)
+                if config.shadow_every:  # on every rank the step's first micro-batch, so all ranks reach one verdict
+                    check_batch = tuple(t.to(device) for t in loader.batch(first))
+                    event = shadow.maybe_check(step, model, lambda output, _batch: output[1],  # model(x, y)
+                                               check_batch)
+                    if event is not None:
+                        shadow_events.append((step, event.switched_to, event.reason))
+                guard.begin_step(step, data_position=group_position)
+                loss, mode = forward_backward(run, forward, batches, step, poison=group_position in config.nan_steps)
+                loss = mean_over_ranks(loss, world)
+                scaler.unscale_(optimizer)
+                report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
+                if not report.skipped:
+                    run.stability.clip_grad_norms(grad_param_groups(optimizer))  # the model's gradients
+                    scaler.step(optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
+                    resume_at[:] = [step + 1, loader.position]  # the update is in
+                    if world.parallel is not None and world.parallel.sharded:
+                        precompute_fp8_scales(model)  # the next FP8 all-gathers' scales, in one all-reduce
+                    final_loss = report.loss
+                else:
+                    skipped.append((step, report.reason.value))
+                if report.level_shift:
+                    level_shifts.append(step)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                loader.skip(report.next_data_position * per_step - loader.position)  # 0 batches, unless rolled back
+                resume_at[:] = [report.next_step, loader.position]
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)  # the step's time is the GPU's, not the launch queue's
+                dt = time.perf_counter() - t0
+                times.append(dt)
 
-            losses.append(report.loss)
-            row = {"step": step, "loss": report.loss, "lr": lr, "grad_norm": report.grad_norm,
-                   "skipped": int(report.skipped), "reason": report.reason.value if report.skipped else "",
-                   "tokens_per_s": tokens_per_step / dt, "mode": mode.value if fp8 else ""}
-            log_rows.write(row)
-            if writer is not None:
-                for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                    writer.add_scalar(f"train/{key}", row[key], step)
+                losses.append(report.loss)
+                row = {"step": step, "loss": report.loss, "lr": lr, "grad_norm": report.grad_norm,
+                       "skipped": int(report.skipped), "reason": report.reason.value if report.skipped else "",
+                       "tokens_per_s": tokens_per_step / dt, "mode": mode.value if fp8 else ""}
+                log_rows.write(row)
+                if writer is not None:
+                    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                        writer.add_scalar(f"train/{key}", row[key], step)
 
-            stopping = any_rank(stop.signal is not None, world)  # all ranks stop at the same step
-            if report.rollback is not None:  # back at the snapshot's step, past the bad batches
-                rollbacks.append((step, report.rollback.restored_step, report.rollback.skip_batches))
-            else:
-                done = step + 1
-                if (config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps)
-                        or stopping):
-                    save(done)
-                if done % config.eval_every == 0 or done == config.steps:
-                    val = evaluate(model, corpus.val, run.policy, config, device=device,
-                                   fp8=shadow.mode == Mode.FP8 and done <= config.bf16_tail_start)
-                    val_losses.append((done, val))
-                    val_rows.write({"step": done, "val_loss": val})
-                    if writer is not None:
-                        writer.add_scalar("val/loss", val, done)
-            step = report.next_step
-            loader.skip(report.next_data_position * per_step - loader.position)  # 0 batches, unless rolled back
-            info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(skipped)}"
-            bar.update(task, completed=step, info=info + (f"  {mode.value}" if config.shadow_every else ""))
-            if stopping:
-                if report.rollback is not None:  # the step ended in a rollback: checkpoint the restored state
-                    save(step)
-                break
+                stopping = any_rank(stop.signal is not None, world)  # all ranks stop at the same step
+                if report.rollback is not None:  # back at the snapshot's step, past the bad batches
+                    rollbacks.append((step, report.rollback.restored_step, report.rollback.skip_batches))
+                else:
+                    done = step + 1
+                    if (config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps)
+                            or stopping):
+                        save(done)
+                    if done % config.eval_every == 0 or done == config.steps:
+                        val = evaluate(model, corpus.val, run.policy, config, device=device,
+                                       fp8=shadow.mode == Mode.FP8 and done <= config.bf16_tail_start)
+                        val_losses.append((done, val))
+                        val_rows.write({"step": done, "val_loss": val})
+                        if writer is not None:
+                            writer.add_scalar("val/loss", val, done)
+                step = report.next_step
+                info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(skipped)}"
+                bar.update(task, completed=step, info=info + (f"  {mode.value}" if config.shadow_every else ""))
+                if stopping:
+                    if report.rollback is not None:  # the step ended in a rollback: checkpoint the restored state
+                        save(step)
+                    break
+        except Exception as err:  # noqa: BLE001 - any failure: checkpoint the steps done, then say it in one line
+            raise _keep_steps(err, resume_at, loader, optimizer, save, world, out) from err
     if writer is not None:
         writer.close()
 
@@ -400,6 +316,33 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                        level_shifts=tuple(level_shifts), warmup_steps=warmup, device=str(device),
                        mfu=mfu(tokens_per_s, flops, peak), stopped_by=stop.signal or stopped_elsewhere,
                        last_step=step)
+
+
+class TrainingFailed(RuntimeError):
+    """A run failed after it started; the steps done were checkpointed where possible (the message says)."""
+
+
+def _keep_steps(err: Exception, resume_at: list[int], loader: BatchLoader, optimizer: torch.optim.Optimizer, save,
+                world, out: pathlib.Path) -> TrainingFailed:
+    """Checkpoint the last consistent state of a run that `err` stopped and say, in one line, how to continue.
+
+    `resume_at` is (steps done, loader position) as of the failure: the failing step's start when its update had not
+    been applied (its batches are drawn again), else after it. Ranks of a multi-process run cannot write a
+    checkpoint on their own (it is collective), so there the last periodic checkpoint is what remains."""
+    done, position = resume_at
+    cause = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
+    if world.distributed:
+        return TrainingFailed(f"training failed at step {done} ({cause}); continue from the last checkpoint in "
+                              f"{out / CHECKPOINT_DIR} with --resume once the cause is fixed")
+    try:
+        optimizer.zero_grad(set_to_none=True)
+        loader.load_state_dict({"position": position, "seed": loader.seed})
+        save(done)
+    except Exception as save_err:  # noqa: BLE001 - report both
+        return TrainingFailed(f"training failed at step {done} ({cause}), and its checkpoint could not be written "
+                              f"({type(save_err).__name__}: {save_err})")
+    return TrainingFailed(f"training failed at step {done} ({cause}); the {done} steps done are saved in "
+                          f"{out / CHECKPOINT_DIR}: fix the cause and continue with --resume (same --out and flags)")
 
 
 def warmup_steps(config: TrainConfig, steps_run: int) -> int:
