@@ -33,10 +33,23 @@ class _AutocastState:
     backend: str | None = None
 
 
-# Per thread, like torch.autocast. A threading.local (not a ContextVar, which dynamo cannot trace): a compiled model
-# guards on it, so entering another autocast recompiles rather than reusing a graph traced for other settings.
-_LOCAL = threading.local()
 _DEFAULT = _AutocastState()
+
+
+class _PerThread(threading.local):
+    """The autocast state of each thread, `_DEFAULT` until one enters an autocast (set in every thread's first use).
+
+    Per thread, like torch.autocast. A threading.local (not a ContextVar, which dynamo cannot trace): a compiled model
+    guards on the state's fields, so entering other settings recompiles rather than reusing a graph traced for others.
+    The attribute always exists: a `getattr(local, "state", default)` made dynamo guard on its absence, and the first
+    autocast block to exit (an eager evaluation between compiled steps) left it present, recompiling the next step.
+    """
+
+    def __init__(self):
+        self.state = _DEFAULT
+
+
+_LOCAL = _PerThread()
 
 
 @contextlib.contextmanager
@@ -68,7 +81,7 @@ def autocast(*, recipe: Recipe | None = None, enabled: bool = True, calibrating:
 
 def current_autocast() -> _AutocastState:
     """The FP8 autocast state in force here (recipe override, enabled, calibrating, backend)."""
-    return getattr(_LOCAL, "state", _DEFAULT)
+    return _LOCAL.state
 
 
 def _add_random_state(state: ScalingState, recipe: Recipe, name: str) -> None:
@@ -160,9 +173,12 @@ class Fp8Linear(nn.Linear):
             return F.linear(x, weight, bias)
         # evaluation records nothing; activation-checkpoint recompute records the same amaxes again (a no-op)
         recording = (self.training and torch.is_grad_enabled()) or state.calibrating
+        # a compiled graph casts the weight in the graph: no WeightCache, whose entries (filled by eager forwards,
+        # emptied at each FP8 step) and generation dynamo would otherwise guard on, recompiling the next steps
+        weights = self._weights if self.cache_weight and not torch.compiler.is_compiling() else None
         caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state,
                              self.fp8_name, state.backend if state.backend is not None else self.backend,
-                             recording, self._weights if self.cache_weight else None, self.amax_reduce)
+                             recording, weights, self.amax_reduce)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
         if caster.recipe.four_bit:
