@@ -217,10 +217,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scaler=scaler, guard=guard, loader=loader,
                             extra=extra)
 
-    bar = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(), TextColumn("{task.fields[info]}"),
-                   TimeRemainingColumn(), disable=not progress or not world.is_main)
+    # the bar is labelled with the preset: `minifloat compare` draws one bar per preset
+    bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress or not world.is_main)
     with bar, log_rows, val_rows, GracefulStop() as stop:
-        task = bar.add_task("train", total=config.steps, completed=start_step, info="")
+        task = bar.add_task(config.preset, total=config.steps, completed=start_step, info="")
         step, stopping = start_step, False
         resume_at = [step, loader.position]  # (steps done, loader position): a consistent state to save
         try:
