@@ -153,9 +153,8 @@ def test_compiled_policy_llama_matches_eager(preset):
 @pytest.mark.slow
 @pytest.mark.parametrize("preset", ["fp8-delayed", "nvfp4"])
 def test_train_with_compile_follows_eager(tmp_path, preset):
-    """`minifloat train --compile` (TrainConfig.compile): the compiled trainer's losses follow eager's. Under nvfp4
-    the 4-bit layers' stochastic-rounding stream (a host-side counter) breaks the graph around each cast; the
-    casts' own kernels are compiled either way."""
+    """`minifloat train --compile` (TrainConfig.compile): the compiled trainer's losses follow eager's. (One graph,
+    compiled once, under every preset nvfp4 included: tests/test_compile_graphs.py.)"""
     from minifloat.training.loop import TrainConfig, train
 
     base = TrainConfig(model="tiny", preset=preset, steps=4, batch_size=4, seq_len=32, eval_every=4,
