@@ -64,8 +64,10 @@ class WeightCache:
 
     def peek(self, kind: str, weight: torch.Tensor, generation: int) -> Quantized | None:
         """The `kind` cast of this very weight in this scaling generation (whatever its other options), else None."""
+        if torch.compiler.is_compiling():  # before reading the dict: no guard on its entries in a compiled graph
+            return None
         entry = self._entries.get(kind)
-        if torch.compiler.is_compiling() or entry is None:
+        if entry is None:
             return None
         same_weight = entry[0][:4] == (weight._version, weight.data_ptr(), weight.dtype, weight.device)
         return entry[1] if same_weight and entry[0][4][-1] == generation else None

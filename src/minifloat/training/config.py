@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import pathlib
 import re
 
 import torch
@@ -15,157 +16,173 @@ from minifloat.core.validate import check_bool, check_choice, check_int, check_n
 from minifloat.safety.shadow import ShadowConfig
 from minifloat.training.parallel import Parallel
 from minifloat.training.model import SIZES
-from minifloat.training.optimizer import MASTER_UPDATES, master_policy
+from minifloat.training.optimizer import MASTER_HELP, MASTER_UPDATES, master_policy
 
 PARALLEL = [p.value for p in Parallel]  # TrainConfig.parallel
 DEVICE_PATTERN = re.compile(r"auto|cpu|meta|cuda(:\d+)?")  # TrainConfig.device
-# fields a resumed run must share with its checkpoint, and what a change would do (TrainConfig.check_resume)
-RESUME_FIXED = (
-    ("batch_size", "changes the tokens per step and the batches the run sees from here"),
-    ("seq_len", "changes the tokens per step and the batches the run sees from here"),
-    ("grad_accum", "changes the tokens per step and the batches the run sees from here"),
-    ("seed", "changes the order of the batches"),
-    ("fp8_format", "changes the FP8 formats the scaling state was built for"),
-    ("fp8_amax_history_len", "changes the shape of the FP8 amax histories"),
-    ("fp8_margin", "changes the FP8 scales"),
-    ("lr", "changes the learning-rate schedule"),
-    ("min_lr", "changes the learning-rate schedule"),
-    ("warmup", "changes the learning-rate schedule"),
-    ("optimizer_state", "changes how the optimizer state is stored"),
-    ("master", "changes the weights' dtype and how updates reach them"),
-    ("bf16_tail", "changes which steps run in BF16"),
-    ("nvfp4_weight_2d", "changes how the NVFP4 weights are quantized"),
-    ("nvfp4_rht", "changes the NVFP4 weight gradients' quantization"),
-    ("nvfp4_stochastic_rounding", "changes how the NVFP4 gradients are rounded"),
-    ("keep_blocks", "changes which layers run in low precision"),
-)
-# RESUME_FIXED fields added after checkpoints were written without them: the value such a checkpoint ran with
-RESUME_ABSENT = {"master": "fp32", "bf16_tail": 0.0, "nvfp4_weight_2d": None, "nvfp4_rht": None,
-                 "nvfp4_stochastic_rounding": None, "keep_blocks": None}
 # TrainConfig's NVFP4 overrides and the NVFP4Scaling field each replaces
 NVFP4_OVERRIDES = {"nvfp4_weight_2d": "weight_2d", "nvfp4_rht": "rht",
                    "nvfp4_stochastic_rounding": "stochastic_rounding"}
+# the groups of settings, in the order `minifloat train --help` lists them
+GROUPS = ("model and data", "optimizer and schedule", "precision", "safety nets", "parallelism and device", "run")
+RESUMES = ("inherit", "fixed", "fresh")
+_NOT_RECORDED = object()
+
+
+def setting(default, help: str, *, group: str, resume: str = "inherit", why: str = "", absent=_NOT_RECORDED,
+            metavar: str | None = None, choices: tuple | None = None, on_off: bool = False, flag: bool = True):
+    """A TrainConfig field and everything said about it, in one place: the CLI flag and its help are made from it
+    (minifloat.cli.train), and so are the resume rules (`TrainConfig.resuming`, `check_resume`).
+
+    Args:
+        default: the default value.
+        help: what the setting does (the flag's help; the default is appended).
+        group: one of GROUPS.
+        resume: what a resumed run does with it: "inherit" (takes the checkpoint's value unless given), "fixed"
+            (must equal the checkpoint's: `why` says what a change would do) or "fresh" (never inherited: where and
+            how this call runs).
+        absent: for "fixed" settings added after checkpoints were written without them, the value such a
+            checkpoint ran with.
+        metavar, choices: for the flag's help.
+        on_off: a bool whose flag takes on|off (an ablation must be able to say off).
+        flag: False for settings with no flag (fault injection has one all the same).
+    """
+    if group not in GROUPS or resume not in RESUMES or (resume == "fixed") != bool(why):
+        raise ValueError(f"bad setting metadata: group={group!r}, resume={resume!r}, why={why!r}")
+    return dataclasses.field(default=default, metadata=dict(help=help, group=group, resume=resume, why=why,
+                                                           absent=absent, metavar=metavar, choices=choices,
+                                                           on_off=on_off, flag=flag))
+
+
+_SAME_BATCHES = "changes the tokens per step and the batches the run sees from here"
+_SCHEDULE = "changes the learning-rate schedule"
+_MODEL_HELP = "model size: " + ", ".join(SIZES)
+_PRESET_HELP = "precision preset: " + ", ".join(PRESETS)
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
-    """One training run.
+    """One training run. Each field is a `setting`: its help, group, flag and resume rule are in its metadata
+    (`minifloat train --help` prints them, grouped).
 
-    Args:
-        model: model size, a key of minifloat.training.model.SIZES ("tiny", "small", "10m", "100m").
-        preset: precision preset, a key of minifloat.amp.policy.PRESETS ("bf16", "fp8-delayed", ...).
-        steps: optimizer steps to run up to (a resumed run continues from the checkpoint's step to this).
-        batch_size, seq_len: B and T of each (micro-)batch; seq_len <= the model's max_seq_len.
-        grad_accum: micro-batches per optimizer step (gradient accumulation): each step trains on grad_accum ×
-            batch_size sequences, and the FP8 scales advance once per step, not per micro-batch.
-        lr, min_lr: peak learning rate and the floor of the cosine decay (min_lr <= lr).
-        warmup: steps of linear warm-up.
-        lr_decay_steps: step at which the cosine reaches min_lr; None means `steps` (nanoGPT's lr_decay_iters).
-            Set it when a run is cut short on purpose and resumed later, so both halves follow one schedule. On
-            resume, None keeps the checkpoint's schedule (an extended run stays at min_lr past the old decay end);
-            a value different from the checkpoint's re-plans the decay from the lr reached down to min_lr at that
-            step, never upwards (minifloat.training.schedule).
-        weight_decay: AdamW decay of matrices and embeddings (none on norms).
-        grad_clip: gradient L2 norm limit.
-        eval_every: steps between validation passes (one more at the end); eval_batches: batches per pass.
-        seed: seeds the weights and the batch order.
-        out: output folder (log.csv, val.csv, ckpt/, run.json, tensorboard/). A folder that holds a run is refused
-            unless `resume` or `overwrite` is set (minifloat.training.rundir).
-        data: folder of text files; None for the Python standard library's sources.
-        max_bytes: cap on the corpus bytes (train + val); None for no cap.
-        checkpoint_every: steps between checkpoints into out/ckpt (one more at the end); 0 for none.
-        resume: continue from out/ckpt. The checkpoint's model, preset, batch_size, seq_len, grad_accum and seed
-            must be this config's (anything else would not continue the same run), and steps must exceed its step.
-        overwrite: replace the run in `out`: the files a run writes there are removed first, nothing else.
-        device: "auto" (CUDA when available, else CPU), "cpu", "cuda", "cuda:N", or "meta" (shapes only, for
-            tests: it cannot train). Autocast and the FP8 GEMM backend follow the device (native FP8 GEMMs on
-            GPUs that have them).
-        fp8_format, fp8_amax_history_len, fp8_margin: override the preset's DelayedScaling recipe (Megatron-LM's
-            --fp8-format / --fp8-amax-history-len / --fp8-margin); None keeps the preset's value.
-        nan_steps: fault injection for testing the guards: the loss of these batch groups is multiplied by NaN, so
-            their gradients are NaN too. Group k (the grad_accum micro-batches k·grad_accum, ...) is step k's until a
-            rollback skips batches (so a rolled-back run does not meet the same poison again). Leave empty outside
-            tests.
-        shadow_every: run the FP8-vs-BF16 shadow check (minifloat.safety.shadow) every N steps, falling back to
-            BF16 after
-            ShadowConfig().patience unhealthy checks in a row and returning to FP8 after recover_after healthy ones;
-            0 turns it off. Needs a preset with an FP8 recipe.
-        shadow_threshold: largest healthy relative loss difference |L_fp8 - L_bf16| / |L_bf16| of a check.
-        rollback_after: skipped steps in a row that roll the run back to the last in-memory snapshot and on past
-            the bad batches (PaLM, minifloat.safety.guards); 0 turns rollback off.
-        snapshot_every: steps between rollback snapshots (used when rollback_after > 0).
-        embedding_grad_alpha: multiplier of the gradient flowing into the token embedding's output, in (0, 1]
-            (GLM-130B's embedding gradient shrink uses 0.1); 1 turns it off. With tied embeddings the lm_head's
-            gradient of the shared matrix is not shrunk.
-        compile: run the training forward and backward under torch.compile (evaluation and checks stay eager).
-        nproc: processes (ranks) training together, each on grad_accum micro-batches of every step, so a step trains
-            on nproc × grad_accum × batch_size sequences (minifloat.training.parallel); 1 is one plain process.
-        parallel: how the ranks hold the model: "ddp" (replicated, DistributedDataParallel), "fsdp" (sharded,
-            FSDP2's fully_shard) or "fsdp+tp" (tensor/sequence parallel in groups of tp_size ranks, FSDP2 across the
-            groups: a (nproc / tp_size, tp_size) mesh); None for one plain process. Needs torchrun (`minifloat train
-            --nproc N` starts it). A checkpoint continues on any nproc and parallel with the same data ranks ×
-            grad_accum (data ranks: nproc, or nproc / tp_size for fsdp+tp).
-        tp_size: ranks per tensor-parallel group under "fsdp+tp" (they train on the same tokens); ignored otherwise.
-        optimizer_state: "M,V", the formats AdamW stores its two moments in (minifloat.optim.StateFormat: fp32,
-            bf16, e4m3, e5m2, int8, int8-dynamic, int4), per block of 128 with fp32 scales; norms, embeddings and
-            tensors under 4096 elements keep fp32 state. "fp32,fp32" is torch.optim.AdamW itself.
-        master: how the weights keep small updates (minifloat.training.optimizer): "fp32" (fp32 parameters, their
-            own master), "bf16-sr" (bf16 parameters updated by stochastic rounding, no fp32 copy) or "bf16-kahan"
-            (bf16 parameters and a bf16 Kahan compensation buffer). Norms, embeddings and the head stay fp32 (the
-            policy's islands). The bf16 modes need a preset that computes in bf16 and one process (nproc 1).
-        bf16_tail: the fraction of `steps` at the end that run the FP8/FP4 layers in BF16 (mf.autocast(enabled=
-            False)), evaluation included: NVIDIA's late switch (arXiv 2509.25149 Appendix D) narrowed NVFP4's loss
-            gap to BF16 from about 1.5% to 0.5%. From step `bf16_tail_start` on; 0 for none. Needs a preset with a
-            recipe.
-        nvfp4_weight_2d, nvfp4_rht, nvfp4_stochastic_rounding: override the nvfp4 preset's NVFP4Scaling fields of
-            those names (ablations: each of arXiv 2509.25149's fixes on or off); None keeps the preset's value.
-        keep_blocks: "FIRST,LAST": the linear layers of the first FIRST and last LAST transformer blocks stay in
-            BF16 (PrecisionPolicy.keep_blocks); each a count or a fraction of the blocks below 1 ("0,0.15" keeps the
-            last 15%, rounded up); None keeps the preset's (nvfp4 and mxfp4 keep the last block).
+    A resumed run (resume=True) continues out/ckpt: the checkpoint's model, preset and "fixed" settings must be this
+    config's, and steps must exceed its step (`check_resume`). `TrainConfig.resuming(out, **given)` builds that
+    config the way `minifloat train --resume` does: every setting not given is the checkpoint's, except the "fresh"
+    ones (out, device, compile, lr_decay_steps, ...).
     """
 
-    model: str = "tiny"
-    preset: str = "bf16"
-    steps: int = 200
-    batch_size: int = 16
-    seq_len: int = 64
-    lr: float = 1e-3  # nanoGPT's baby-GPT value; docs/benchmarks.md shows FP8 tracking BF16 less closely at 3e-3
-    min_lr: float = 1e-4
-    warmup: int = 20
-    lr_decay_steps: int | None = None
-    weight_decay: float = 0.1
-    grad_clip: float = 1.0
-    eval_every: int = 50
-    eval_batches: int = 8
-    seed: int = 0
-    out: str = "runs/train"
-    data: str | None = None
-    max_bytes: int | None = 2_000_000
-    checkpoint_every: int = 100
-    resume: bool = False
-    fp8_format: str | None = None
-    fp8_amax_history_len: int | None = None
-    fp8_margin: int | None = None
-    nan_steps: tuple[int, ...] = ()
-    shadow_every: int = 0
-    shadow_threshold: float = ShadowConfig().threshold
-    rollback_after: int = 0
-    snapshot_every: int = 50
-    embedding_grad_alpha: float = 1.0
-    compile: bool = False
-    grad_accum: int = 1
-    overwrite: bool = False
-    device: str = "auto"
-    nproc: int = 1
-    parallel: str | None = None
-    tp_size: int = 2
-    optimizer_state: str = "fp32,fp32"
-    master: str = "fp32"
-    bf16_tail: float = 0.0
-    nvfp4_weight_2d: bool | None = None
-    nvfp4_rht: bool | None = None
-    nvfp4_stochastic_rounding: bool | None = None
-    keep_blocks: str | None = None
+    model: str = setting("tiny", _MODEL_HELP, group="model and data")
+    preset: str = setting("bf16", _PRESET_HELP, group="precision")
+    steps: int = setting(200, "optimizer steps to run up to (a resumed run continues from the checkpoint's step)",
+                         group="optimizer and schedule")
+    batch_size: int = setting(16, "sequences per (micro-)batch", group="model and data", resume="fixed",
+                              why=_SAME_BATCHES)
+    seq_len: int = setting(64, "bytes per sequence (at most the model's max_seq_len)", group="model and data",
+                           resume="fixed", why=_SAME_BATCHES)
+    # nanoGPT's baby-GPT value; docs/benchmarks.md shows FP8 tracking BF16 less closely at 3e-3
+    lr: float = setting(1e-3, "peak learning rate; given alone, the cosine floor --min-lr follows as lr/10",
+                        group="optimizer and schedule", resume="fixed", why=_SCHEDULE)
+    min_lr: float = setting(1e-4, "floor of the cosine decay (at most --lr)", group="optimizer and schedule",
+                            resume="fixed", why=_SCHEDULE)
+    warmup: int = setting(20, "steps of linear learning-rate warm-up", group="optimizer and schedule",
+                          resume="fixed", why=_SCHEDULE)
+    lr_decay_steps: int | None = setting(
+        None, "step at which the cosine reaches --min-lr (default: --steps). Set it when a run is cut short on "
+              "purpose and resumed later, so both halves follow one schedule; on --resume a new value re-plans the "
+              "rest of the decay from the lr reached, never upwards", group="optimizer and schedule",
+        resume="fresh", metavar="N")
+    weight_decay: float = setting(0.1, "AdamW weight decay of matrices and embeddings (none on norms)",
+                                  group="optimizer and schedule")
+    grad_clip: float = setting(1.0, "gradient L2 norm limit", group="optimizer and schedule")
+    eval_every: int = setting(50, "steps between validation passes (one more at the end)", group="run")
+    eval_batches: int = setting(8, "validation batches per pass", group="run")
+    seed: int = setting(0, "seed for the weights and the batch order", group="model and data", resume="fixed",
+                        why="changes the order of the batches")
+    out: str = setting("runs/train", "output folder: log.csv, val.csv, ckpt/, run.json, tensorboard/. A folder that "
+                                     "holds a run is refused unless --resume or --overwrite", group="run",
+                       resume="fresh")
+    data: str | None = setting(None, "folder of text files (default: the Python standard library's sources)",
+                               group="model and data")
+    max_bytes: int | None = setting(2_000_000, "cap on the corpus bytes, train + val", group="model and data")
+    checkpoint_every: int = setting(100, "steps between checkpoints into OUT/ckpt (one more at the end), 0 for none",
+                                    group="run")
+    resume: bool = setting(False, "continue the run in OUT from OUT/ckpt: settings not given keep the checkpoint's "
+                                  "values, and --steps must go beyond its step", group="run", resume="fresh")
+    fp8_format: str | None = setting(
+        None, "FP8 formats of the delayed recipe: hybrid (E4M3 forward, E5M2 gradients) or e4m3 (needs "
+              "fp8-delayed; default: the preset's)", group="precision", resume="fixed",
+        why="changes the FP8 formats the scaling state was built for", choices=("hybrid", "e4m3"))
+    fp8_amax_history_len: int | None = setting(
+        None, "steps of amax history of the delayed recipe (needs fp8-delayed)", group="precision",
+        resume="fixed", why="changes the shape of the FP8 amax histories", metavar="N")
+    fp8_margin: int | None = setting(None, "scale = fp8_max / amax / 2^N: N bits of headroom (needs fp8-delayed)",
+                                     group="precision", resume="fixed", why="changes the FP8 scales", metavar="N")
+    nan_steps: tuple[int, ...] = setting(
+        (), "fault injection: comma list of steps whose loss is made NaN, to try the guards (batch groups: once a "
+            "rollback skipped batches, the poison stays with its batches)", group="safety nets", metavar="S,S")
+    shadow_every: int = setting(
+        0, f"every N steps, run the batch in FP8 and in BF16 and compare the losses; {ShadowConfig().patience} "
+           f"unhealthy checks in a row move the run to BF16, {ShadowConfig().recover_after} healthy ones back to "
+           f"FP8; 0 for off (needs an FP8 preset)", group="safety nets", metavar="N")
+    shadow_threshold: float = setting(ShadowConfig().threshold, "largest healthy relative loss difference "
+                                      "|fp8 - bf16| / bf16 of a shadow check", group="safety nets", metavar="X")
+    rollback_after: int = setting(0, "after N skipped steps in a row, restore the last in-memory snapshot and "
+                                     "continue past the bad batches; 0 for off", group="safety nets", metavar="N")
+    snapshot_every: int = setting(50, "steps between the in-memory rollback snapshots", group="safety nets",
+                                  metavar="N")
+    embedding_grad_alpha: float = setting(
+        1.0, "multiply the gradient into the token embedding's output by A in (0, 1] (GLM-130B: 0.1); 1 for off",
+        group="safety nets", metavar="A")
+    compile: bool = setting(False, "run the training forward and backward under torch.compile (the first steps "
+                                   "compile; evaluation and checks stay eager)", group="parallelism and device",
+                            resume="fresh")
+    grad_accum: int = setting(1, "micro-batches of --batch-size per optimizer step; FP8 scales advance once per "
+                                 "step", group="model and data", resume="fixed", why=_SAME_BATCHES, metavar="K")
+    overwrite: bool = setting(False, "replace the run in OUT (only the files a run writes there are removed)",
+                              group="run", resume="fresh")
+    device: str = setting("auto", "auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; meta "
+                                  "for shapes only", group="parallelism and device", resume="fresh")
+    nproc: int = setting(1, "train on N processes of this machine (torchrun; gloo on CPU, NCCL on GPU), each on "
+                            "--grad-accum micro-batches of every step; logs, progress and checkpoints come from "
+                            "rank 0", group="parallelism and device", metavar="N")
+    parallel: str | None = setting(
+        None, "how the ranks hold the model: ddp (replicated), fsdp (sharded, FSDP2, FP8 weights gathered in FP8) "
+              "or fsdp+tp (tensor/sequence parallel in groups of --tp-size ranks, FSDP2 across them); default ddp "
+              "when --nproc is above 1", group="parallelism and device", choices=tuple(PARALLEL))
+    tp_size: int = setting(2, "ranks per tensor-parallel group with --parallel fsdp+tp; must divide --nproc and "
+                              "--seq-len", group="parallelism and device", metavar="T")
+    optimizer_state: str = setting(
+        "fp32,fp32", "formats of AdamW's two moments M,V, stored per block of 128: fp32, bf16, e4m3, e5m2, int8, "
+                     "int8-dynamic or int4 each (e.g. e4m3,bf16: 3 B/param instead of 8; norms, embeddings and small "
+                     "tensors keep fp32)", group="optimizer and schedule", resume="fixed",
+        why="changes how the optimizer state is stored", metavar="M,V")
+    master: str = setting(
+        "fp32", "how the weights outside the fp32 norms, embeddings and head keep small updates: "
+                + "; ".join(f"{mode}: {text}" for mode, text in MASTER_HELP.items())
+                + ". The bf16 modes halve the gradients too, need a bf16-computing preset and --nproc 1",
+        group="precision", resume="fixed", why="changes the weights' dtype and how updates reach them",
+        absent="fp32", metavar="MODE")
+    bf16_tail: float = setting(
+        0.0, "run the FP8/FP4 layers in BF16 for the last fraction F of --steps (NVIDIA's late switch for NVFP4; "
+             "needs an fp8 or fp4 preset)", group="precision", resume="fixed", why="changes which steps run in BF16",
+        absent=0.0, metavar="F")
+    nvfp4_weight_2d: bool | None = setting(
+        None, "16×16 weight tiles, so that dgrad's Wᵀ holds the forward's numbers: on (the nvfp4 preset's default) "
+              "or off, for ablations (needs --preset nvfp4)", group="precision", resume="fixed",
+        why="changes how the NVFP4 weights are quantized", absent=None, on_off=True)
+    nvfp4_rht: bool | None = setting(
+        None, "the random Hadamard transform of the wgrad operands: on (the nvfp4 preset's default) or off, for "
+              "ablations (needs --preset nvfp4)", group="precision", resume="fixed",
+        why="changes the NVFP4 weight gradients' quantization", absent=None, on_off=True)
+    nvfp4_stochastic_rounding: bool | None = setting(
+        None, "stochastic rounding of the gradients: on (the nvfp4 preset's default) or off, for ablations (needs "
+              "--preset nvfp4)", group="precision", resume="fixed", why="changes how the NVFP4 gradients are rounded",
+        absent=None, on_off=True)
+    keep_blocks: str | None = setting(
+        None, "keep the linear layers of the first FIRST and last LAST transformer blocks in BF16 under an fp8 or "
+              "fp4 preset; each a count or a fraction of the blocks below 1, rounded up (0,0.15 keeps the last 15%) "
+              "(default: the preset's; nvfp4 and mxfp4 keep the last block: 0,1)", group="precision",
+        resume="fixed", why="changes which layers run in low precision", absent=None, metavar="FIRST,LAST")
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
@@ -241,6 +258,18 @@ class TrainConfig:
                                  f"{self.preset!r} has none; use an fp8 or fp4 preset")
             self.blocks_kept  # "FIRST,LAST" parses
         self.policy()  # DelayedScaling validates the overridden values
+
+    @classmethod
+    def resuming(cls, out: str, **given) -> TrainConfig:
+        """The config that continues the run in `out` as `minifloat train --resume --out OUT` does: the checkpoint's
+        settings, except the "fresh" ones, with `given` on top (e.g. steps=800). FileNotFoundError without one."""
+        from minifloat.training.rundir import CHECKPOINT_DIR
+        from minifloat.training.sharded import read_extra
+
+        ckpt = pathlib.Path(out) / CHECKPOINT_DIR
+        if not ckpt.is_dir():
+            raise FileNotFoundError(f"there is no checkpoint at {ckpt} to resume")
+        return config_from({**given, "out": str(out), "resume": True}, read_extra(ckpt).get("config") or {})
 
     def _check_master(self) -> None:
         if not isinstance(self.master, str) or self.master not in MASTER_UPDATES:
@@ -342,6 +371,38 @@ class TrainConfig:
         if self.steps <= saved_step:
             raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
                              f"--steps above {saved_step} to train on")
+
+
+SETTINGS = {f.name: f for f in dataclasses.fields(TrainConfig)}
+# derived from the settings: what a resumed run must share with its checkpoint (and what a change would do), the
+# value a checkpoint written before a fixed setting existed ran with, and what a resume never inherits
+RESUME_FIXED = tuple((n, f.metadata["why"]) for n, f in SETTINGS.items() if f.metadata["resume"] == "fixed")
+RESUME_ABSENT = {n: f.metadata["absent"] for n, f in SETTINGS.items() if f.metadata["absent"] is not _NOT_RECORDED}
+NOT_INHERITED = tuple(n for n, f in SETTINGS.items() if f.metadata["resume"] == "fresh")
+
+
+def config_from(given: dict, saved: dict | None = None) -> TrainConfig:
+    """The TrainConfig that `given` (setting -> value, only the settings chosen) asks for.
+
+    Given `lr` without `min_lr`, the floor follows as lr / 10. With `saved`, a checkpoint's config (resuming), the
+    settings not given are the checkpoint's, except the "fresh" ones; a new `nproc` without `parallel` chooses the
+    layout anew. More than one process defaults to parallel ddp.
+    """
+    unknown = sorted(set(given) - set(SETTINGS))
+    if unknown:
+        raise ValueError(f"unknown TrainConfig settings {unknown}; known: {', '.join(SETTINGS)}")
+    fields = dict(given)
+    if "lr" in fields and "min_lr" not in fields:
+        fields["min_lr"] = fields["lr"] / 10
+    if saved:
+        inherited = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
+                     if k in SETTINGS and k not in NOT_INHERITED}
+        if "nproc" in given and "parallel" not in given:
+            inherited.pop("parallel", None)
+        fields = {**inherited, **fields}
+    if fields.get("nproc", 1) > 1 and fields.get("parallel") is None:
+        fields["parallel"] = "ddp"
+    return TrainConfig(**fields)
 
 
 def data_ranks(config: dict) -> int:
