@@ -38,7 +38,6 @@ q/k/v and lm_head stay in high precision).
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import shutil
@@ -59,7 +58,8 @@ from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpe
 from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
-from minifloat.training.checkpoint import fsync_path, load_checkpoint, move_into_place
+from minifloat.core.files import fsync_path, write_json
+from minifloat.training.checkpoint import load_checkpoint, move_into_place
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import ByteCorpus, DataConfig, val_batches
 from minifloat.training.loop import build
@@ -333,7 +333,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     try:
         save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
         for name, content in files.items():
-            (tmp / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+            write_json(tmp / name, content, indent=2)
         for path in (*tmp.iterdir(), tmp):
             fsync_path(path)
         _check_out(out, overwrite)  # nothing appeared there meanwhile

@@ -42,6 +42,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from minifloat.core.files import fsync_path, write_json
 from minifloat.core.rng import rng_state, set_rng_state
 from minifloat.core.version import __version__
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
@@ -106,17 +107,6 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def fsync_path(path: Path) -> None:
-    """Flush a file, or on POSIX a directory entry list, to disk."""
-    if path.is_dir() and os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None) -> Path:
     """Write the training state to `directory` (created, or an earlier checkpoint there replaced) atomically.
@@ -162,10 +152,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             "model": model_keys,  # state-dict key -> tensor name; tied keys share one name
             **sections,
         }
-        with open(tmp / MANIFEST_FILE, "w", encoding="utf-8") as f:
-            json.dump(manifest, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
+        write_json(tmp / MANIFEST_FILE, manifest)
         fsync_path(tmp)
         move_into_place(tmp, directory)
     except BaseException:

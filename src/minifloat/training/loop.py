@@ -30,7 +30,6 @@ minifloat.training.run.
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import math
 import pathlib
@@ -39,6 +38,7 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from minifloat.core.files import write_json
 from minifloat.core.version import __version__
 from minifloat.safety.shadow import Mode
 from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
@@ -157,9 +157,7 @@ def _write_run_file(out: pathlib.Path, config: TrainConfig, run: Run) -> None:
     """out/run.json: the config and where it ran, rewritten (atomically) by every call that trains the run."""
     info = {"config": dataclasses.asdict(config), "device": str(run.device), "torch": torch.__version__,
             "minifloat": __version__}
-    tmp = out / f".{RUN_FILE}.tmp"
-    tmp.write_text(json.dumps(info, indent=1))
-    tmp.replace(out / RUN_FILE)
+    write_json(out / RUN_FILE, info, atomic=True)
 
 
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:

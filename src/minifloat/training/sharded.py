@@ -42,7 +42,8 @@ from torch import nn
 from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.version import __version__
 from minifloat.optim.blockwise import BlockwiseOptimizer
-from minifloat.training.checkpoint import checkpoint_extra, fsync_path, move_into_place
+from minifloat.core.files import fsync_path, write_json
+from minifloat.training.checkpoint import checkpoint_extra, move_into_place
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
 from minifloat.training.parallel import World, barrier
 
@@ -178,10 +179,7 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
              no_dist=not world.distributed)
     barrier(world)  # every rank's shard is on disk
     if world.is_main:
-        with open(tmp / STATE_FILE, "w", encoding="utf-8") as f:
-            json.dump(state, f, indent=1, allow_nan=False)
-            f.flush()
-            os.fsync(f.fileno())
+        write_json(tmp / STATE_FILE, state)
         fsync_path(tmp)
         move_into_place(tmp, directory)
         fsync_path(directory.parent)
