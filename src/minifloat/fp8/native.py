@@ -84,7 +84,9 @@ def device_capability(device_index: int = 0) -> tuple[int, int] | None:
     """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm."""
     if device_index not in _CAPABILITY:
         available = torch.cuda.is_available() and hasattr(torch, "_scaled_mm")
-        _CAPABILITY[device_index] = torch.cuda.get_device_capability(device_index) if available else None
+        # get_device_properties: dynamo evaluates it while tracing (a first call inside a compiled region)
+        props = torch.cuda.get_device_properties(device_index) if available else None
+        _CAPABILITY[device_index] = (props.major, props.minor) if available else None
     return _CAPABILITY[device_index]
 
 
