@@ -160,19 +160,138 @@ def _write_run_file(out: pathlib.Path, config: TrainConfig, run: Run) -> None:
     write_json(out / RUN_FILE, info, atomic=True)
 
 
+@dataclasses.dataclass
+class _Loop:
+    """One call of `train`: the run's objects, its outputs and what happened so far; one method per part of a step."""
+
+    run: Run
+    loader: BatchLoader
+    corpus: ByteCorpus
+    schedule: Schedule
+    out: pathlib.Path
+    log_rows: CsvLog | Discard
+    val_rows: CsvLog | Discard
+    writer: object | None  # a tensorboard SummaryWriter
+    forward: torch.nn.Module  # what the training step calls: the model, DDP-wrapped or compiled
+    losses: list = dataclasses.field(default_factory=list)
+    val_losses: list = dataclasses.field(default_factory=list)
+    skipped: list = dataclasses.field(default_factory=list)
+    shadow_events: list = dataclasses.field(default_factory=list)
+    rollbacks: list = dataclasses.field(default_factory=list)
+    level_shifts: list = dataclasses.field(default_factory=list)
+    times: list = dataclasses.field(default_factory=list)
+    final_loss: float = math.nan
+    resume_at: list = dataclasses.field(default_factory=list)  # (steps done, loader position) a failure would keep
+
+    @property
+    def config(self) -> TrainConfig:
+        return self.run.config
+
+    @property
+    def per_step(self) -> int:
+        """Micro-batches per optimizer step, all ranks together."""
+        return self.config.grad_accum * self.run.world.data_size
+
+    def update(self, step: int):
+        """One optimizer step: the batches, the shadow check, forward and backward, the guard's verdict, the update.
+        Returns (the guard's report, the mode the step ran in, its lr)."""
+        run, loader, config = self.run, self.loader, self.config
+        self.resume_at[:] = [step, loader.position]  # a failure before the update keeps the steps before this one
+        lr = self.schedule.lr_at(step)
+        for group in run.optimizer.param_groups:  # a bf16 --master wrapper's groups are its inner AdamW's
+            group["lr"] = lr
+        group_position = loader.position // self.per_step  # the step's batch group (guard and rollback count these)
+        first = loader.position
+        batches = [tuple(t.to(run.device, non_blocking=True) for t in b)
+                   for b in rank_batches(loader, accum=config.grad_accum, world=run.world)]
+        if config.shadow_every:  # on every rank the step's first micro-batch, so all ranks reach one verdict
+            check_batch = tuple(t.to(run.device) for t in loader.batch(first))
+            event = run.shadow.maybe_check(step, run.model, lambda output, _batch: output[1], check_batch)
+            if event is not None:
+                self.shadow_events.append((step, event.switched_to, event.reason))
+        run.guard.begin_step(step, data_position=group_position)
+        loss, mode = forward_backward(run, self.forward, batches, step, poison=group_position in config.nan_steps)
+        loss = mean_over_ranks(loss, run.world)
+        run.scaler.unscale_(run.optimizer)
+        report = run.guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
+        if not report.skipped:
+            run.stability.clip_grad_norms(grad_param_groups(run.optimizer))  # the model's gradients
+            run.scaler.step(run.optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
+            self.resume_at[:] = [step + 1, loader.position]  # the update is in
+            if run.world.parallel is not None and run.world.parallel.sharded:
+                precompute_fp8_scales(run.model)  # the next FP8 all-gathers' scales, in one all-reduce
+            self.final_loss = report.loss
+        else:
+            self.skipped.append((step, report.reason.value))
+        if report.level_shift:
+            self.level_shifts.append(step)
+        run.scaler.update()
+        run.optimizer.zero_grad(set_to_none=True)
+        loader.skip(report.next_data_position * self.per_step - loader.position)  # 0 batches, unless rolled back
+        self.resume_at[:] = [report.next_step, loader.position]
+        if report.rollback is not None:  # back at the snapshot's step, past the bad batches
+            self.rollbacks.append((step, report.rollback.restored_step, report.rollback.skip_batches))
+        return report, mode, lr
+
+    def log(self, step: int, report, mode: Mode, lr: float, dt: float) -> dict:
+        """The step's row in log.csv (and tensorboard)."""
+        self.times.append(dt)
+        self.losses.append(report.loss)
+        tokens = self.per_step * self.config.batch_size * self.config.seq_len
+        row = {"step": step, "loss": report.loss, "lr": lr, "grad_norm": report.grad_norm,
+               "skipped": int(report.skipped), "reason": report.reason.value if report.skipped else "",
+               "tokens_per_s": tokens / dt, "mode": mode.value if self.run.policy.recipe is not None else ""}
+        self.log_rows.write(row)
+        if self.writer is not None:
+            for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
+                self.writer.add_scalar(f"train/{key}", row[key], step)
+        return row
+
+    def evaluate(self, done: int) -> None:
+        """A validation pass after `done` steps (in BF16 while the shadow check or the BF16 tail has FP8 off)."""
+        run = self.run
+        val = evaluate(run.model, self.corpus.val, run.policy, self.config, device=run.device,
+                       fp8=run.shadow.mode == Mode.FP8 and done <= self.config.bf16_tail_start)
+        self.val_losses.append((done, val))
+        self.val_rows.write({"step": done, "val_loss": val})
+        if self.writer is not None:
+            self.writer.add_scalar("val/loss", val, done)
+
+    def save(self, done: int) -> None:
+        """A checkpoint of the run after `done` steps in out/ckpt (sharded across ranks where the run is)."""
+        run, config, ckpt_dir = self.run, self.config, self.out / CHECKPOINT_DIR
+        extra = {"step": done, "config": dataclasses.asdict(config), "data": self.corpus.manifest.to_dict(),
+                 "shadow": run.shadow.state_dict(), "schedule": dataclasses.asdict(self.schedule)}
+        state = dict(model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard, loader=self.loader,
+                     extra=extra)
+        if run.world.distributed or is_sharded(ckpt_dir):  # one process continuing a sharded run keeps its format
+            save_sharded(ckpt_dir, world=run.world, **state)
+        else:
+            save_checkpoint(ckpt_dir, **state)
+
+    def after_update(self, done: int, stopping: bool) -> None:
+        """Checkpoint and evaluate on their cadences (and at the last step); checkpoint when the run is stopping."""
+        config = self.config
+        if config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps) or stopping:
+            self.save(done)
+        if done % config.eval_every == 0 or done == config.steps:
+            self.evaluate(done)
+
+
 def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """Run `config` (see the module docstring).
 
     Args:
         config: the run.
-        progress: show a rich progress bar with loss, tokens/s and skipped steps.
+        progress: show a rich progress bar, labelled with the preset, with loss, tokens/s and skipped steps.
     Returns:
         TrainResult (`stopped_by` says when SIGTERM / SIGINT ended it early, after a checkpoint).
     Raises:
         RunExistsError: out holds a run and neither resume nor overwrite is set.
         FileNotFoundError: resume=True and out/ckpt does not exist.
-        ValueError: resume=True and the checkpoint is of another run (model, preset, batch, seed, corpus) or
-            already at `steps`; or the device is not available.
+        ValueError: bad data (a split too short for one sequence), or resume=True and the checkpoint is of another
+            run (model, preset, batch, seed, corpus) or already at `steps`; or the device is not available.
+        TrainingFailed: an error after training started (the steps done were checkpointed: the message says).
     """
     out = pathlib.Path(config.out)
     device = rank_device(resolve_device(config.device))
@@ -182,12 +301,10 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     if world.is_main:  # rank 0 owns the run folder: its logs, run.json and checkpoints
         prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
     barrier(world)
-    ckpt_dir = out / CHECKPOINT_DIR
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
     run = build(config, device, world)
-    model, optimizer, scaler, guard, shadow = run.model, run.optimizer, run.scaler, run.guard, run.shadow
-    start_step, schedule = _resume(run, ckpt_dir, loader, corpus) if config.resume else (0, Schedule.from_config(config))
-
+    start_step, schedule = (_resume(run, out / CHECKPOINT_DIR, loader, corpus) if config.resume
+                            else (0, Schedule.from_config(config)))
     # train rows are numbered by step, validation rows by steps done: the checkpoint's own evaluation is kept
     if world.is_main:
         _write_run_file(out, config, run)
@@ -195,148 +312,77 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         val_rows = CsvLog(out / "val.csv", ("step", "val_loss"), keep_before=start_step + 1 if config.resume else None)
     else:
         log_rows, val_rows = Discard(), Discard()
-    writer = _tensorboard(out) if world.is_main else None
-    accum = config.grad_accum
-    per_step = accum * world.data_size  # micro-batches per optimizer step, all ranks together
-    tokens_per_step = per_step * config.batch_size * config.seq_len
-    losses, val_losses, skipped, shadow_events, rollbacks, level_shifts, times = [], [], [], [], [], [], []
-    final_loss = math.nan
-    fp8 = run.policy.recipe is not None
-    # the same parameters and buffers either way
-    forward = torch.compile(run.train_module) if config.compile else run.train_module
-
-    def save(done: int) -> None:
-        extra = {"step": done, "config": dataclasses.asdict(config), "data": corpus.manifest.to_dict(),
-                 "shadow": shadow.state_dict(), "schedule": dataclasses.asdict(schedule)}
-        if world.distributed or is_sharded(ckpt_dir):  # one process continuing a sharded run keeps its format
-            save_sharded(ckpt_dir, model=model, optimizer=optimizer, world=world, scaler=scaler, guard=guard,
-                         loader=loader, extra=extra)
-        else:
-            save_checkpoint(ckpt_dir, model=model, optimizer=optimizer, scaler=scaler, guard=guard, loader=loader,
-                            extra=extra)
-
+    loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, _tensorboard(out) if world.is_main else None,
+                 torch.compile(run.train_module) if config.compile else run.train_module,  # the same parameters
+                 resume_at=[start_step, loader.position])
     # the bar is labelled with the preset: `minifloat compare` draws one bar per preset
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress or not world.is_main)
     with bar, log_rows, val_rows, GracefulStop() as stop:
         task = bar.add_task(config.preset, total=config.steps, completed=start_step, info="")
         step, stopping = start_step, False
-        resume_at = [step, loader.position]  # (steps done, loader position): a consistent state to save
         try:
             while step < config.steps:
-                resume_at[:] = [step, loader.position]  # what a failure in this step would checkpoint
                 t0 = time.perf_counter()
-                lr = schedule.lr_at(step)
-                for group in optimizer.param_groups:  # a bf16 --master wrapper's groups are its inner AdamW's
-                    group["lr"] = lr
-                group_position = loader.position // per_step  # the step's batch group (guard and rollback count these)
-                first = loader.position
-                batches = [tuple(t.to(device, non_blocking=True) for t in b)
-                           for b in rank_batches(loader, accum=accum, world=world)]
-
-                if config.shadow_every:  # on every rank the step's first micro-batch, so all ranks reach one verdict
-                    check_batch = tuple(t.to(device) for t in loader.batch(first))
-                    event = shadow.maybe_check(step, model, lambda output, _batch: output[1],  # model(x, y)
-                                               check_batch)
-                    if event is not None:
-                        shadow_events.append((step, event.switched_to, event.reason))
-                guard.begin_step(step, data_position=group_position)
-                loss, mode = forward_backward(run, forward, batches, step, poison=group_position in config.nan_steps)
-                loss = mean_over_ranks(loss, world)
-                scaler.unscale_(optimizer)
-                report = guard.check(loss)  # on a skip the gradients are already dropped; on a rollback, state restored
-                if not report.skipped:
-                    run.stability.clip_grad_norms(grad_param_groups(optimizer))  # the model's gradients
-                    scaler.step(optimizer)  # ends the FP8 step: amaxes reduced over the ranks, scales advanced
-                    resume_at[:] = [step + 1, loader.position]  # the update is in
-                    if world.parallel is not None and world.parallel.sharded:
-                        precompute_fp8_scales(model)  # the next FP8 all-gathers' scales, in one all-reduce
-                    final_loss = report.loss
-                else:
-                    skipped.append((step, report.reason.value))
-                if report.level_shift:
-                    level_shifts.append(step)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
-                loader.skip(report.next_data_position * per_step - loader.position)  # 0 batches, unless rolled back
-                resume_at[:] = [report.next_step, loader.position]
+                report, mode, lr = loop.update(step)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the step's time is the GPU's, not the launch queue's
-                dt = time.perf_counter() - t0
-                times.append(dt)
-
-                losses.append(report.loss)
-                row = {"step": step, "loss": report.loss, "lr": lr, "grad_norm": report.grad_norm,
-                       "skipped": int(report.skipped), "reason": report.reason.value if report.skipped else "",
-                       "tokens_per_s": tokens_per_step / dt, "mode": mode.value if fp8 else ""}
-                log_rows.write(row)
-                if writer is not None:
-                    for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
-                        writer.add_scalar(f"train/{key}", row[key], step)
-
+                row = loop.log(step, report, mode, lr, time.perf_counter() - t0)
                 stopping = any_rank(stop.signal is not None, world)  # all ranks stop at the same step
-                if report.rollback is not None:  # back at the snapshot's step, past the bad batches
-                    rollbacks.append((step, report.rollback.restored_step, report.rollback.skip_batches))
-                else:
-                    done = step + 1
-                    if (config.checkpoint_every and (done % config.checkpoint_every == 0 or done == config.steps)
-                            or stopping):
-                        save(done)
-                    if done % config.eval_every == 0 or done == config.steps:
-                        val = evaluate(model, corpus.val, run.policy, config, device=device,
-                                       fp8=shadow.mode == Mode.FP8 and done <= config.bf16_tail_start)
-                        val_losses.append((done, val))
-                        val_rows.write({"step": done, "val_loss": val})
-                        if writer is not None:
-                            writer.add_scalar("val/loss", val, done)
+                if report.rollback is None:
+                    loop.after_update(step + 1, stopping)
                 step = report.next_step
-                info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(skipped)}"
+                info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(loop.skipped)}"
                 bar.update(task, completed=step, info=info + (f"  {mode.value}" if config.shadow_every else ""))
                 if stopping:
                     if report.rollback is not None:  # the step ended in a rollback: checkpoint the restored state
-                        save(step)
+                        loop.save(step)
                     break
         except Exception as err:  # noqa: BLE001 - any failure: checkpoint the steps done, then say it in one line
-            raise _keep_steps(err, resume_at, loader, optimizer, save, world, out) from err
-    if writer is not None:
-        writer.close()
+            raise _keep_steps(err, loop, world, out) from err
+    if loop.writer is not None:
+        loop.writer.close()
+    return _result(loop, start_step, step, stop.signal or ("SIGTERM" if stopping else None))
 
-    warmup = warmup_steps(config, len(times))
-    timed = times[warmup:]
+
+def _result(loop: _Loop, start_step: int, step: int, stopped_by: str | None) -> TrainResult:
+    """What the call did; tokens/s leaves out its first, warming-up steps (another rank's signal reads SIGTERM:
+    torchrun forwards it)."""
+    config, run = loop.config, loop.run
+    warmup = warmup_steps(config, len(loop.times))
+    timed = loop.times[warmup:]
+    tokens_per_step = loop.per_step * config.batch_size * config.seq_len
     tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
-    flops = flops_per_token(model, n_layers=model.config.n_layer, d_model=model.config.d_model,
-                            seq_len=config.seq_len)
-    peak = peak_bf16_flops(device)
-    peak = peak * world.size if peak is not None else None  # tokens/s counts every rank's tokens
-    stopped_elsewhere = "SIGTERM" if stopping else None  # another rank was signalled (torchrun forwards SIGTERM)
-    return TrainResult(first_step=start_step, losses=tuple(losses), final_loss=final_loss,
-                       val_losses=tuple(val_losses), tokens_per_s=tokens_per_s, skipped=tuple(skipped),
-                       shadow_events=tuple(shadow_events), rollbacks=tuple(rollbacks),
-                       level_shifts=tuple(level_shifts), warmup_steps=warmup, device=str(device),
-                       mfu=mfu(tokens_per_s, flops, peak), stopped_by=stop.signal or stopped_elsewhere,
-                       last_step=step)
+    model = run.model
+    flops = flops_per_token(model, n_layers=model.config.n_layer, d_model=model.config.d_model, seq_len=config.seq_len)
+    peak = peak_bf16_flops(run.device)
+    peak = peak * run.world.size if peak is not None else None  # tokens/s counts every rank's tokens
+    return TrainResult(first_step=start_step, losses=tuple(loop.losses), final_loss=loop.final_loss,
+                       val_losses=tuple(loop.val_losses), tokens_per_s=tokens_per_s, skipped=tuple(loop.skipped),
+                       shadow_events=tuple(loop.shadow_events), rollbacks=tuple(loop.rollbacks),
+                       level_shifts=tuple(loop.level_shifts), warmup_steps=warmup, device=str(run.device),
+                       mfu=mfu(tokens_per_s, flops, peak), stopped_by=stopped_by, last_step=step)
 
 
 class TrainingFailed(RuntimeError):
     """A run failed after it started; the steps done were checkpointed where possible (the message says)."""
 
 
-def _keep_steps(err: Exception, resume_at: list[int], loader: BatchLoader, optimizer: torch.optim.Optimizer, save,
-                world, out: pathlib.Path) -> TrainingFailed:
+def _keep_steps(err: Exception, loop: _Loop, world, out: pathlib.Path) -> TrainingFailed:
     """Checkpoint the last consistent state of a run that `err` stopped and say, in one line, how to continue.
 
-    `resume_at` is (steps done, loader position) as of the failure: the failing step's start when its update had not
-    been applied (its batches are drawn again), else after it. Ranks of a multi-process run cannot write a
+    `loop.resume_at` is (steps done, loader position) as of the failure: the failing step's start when its update
+    had not been applied (its batches are drawn again), else after it. Ranks of a multi-process run cannot write a
     checkpoint on their own (it is collective), so there the last periodic checkpoint is what remains."""
-    done, position = resume_at
+    done, position = loop.resume_at
     cause = f"{type(err).__name__}: {' '.join(str(err).split())[:300]}"
     if world.distributed:
         return TrainingFailed(f"training failed at step {done} ({cause}); continue from the last checkpoint in "
                               f"{out / CHECKPOINT_DIR} with --resume once the cause is fixed")
     try:
-        optimizer.zero_grad(set_to_none=True)
-        loader.load_state_dict({"position": position, "seed": loader.seed})
-        save(done)
+        loop.run.optimizer.zero_grad(set_to_none=True)
+        loop.loader.load_state_dict({"position": position, "seed": loop.loader.seed})
+        loop.save(done)
     except Exception as save_err:  # noqa: BLE001 - report both
         return TrainingFailed(f"training failed at step {done} ({cause}), and its checkpoint could not be written "
                               f"({type(save_err).__name__}: {save_err})")
