@@ -104,3 +104,12 @@ def test_resume_rules_hold_for_a_library_user(tmp_path):
         train(TrainConfig.resuming(out, steps=8, seed=1), progress=False)
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
         TrainConfig.resuming(str(tmp_path / "nothing"), steps=8)
+
+
+def test_typed_forms_of_the_comma_settings():
+    """keep_blocks and optimizer_state take tuples too, and mean what their flag spellings mean."""
+    typed = TrainConfig(preset="fp8-delayed", keep_blocks=(0, 0.15), optimizer_state=("e4m3", "bf16"))
+    assert typed == TrainConfig(preset="fp8-delayed", keep_blocks="0,0.15", optimizer_state="e4m3,bf16")
+    assert typed.blocks_kept == (0, 0.15) and typed.state_formats == ("e4m3", "bf16")
+    with pytest.raises(ValueError, match="optimizer_state must be two formats"):
+        TrainConfig(optimizer_state=("e4m3",))

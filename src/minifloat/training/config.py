@@ -185,6 +185,12 @@ class TrainConfig:
         resume="fixed", why="changes which layers run in low precision", absent=None, metavar="FIRST,LAST")
 
     def __post_init__(self):
+        # typed forms accepted: keep_blocks=(0, 1), optimizer_state=("e4m3", "bf16"); stored as their flag spelling,
+        # which checkpoints record (JSON) and resumes compare
+        for name in ("keep_blocks", "optimizer_state"):
+            value = getattr(self, name)
+            if isinstance(value, tuple):
+                object.__setattr__(self, name, ",".join(str(v) for v in value))
         check_choice("model", self.model, list(SIZES))
         check_choice("preset", self.preset, list(PRESETS))
         for field, low in (("steps", 1), ("batch_size", 1), ("seq_len", 1), ("warmup", 0), ("eval_every", 1),
