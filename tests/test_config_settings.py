@@ -44,7 +44,7 @@ def test_every_setting_has_one_definition_and_one_flag():
     # the resume tables are derived from the settings, not written out again
     assert {n for n, _ in RESUME_FIXED} == {n for n, f in SETTINGS.items() if f.metadata["resume"] == "fixed"}
     assert set(RESUME_ABSENT) <= {n for n, _ in RESUME_FIXED}
-    assert set(NOT_INHERITED) == {"out", "resume", "overwrite", "device", "compile", "lr_decay_steps"}
+    assert set(NOT_INHERITED) == {"out", "resume", "overwrite", "device", "compile", "compile_mode", "lr_decay_steps"}
 
 
 def test_help_shows_each_default_from_the_config():
@@ -113,3 +113,16 @@ def test_typed_forms_of_the_comma_settings():
     assert typed.blocks_kept == (0, 0.15) and typed.state_formats == ("e4m3", "bf16")
     with pytest.raises(ValueError, match="optimizer_state must be two formats"):
         TrainConfig(optimizer_state=("e4m3",))
+
+
+def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch):
+    """--compile-mode reduce-overhead (CUDA graphs, for small steps) is the mode the trainer compiles its model in."""
+    from minifloat.training import loop
+
+    seen = []
+    monkeypatch.setattr(loop.torch, "compile", lambda module, **options: seen.append(options) or module)
+    config = _parse(["--compile", "--compile-mode", "reduce-overhead", "--steps", "1", "--out", str(tmp_path / "r"),
+                     "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "50000"])
+    assert config.compile_mode == "reduce-overhead"
+    train(config, progress=False)
+    assert seen == [{"mode": "reduce-overhead"}]

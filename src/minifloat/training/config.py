@@ -26,13 +26,13 @@ NVFP4_OVERRIDES = {"nvfp4_weight_2d": "weight_2d", "nvfp4_rht": "rht",
 # the groups of settings, in the order `minifloat train --help` lists them
 GROUPS = ("model and data", "optimizer and schedule", "precision", "safety nets", "parallelism and device", "run")
 RESUMES = ("inherit", "fixed", "fresh")
+COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # TrainConfig.compile_mode: torch.compile's modes
 _NOT_RECORDED = object()
 
 
 def setting(default, help: str, *, group: str, resume: str = "inherit", why: str = "", absent=_NOT_RECORDED,
             metavar: str | None = None, choices: tuple | None = None, on_off: bool = False, flag: bool = True):
-    """A TrainConfig field and everything said about it, in one place: the CLI flag and its help are made from it
-    (minifloat.cli.train), and so are the resume rules (`TrainConfig.resuming`, `check_resume`).
+    """A TrainConfig field and all that is said of it: its flag and help (minifloat.cli.train) and resume rule.
 
     Args:
         default: the default value.
@@ -41,11 +41,9 @@ def setting(default, help: str, *, group: str, resume: str = "inherit", why: str
         resume: what a resumed run does with it: "inherit" (takes the checkpoint's value unless given), "fixed"
             (must equal the checkpoint's: `why` says what a change would do) or "fresh" (never inherited: where and
             how this call runs).
-        absent: for "fixed" settings added after checkpoints were written without them, the value such a
-            checkpoint ran with.
-        metavar, choices: for the flag's help.
-        on_off: a bool whose flag takes on|off (an ablation must be able to say off).
-        flag: False for settings with no flag (fault injection has one all the same).
+        absent: for "fixed" settings newer than some checkpoints, the value such a checkpoint ran with.
+        metavar, choices: for the flag's help. on_off: a bool whose flag takes on|off (ablations must say off).
+        flag: False for settings with no flag.
     """
     if group not in GROUPS or resume not in RESUMES or (resume == "fixed") != bool(why):
         raise ValueError(f"bad setting metadata: group={group!r}, resume={resume!r}, why={why!r}")
@@ -136,6 +134,10 @@ class TrainConfig:
     compile: bool = setting(False, "run the training forward and backward under torch.compile (the first steps "
                                    "compile; evaluation and checks stay eager)", group="parallelism and device",
                             resume="fresh")
+    compile_mode: str = setting(
+        "default", "torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: for small steps, "
+                   "where launching kernels costs more than running them) or max-autotune",
+        group="parallelism and device", resume="fresh", choices=COMPILE_MODES)
     grad_accum: int = setting(1, "micro-batches of --batch-size per optimizer step; FP8 scales advance once per "
                                  "step", group="model and data", resume="fixed", why=_SAME_BATCHES, metavar="K")
     overwrite: bool = setting(False, "replace the run in OUT (only the files a run writes there are removed)",
@@ -223,6 +225,7 @@ class TrainConfig:
         check_number("shadow_threshold", self.shadow_threshold, low=0.0, low_open=True)
         check_number("embedding_grad_alpha", self.embedding_grad_alpha, low=0.0, high=1.0, low_open=True)
         check_bool("compile", self.compile)
+        check_choice("compile_mode", self.compile_mode, list(COMPILE_MODES))
         check_choice("parallel", self.parallel, [None, *PARALLEL])
         if self.nproc > 1 and self.parallel is None:
             raise ValueError(f"nproc={self.nproc} ranks need parallel ddp or fsdp, got parallel=None")

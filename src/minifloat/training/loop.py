@@ -313,7 +313,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     else:
         log_rows, val_rows = Discard(), Discard()
     loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, _tensorboard(out) if world.is_main else None,
-                 torch.compile(run.train_module) if config.compile else run.train_module,  # the same parameters
+                 _compiled(run.train_module, config) if config.compile else run.train_module,
                  resume_at=[start_step, loader.position])
     # the bar is labelled with the preset: `minifloat compare` draws one bar per preset
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -343,6 +343,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     if loop.writer is not None:
         loop.writer.close()
     return _result(loop, start_step, step, stop.signal or ("SIGTERM" if stopping else None))
+
+
+def _compiled(module: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
+    """`module` under torch.compile in the config's mode (the same parameters and buffers)."""
+    return torch.compile(module) if config.compile_mode == "default" else torch.compile(module, mode=config.compile_mode)
 
 
 def _result(loop: _Loop, start_step: int, step: int, stopped_by: str | None) -> TrainResult:
