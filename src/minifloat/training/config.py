@@ -47,15 +47,14 @@ def setting(default, help: str, *, group: str, resume: str = "inherit", why: str
     """
     if group not in GROUPS or resume not in RESUMES or (resume == "fixed") != bool(why):
         raise ValueError(f"bad setting metadata: group={group!r}, resume={resume!r}, why={why!r}")
-    return dataclasses.field(default=default, metadata=dict(help=help, group=group, resume=resume, why=why,
-                                                           absent=absent, metavar=metavar, choices=choices,
-                                                           on_off=on_off, flag=flag))
+    meta = dict(help=help, group=group, resume=resume, why=why, absent=absent, metavar=metavar, choices=choices,
+                on_off=on_off, flag=flag)
+    return dataclasses.field(default=default, metadata=meta)
 
 
 _SAME_BATCHES = "changes the tokens per step and the batches the run sees from here"
 _SCHEDULE = "changes the learning-rate schedule"
-_MODEL_HELP = "model size: " + ", ".join(SIZES)
-_PRESET_HELP = "precision preset: " + ", ".join(PRESETS)
+_MODEL_HELP, _PRESET_HELP = "model size: " + ", ".join(SIZES), "precision preset: " + ", ".join(PRESETS)
 
 
 @dataclasses.dataclass(frozen=True)
