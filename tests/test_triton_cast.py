@@ -252,3 +252,26 @@ def test_scales_from_edge_amaxes(monkeypatch, calls, power_of_two, margin):
     assert_same(ref, got)
     if margin == 8:
         assert 0 < ref.scale[4] and 1.0 / ref.scale[4] < torch.finfo(torch.float32).tiny  # the subnormal case ran
+
+
+def test_self_check_passes_and_turns_broken_kernels_off(monkeypatch, caplog):
+    """On a GPU the kernels are used only after a self-check against the torch path; a kernel that raises (a Triton
+    without one of the ops used) or gives other bits turns them off for that device, with one warning."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_cast, "_CHECKED", {})
+    assert triton_cast.self_check(torch.device("cpu"))
+
+    real = triton_cast.fused_cast
+
+    def off_by_one(*args, **kwargs):
+        data, data_t, amax, dscale = real(*args, **kwargs)
+        if data is not None:
+            data.view(torch.uint8)[0, 10] += 1
+        return data, data_t, amax, dscale
+
+    for broken, why in ((off_by_one, "differs from the torch path"), (lambda *a, **k: 1 / 0, "ZeroDivisionError")):
+        monkeypatch.setattr(triton_cast, "_CHECKED", {})
+        monkeypatch.setattr(triton_cast, "fused_cast", broken)
+        caplog.clear()
+        assert not triton_cast.self_check(torch.device("cpu"))
+        assert len(caplog.records) == 1 and why in caplog.text and "casts run as compiled torch ops" in caplog.text

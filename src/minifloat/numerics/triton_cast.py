@@ -1,4 +1,4 @@
-"""One-pass FP8 casts on a GPU: scale, round, store row-major and/or transposed, and take the amax, in one Triton kernel.
+"""One-pass FP8 casts on a GPU: scale, round, store row-major and/or transposed, take the amax: one Triton kernel.
 
 An FP8 linear layer needs each 2-D tensor in two layouts: x (M, K) row-major for one GEMM and xᵀ (K, M) row-major for
 another (torch._scaled_mm takes its first operand row-major and its second column-major). Cast and transpose as
@@ -26,7 +26,8 @@ Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 41 (dela
 to 69 (row scaling): benchmarks/launches.py counts them on any machine.
 
 `quantize` and `quantize_t` call `fused_cast` for 2-D tensors cast per tensor, row or column to FP8 data without a
-bfloat16 operand, on CUDA when Triton imports (the native GEMM path). Under torch.compile they do not: the graph's own
+bfloat16 operand, on CUDA when Triton imports (the native GEMM path) and `self_check` found the kernels give the
+torch path's bits on that device (else one warning, and the torch path). Under torch.compile they do not: the graph's own
 ops are left to inductor, which fuses them itself. The kernels are built on first use, so TRITON_INTERPRET=1 set
 before then runs them on CPU tensors (tests/test_triton_cast.py).
 """
@@ -34,6 +35,7 @@ before then runs them on CPU tensors (tests/test_triton_cast.py).
 from __future__ import annotations
 
 import functools
+import logging
 import os
 
 import torch
@@ -44,6 +46,7 @@ BLOCK_M = 64
 BLOCK_K = 64
 _MAGIC = 12582912.0  # 1.5 · 2^23: v + MAGIC - MAGIC rounds |v| < 2^22 to an integer, ties to even
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+log = logging.getLogger("minifloat")
 
 
 @functools.cache
@@ -63,10 +66,54 @@ def interpreted() -> bool:
 
 
 def available(x: torch.Tensor) -> bool:
-    """Whether `fused_cast` can run on `x` here: a CUDA tensor with Triton, or any tensor in the interpreter."""
-    if torch.compiler.is_compiling() or (not x.is_cuda and not interpreted()):
+    """Whether `fused_cast` can run on `x` here: a CUDA tensor with Triton, or any tensor in the interpreter; on a
+    GPU only once `self_check` passed there."""
+    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()):
         return False
-    return _triton() is not None
+    if _triton() is None:
+        return False
+    return self_check(x.device) if x.is_cuda else True
+
+
+_CHECKING: list = []  # non-empty while self_check runs: quantize then takes the torch path, the reference
+_CHECKED: dict[str, bool] = {}  # per device: did the kernels give the torch path's bits?
+
+
+def self_check(device: torch.device) -> bool:
+    """Run the kernels once on `device` against the torch path (a small tensor of ties, subnormals, saturating and
+    non-finite values; both formats; scales given and from amaxes; a recorded amax). If any fails to compile (a
+    Triton without an op this module uses), raises, or differs by a bit, they are not used on that device and
+    one warning says why: the torch path gives the same results, more slowly."""
+    key = str(device)
+    if key not in _CHECKED:
+        from minifloat.numerics.formats import E4M3, E5M2
+        from minifloat.numerics.quantize import quantize
+
+        x = torch.linspace(-600.0, 600.0, 3 * 70, dtype=torch.float32).reshape(3, 70)
+        x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, 2.0**-10, 3 * 2.0**-11, 1.0625, float("inf"), float("nan")])
+        x = x.to(device)
+        casts = [dict(granularity="row"), dict(scale=torch.tensor(2.0, device=device), with_t=True),
+                 dict(with_t=True)]
+        problem = None
+        _CHECKED[key] = True  # the check's own casts take the kernels
+        try:
+            for fmt, options in ((fmt, options) for fmt in (E4M3, E5M2) for options in casts):
+                _CHECKING.append(1)
+                try:
+                    expected = quantize(x, fmt, **options)
+                finally:
+                    _CHECKING.pop()
+                got = quantize(x, fmt, **options)
+                if not (torch.equal(expected.data.view(torch.uint8), got.data.view(torch.uint8))
+                        and torch.equal(expected.scale, got.scale)):
+                    problem = f"a {fmt.name} cast with {sorted(options)} differs from the torch path's"
+        except Exception as err:  # noqa: BLE001 - any failure: the torch path instead
+            problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
+        _CHECKED[key] = problem is None
+        if problem is not None:
+            log.warning("minifloat: the one-pass Triton casts are off on %s (%s); casts run as compiled torch ops",
+                        key, problem)
+    return _CHECKED[key]
 
 
 def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dtype | None, unblocked: bool) -> bool:
