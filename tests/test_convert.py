@@ -6,6 +6,8 @@ Hugging Face models are in tests/test_hf_convert.py; convert's filter / recipe /
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -109,3 +111,58 @@ def test_audit_head_is_the_head_convert_keeps():
     assert report.head == roles.output_head(model) == "lm_head"
     assert report.ok, report.violations
     assert {r.module for r in report.records if r.precision == "fp8"} == {"mlp"}
+
+
+# ---- a model convert leaves in high precision, and a single linear layer -----------------------------------------
+
+# E4M3 (3 mantissa bits) on both GEMM operands: ~25 dB for Gaussian data; a wrong scale or layout is far below
+FP8_LINEAR_SQNR_FLOOR_DB = 20.0
+
+class ConvNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 8, 3)
+
+    def forward(self, x):
+        return self.conv(x).relu()
+
+
+# (name, model factory, convert's keyword arguments, words its one warning holds)
+NOTHING_CONVERTED = [
+    ("no nn.Linear", ConvNet, {}, ["converted nothing", "ConvNet has no nn.Linear"]),
+    ("a lone linear: first and last", lambda: nn.Linear(64, 64), {},
+     ["converted nothing", "1 kept as input projection or output head", "the model itself"]),
+    ("a lone small linear", lambda: nn.Linear(10, 10), {"keep_first_last": False},
+     ["converted nothing", "not multiples of 16", "the model itself (10->10)"]),
+    ("filter refuses all", mlp, {"filter": lambda name, linear: False},
+     ["converted nothing", "2 kept", "0, 6", "2 refused by `filter`"]),
+]
+
+
+@pytest.mark.parametrize("name, build, kwargs, words", NOTHING_CONVERTED, ids=[c[0] for c in NOTHING_CONVERTED])
+def test_convert_warns_in_one_line_when_it_converts_nothing(caplog, name, build, kwargs, words):
+    model = build()
+    with caplog.at_level(logging.DEBUG, logger="minifloat"):
+        assert mf.convert(model, **kwargs) is model
+    (warning,) = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    text = warning.getMessage()
+    assert "\n" not in text and all(w in text for w in words), text
+    assert not mf.fp8_layers(model)
+
+
+def test_convert_is_silent_when_layers_convert_or_already_have(caplog):
+    with caplog.at_level(logging.WARNING, logger="minifloat"):
+        model = mf.convert(mlp(), recipe=mf.CurrentScaling())
+        mf.convert(model, recipe=mf.CurrentScaling())  # nothing left to convert, but FP8 layers: no warning
+    assert mf.fp8_layers(model) and not caplog.records
+
+
+def test_convert_returns_a_root_linear_converted():
+    linear = nn.Linear(64, 32)
+    x = torch.randn(4, 64)
+    converted = mf.convert(linear, recipe=mf.CurrentScaling(), keep_first_last=False)
+    assert isinstance(converted, mf.Fp8Linear) and converted is not linear
+    assert converted.weight is linear.weight and converted.bias is linear.bias  # the parameters are shared
+    out = converted(x)
+    assert out.shape == (4, 32)
+    assert mf.sqnr_db(out, linear(x)) > FP8_LINEAR_SQNR_FLOOR_DB

@@ -81,33 +81,72 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
             keep_blocks: tuple[int, int] = (0, 0), backend: str | None = None) -> nn.Module:
     """Replace the nn.Linear layers of `model` (in place) by Fp8Linear layers sharing their parameters.
 
+    Use the return value, as with torch's `convert_*` helpers: `model = mf.convert(model, ...)`. It is `model`
+    itself, except when `model` is an nn.Linear, which cannot be replaced in place: then it is the new Fp8Linear.
+
     Args:
-        model: any nn.Module (HF transformers models included).
+        model: any nn.Module (HF transformers models included), or a single nn.Linear.
         recipe: the FP8 recipe (default DelayedScaling()).
         filter: `filter(name, linear) -> bool`; only layers it accepts are converted.
         keep_first_last: keep the layers nearest the data and the output in high precision, as mixed-precision
             practice advises: the input projections (all of a transformer's first q/k/v projections, an MLP's
-            first layer) and the output head, recognised by role (see the module docstring).
+            first layer) and the output head, recognised by role (see the module docstring). A lone nn.Linear is
+            both, so it is kept unless this is False.
         keep_blocks: (first, last): also keep every linear layer of the model's first `first` and last `last`
             transformer blocks in high precision (none without such blocks).
         backend: GEMM backend for the converted layers.
     Returns:
-        The same model. Layers whose in/out features are not multiples of 16 (what FP8 tensor cores accept) stay
-        in high precision; one warning lists them.
+        The converted model (see above). Layers whose in/out features are not multiples of 16 (what FP8 tensor
+        cores accept) stay in high precision; one warning lists them. When no layer of the model runs in FP8
+        afterwards, one warning says why instead.
     """
     recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
     plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last, keep_blocks=keep_blocks)
+    root = model
     for name in plan.convert:
+        lin = model.get_submodule(name)
+        fp8 = Fp8Linear.from_linear(lin, recipe=recipe, backend=backend, name=name)
+        if not name:  # the model is the linear layer itself: nothing holds it, so the new layer is returned
+            root = fp8
+            continue
         parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        lin = getattr(parent, child)
-        setattr(parent, child, Fp8Linear.from_linear(lin, recipe=recipe, backend=backend, name=name))
-    if plan.misshapen:
-        sizes = [f"{n} ({model.get_submodule(n).in_features}->{model.get_submodule(n).out_features})"
-                 for n in plan.misshapen]
+        setattr(model.get_submodule(parent_name), child, fp8)
+    if not fp8_layers(root):
+        log.warning("minifloat.convert: converted nothing, %s", _nothing_converted(model, plan, filter))
+    elif plan.misshapen:
         log.warning("minifloat.convert: kept %d layer(s) in high precision, their features are not multiples of "
-                    "%d: %s", len(sizes), MIN_DIM_MULTIPLE, ", ".join(sizes))
-    return model
+                    "%d: %s", len(plan.misshapen), MIN_DIM_MULTIPLE, _listed(model, plan.misshapen, sizes=True))
+    return root
+
+
+MAX_LISTED = 4  # layers a warning names before "..."
+
+
+def _listed(model: nn.Module, names: tuple[str, ...], *, sizes: bool = False) -> str:
+    """Up to MAX_LISTED layer names, with (in->out) features when `sizes`; "" names the model itself."""
+    shown = []
+    for name in names[:MAX_LISTED]:
+        layer = model.get_submodule(name)
+        shown.append((name or "the model itself") + (f" ({layer.in_features}->{layer.out_features})" if sizes else ""))
+    return ", ".join(shown) + (f", ... ({len(names)} in all)" if len(names) > MAX_LISTED else "")
+
+
+def _nothing_converted(model: nn.Module, plan: Fp8Plan, filter) -> str:
+    """Why `plan` leaves every layer of `model` in high precision, for convert's one warning line."""
+    linears = roles.named_linears(model)
+    if not linears:
+        return f"the {type(model).__name__} has no nn.Linear layer (the only kind convert runs in FP8)"
+    reasons = []
+    if plan.kept:
+        reasons.append(f"{len(plan.kept)} kept as input projection or output head (keep_first_last=True) or in a "
+                       f"kept block (keep_blocks): {_listed(model, plan.kept)}")
+    if plan.misshapen:
+        reasons.append(f"{len(plan.misshapen)} with features that are not multiples of {MIN_DIM_MULTIPLE}: "
+                       f"{_listed(model, plan.misshapen, sizes=True)}")
+    refused = len(linears) - len(plan.kept) - len(plan.misshapen)
+    if refused and filter is not None:
+        reasons.append(f"{refused} refused by `filter`")
+    return f"every nn.Linear of the {type(model).__name__} stays in high precision: " + "; ".join(reasons)
 
 
 def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
