@@ -4,14 +4,16 @@ import io
 import json
 import math
 import pathlib
+import random
 
 import pytest
 from rich.console import Console
 
 from minifloat.cli import main
 from minifloat.cli.compare import COLUMNS, summary_table, table_note
-from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, ZERO_LABEL,
-                                        ZOOM_FRACTION, _command, _summarize, compare, loss_curves_figure)
+from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, SMOOTHING,
+                                        TAIL_FRACTION, ZERO_LABEL, _command, _summarize, compare, loss_curves_figure,
+                                        noise_band_pct)
 from minifloat.training.loop import TrainConfig, TrainResult
 from minifloat.training.rundir import RunExistsError
 
@@ -19,7 +21,7 @@ PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
 METRICS = ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "tokens_per_s", "warmup_steps_excluded",
            "skipped_steps", "fallbacks")
-TERMINAL_COLUMNS = 100  # issue 9: the compare table fits a 100-column terminal
+TERMINAL_COLUMNS = 80  # issue 22: the compare table fits an 80-column terminal
 TINY = dict(model="tiny", steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1, max_bytes=200_000)
 
 
@@ -174,7 +176,7 @@ def fake_summary(*, warmup: int, shadow_every: int = 0) -> dict:
 
 
 def render(summary: dict) -> list[str]:
-    """The table and its note as `minifloat compare` prints them, in a 100-column terminal."""
+    """The table and its note as `minifloat compare` prints them, in an 80-column terminal."""
     console = Console(width=TERMINAL_COLUMNS, record=True, file=io.StringIO())
     console.print(summary_table(summary))
     for line in table_note(summary):
@@ -183,11 +185,15 @@ def render(summary: dict) -> list[str]:
 
 
 @pytest.mark.parametrize("shadow_every", [0, 5])
-def test_table_fits_100_columns_without_wrapping_a_cell(shadow_every):
+def test_table_fits_80_columns_without_cutting_a_cell(shadow_every):
     s = fake_summary(warmup=3, shadow_every=shadow_every)
     lines = render(s)
     assert max(len(line) for line in lines) <= TERMINAL_COLUMNS
-    assert sum(all(h in line for h in COLUMNS) for line in lines) == 1  # every header whole, on one line
+    assert not any("…" in line for line in lines)
+    header = [line for line in lines if line.startswith("┃")]  # the headers' lines
+    for column in COLUMNS:  # every header whole: each of its lines' words in its own header line
+        for i, part in enumerate(column.split("\n")):
+            assert part in header[i + len(header) - len(column.split("\n"))], column
     for name, m in s["presets"].items():
         cells = [name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}", f"{m['rel_diff_vs_bf16']:+.2%}",
                  f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"])]
@@ -210,9 +216,9 @@ def test_table_shows_fallbacks_only_for_presets_under_the_shadow_check():
     assert set(fallback_cells(fake_summary(warmup=1)).values()) == {"-"}
 
 
-@pytest.mark.parametrize("warmup, says", [(3, "excludes the first 3 warm-up steps (compile included)"),
-                                          (1, "excludes the first warm-up step (compile included)"),
-                                          (0, "over every training step")])
+@pytest.mark.parametrize("warmup, says", [(3, "after the first 3 steps (warm-up)"),
+                                          (1, "after the first step (warm-up)"),
+                                          (0, "over every step")])
 def test_note_says_how_many_warmup_steps_tokens_per_s_leaves_out(warmup, says):
     (speed,) = [line for line in table_note(fake_summary(warmup=warmup)) if line.startswith("tok/s")]
     assert says in speed
@@ -220,30 +226,61 @@ def test_note_says_how_many_warmup_steps_tokens_per_s_leaves_out(warmup, says):
 
 # --- the loss-curve figure ---------------------------------------------------------------------------------------
 
-CURVE_STEPS = 200
-OFFSET_PCT = 0.5  # preset i's loss is BF16's times 1 + i * OFFSET_PCT / 100 at every step
+CURVE_STEPS = 400
+OFFSET_PCT = 0.1  # preset i's loss is BF16's times 1 + i * OFFSET_PCT / 100 (and noise): ±0.4%, as in issue 22
+NOISE_PCT = 0.2  # each preset's per-step loss differs from BF16's by this much noise (standard deviation, %)
+
+
+def synthetic_losses(*, noise_pct: float = NOISE_PCT, seed: int = 0) -> dict[str, list[float]]:
+    """BF16's loss curve and, per other default preset, it times 1 + i·OFFSET_PCT% with independent per-step noise."""
+    rng = random.Random(seed)
+    bf16 = [2.0 + 3.0 * math.exp(-step / 60) + 0.05 * math.sin(step) for step in range(CURVE_STEPS)]
+    return {name: [v * (1 + (i * OFFSET_PCT + (rng.gauss(0, noise_pct) if i else 0)) / 100) for v in bf16]
+            for i, name in enumerate(DEFAULT_PRESETS)}
 
 
 @pytest.fixture(scope="module")
 def curves():
-    """The figure of five presets whose losses differ from BF16's by exact, constant percentages."""
-    bf16 = [2.0 + 3.0 * math.exp(-step / 40) + 0.05 * math.sin(step) for step in range(CURVE_STEPS)]
-    losses = {name: [v * (1 + i * OFFSET_PCT / 100) for v in bf16] for i, name in enumerate(DEFAULT_PRESETS)}
-    fig = loss_curves_figure(losses, title="test")
-    return {ax.get_label(): ax for ax in fig.axes}, fig
+    fig = loss_curves_figure(synthetic_losses(), title="test")
+    return {ax.get_label(): ax for ax in fig.axes if ax.get_label()}, fig
 
 
 def preset_lines(ax):
     return {line.get_label(): line for line in ax.get_lines() if line.get_label() in DEFAULT_PRESETS}
 
 
-def test_figure_has_the_loss_zoom_and_difference_axes(curves):
+def test_figure_has_the_loss_tail_and_difference_axes(curves):
     axes, _ = curves
-    assert set(axes) == {"loss", "zoom", "diff"}
-    assert set(preset_lines(axes["loss"])) == set(preset_lines(axes["zoom"])) == set(DEFAULT_PRESETS)
-    zoom_from = int(CURVE_STEPS * (1 - ZOOM_FRACTION))
-    for line in preset_lines(axes["zoom"]).values():
-        assert list(line.get_xdata()) == list(range(zoom_from, CURVE_STEPS))
+    assert set(axes) == {"loss", "tail", "diff"}
+
+
+def test_loss_panel_draws_bf16_and_names_the_presets_on_its_line(curves):
+    axes, _ = curves
+    assert set(preset_lines(axes["loss"])) == {BASELINE}  # ±0.4% of the loss: one line at this scale, not five
+    title = axes["loss"].get_title()
+    assert all(p in title for p in DEFAULT_PRESETS if p != BASELINE), title
+
+
+def test_loss_panel_draws_a_preset_apart_from_bf16():
+    losses = synthetic_losses()
+    losses["mxfp8"] = [v * (1 + 0.2 * step / CURVE_STEPS) for step, v in enumerate(losses[BASELINE])]  # +20% at the end
+    fig = loss_curves_figure(losses, title="test")
+    (loss,) = [ax for ax in fig.axes if ax.get_label() == "loss"]
+    assert set(preset_lines(loss)) == {BASELINE, "mxfp8"}
+    assert "mxfp8" not in loss.get_title()
+
+
+def test_tail_panel_has_a_box_per_preset_centred_on_its_offset(curves):
+    axes, _ = curves
+    tail = axes["tail"]
+    others = [p for p in DEFAULT_PRESETS if p != BASELINE]
+    assert [t.get_text() for t in tail.get_xticklabels()] == others
+    means = [line for line in tail.get_lines() if line.get_marker() not in ("", "None", None)]
+    assert len(means) == len(others)
+    for name, mean in zip(others, means):  # the mean of ~100 per-step differences: within 4 standard errors
+        expected = DEFAULT_PRESETS.index(name) * OFFSET_PCT
+        n = CURVE_STEPS - int(CURVE_STEPS * (1 - TAIL_FRACTION))
+        assert abs(mean.get_ydata()[0] - expected) < 4 * NOISE_PCT / math.sqrt(n), name
 
 
 def test_difference_panel_has_one_distinguishable_curve_per_preset(curves):
@@ -254,32 +291,48 @@ def test_difference_panel_has_one_distinguishable_curve_per_preset(curves):
     assert len({(line.get_color(), str(line.get_linestyle())) for line in lines.values()}) == len(others)
     # in grayscale the colours merge: dash pattern and marker alone still tell the curves apart
     assert len({(str(line.get_linestyle()), line.get_marker()) for line in lines.values()}) == len(others)
-    for name, line in lines.items():
-        expected = DEFAULT_PRESETS.index(name) * OFFSET_PCT
-        assert line.get_ydata() == pytest.approx([expected] * CURVE_STEPS, rel=1e-9), name
 
 
-def test_difference_panel_labels_its_zero_line_and_reference_bands(curves):
+def noise_band(ax) -> float:
+    (band,) = [patch for patch in ax.patches if patch.get_label().startswith("noise")]
+    low, high = band.get_y(), band.get_y() + band.get_height()
+    assert low == pytest.approx(-high)
+    return high
+
+
+def test_noise_band_is_the_smoothed_noise_of_the_data(curves):
+    axes, _ = curves
+    # an EMA of independent noise of standard deviation σ has σ·sqrt((1-β)/(1+β)); the band is 2 of those
+    expected = 2 * NOISE_PCT * math.sqrt((1 - SMOOTHING) / (1 + SMOOTHING))
+    assert noise_band(axes["diff"]) == pytest.approx(expected, rel=0.15)  # σ estimated from 400 steps
+    assert noise_band_pct(synthetic_losses(noise_pct=2 * NOISE_PCT)) == pytest.approx(2 * expected, rel=0.15)
+
+
+def test_difference_panel_fits_the_curves_not_a_fixed_band(curves):
     axes, _ = curves
     diff = axes["diff"]
-    (zero,) = [line for line in diff.get_lines() if line.get_label() == ZERO_LABEL]
-    assert set(zero.get_ydata()) == {0}
-    assert ZERO_LABEL in [text.get_text() for text in diff.texts]  # written at the line, not only in the legend
+    low, high = diff.get_ylim()
+    assert noise_band(diff) < 0.5 * (high - low)  # the band shades part of the panel, not all of it
+    assert low < -DEEPSEEK_V3_PCT and high > DEEPSEEK_V3_PCT  # DeepSeek-V3's lines in view
     (deepseek,) = [line for line in diff.get_lines() if "DeepSeek-V3" in line.get_label()]
     assert set(deepseek.get_ydata()) == {DEEPSEEK_V3_PCT}
-    low, high = diff.get_ylim()
-    assert low < -DEEPSEEK_V3_PCT and high > DEEPSEEK_V3_PCT  # both lines in view
-    assert f"±{RANGE_BAND_PCT:g}% band" in [patch.get_label() for patch in diff.patches]
+    # the curves span -0.1% .. +0.5%: the ±1% lines would stretch the view, so they are left out
+    assert high < RANGE_BAND_PCT and not [line for line in diff.get_lines() if "1%" in line.get_label()]
+    (zero,) = [line for line in diff.get_lines() if set(line.get_ydata()) == {0}]
+    assert zero.get_label().startswith("_")  # not in the legend ...
+    assert ZERO_LABEL in [text.get_text() for text in diff.texts]  # ... but written at the line
 
 
-def test_legend_names_every_preset_and_covers_no_axes(curves):
+def test_legend_names_every_line_once_and_covers_no_axes(curves):
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
     axes, fig = curves
     canvas = FigureCanvasAgg(fig)
     canvas.draw()
     (legend,) = fig.legends
-    assert set(DEFAULT_PRESETS) | {ZERO_LABEL} <= {text.get_text() for text in legend.get_texts()}
+    labels = [text.get_text() for text in legend.get_texts()]
+    assert set(DEFAULT_PRESETS) <= set(labels) and len(labels) == len(set(labels))
+    assert ZERO_LABEL not in labels  # "bf16" once, not also "= bf16"
     box = legend.get_window_extent(canvas.get_renderer())
     for name, ax in axes.items():
         assert not box.overlaps(ax.get_window_extent(canvas.get_renderer())), name
@@ -288,12 +341,11 @@ def test_legend_names_every_preset_and_covers_no_axes(curves):
 def test_the_table_is_whole_in_a_log(summary, monkeypatch):
     """Output that is not a terminal (rich assumes 80 columns there) still gets every number whole."""
     from minifloat.cli import common
-    from minifloat.cli.compare import print_table
 
     _, result = summary
     log = io.StringIO()
     monkeypatch.setattr(common, "console", Console(file=log, width=80))
-    print_table(summary_table(result))
+    common.print_table(summary_table(result))
     text = log.getvalue()
     assert "…" not in text and all(f"{m['tokens_per_s']:,.0f}" in text for m in result["presets"].values())
     assert common.console.width == 80  # restored

@@ -4,17 +4,25 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.markup import escape
+from rich.measure import Measurement
+from rich.table import Table
 
 console = Console()
 ERR = Console(stderr=True)
+TABLE_WIDTH_LIMIT = 1000  # columns a table printed into a log may take (its widest row, up to this)
 
 
-def print_table(table, width: int) -> None:
-    """Print a rich table whole: where the output is not a terminal (a log, a pipe) rich assumes 80 columns and
-    would cut the numbers, so the console gets the `width` the table is made for while it prints."""
+def print_table(table: Table) -> None:
+    """Print a rich table whole. Where the output is not a terminal (a log, a pipe) rich assumes 80 columns and would
+    cut cells to "…", so the console gets the table's own width while it prints. On a terminal narrower than the
+    table, a cell of a column that may wrap folds onto more lines rather than losing characters."""
+    for column in table.columns:
+        if not column.no_wrap:
+            column.overflow = "fold"
     saved = console.width
     if not console.is_terminal:
-        console.width = max(saved, width)
+        options = console.options.update_width(TABLE_WIDTH_LIMIT)
+        console.width = max(saved, Measurement.get(console, options, table).maximum)
     try:
         console.print(table)
     finally:

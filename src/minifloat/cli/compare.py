@@ -8,15 +8,16 @@ from rich.table import Table
 
 from minifloat.cli import common
 
-TABLE_WIDTH = 100  # columns the summary table fits in
-COLUMNS = ("preset", "train loss", "val loss", "Δ vs bf16", "tok/s", "skipped", "fallbacks")
+# headers in two lines where one would widen the table past 80 columns (table_note spells them out)
+COLUMNS = ("preset", "train\nloss", "val\nloss", "Δ vs\nbf16", "tok/s", "skipped\nsteps", "fallbacks")
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Train the reference Llama once per precision preset (same seed, data, model and steps; each into OUT/<preset>)
-    and compare them against BF16 (added when not listed). Writes OUT/summary.json, OUT/loss_curves.png (training
-    loss, its last quarter zoomed, and each preset's % difference to BF16, with the ±1% band and DeepSeek-V3's
-    0.25%) and OUT/numerics_heatmap.png (per-layer SQNR of every FP8 cast after training). With --shadow-every the
+    and compare them against BF16 (added when not listed). Writes OUT/summary.json, OUT/loss_curves.png (the
+    training loss; each preset's per-step difference to BF16 over the last quarter; its smoothed difference over the
+    run against the band of step-to-step noise and DeepSeek-V3's 0.25%) and OUT/numerics_heatmap.png (per-layer SQNR
+    of every FP8 cast after training). With --shadow-every the
     FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s leaves out each run's
     warm-up steps (compilation). The defaults take about three minutes on 2 CPU cores.
     An OUT holding an earlier comparison is refused unless --overwrite. Exits with status 2 on an invalid option."""
@@ -33,7 +34,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     base = dataclasses.replace(DEFAULT_CONFIG, **{k: v for k, v in fields.items() if v is not None})
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     summary = compare(presets, base=base, out=args.out)
-    print_table(summary_table(summary))
+    common.print_table(summary_table(summary))
     for line in table_note(summary):
         common.console.print(line, highlight=False)
     for path in summary["files"].values():
@@ -41,14 +42,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def print_table(table: Table) -> None:
-    """The summary table, whole in a log or pipe too (common.print_table)."""
-    common.print_table(table, TABLE_WIDTH)
-
-
 def summary_table(summary: dict) -> Table:
-    """The table of a compare summary (as `compare` returns it), one row per preset. Its short headers (spelled out
-    by table_note) keep it within 100 columns; no cell wraps, so a row is one line."""
+    """The table of a compare summary (as `compare` returns it), one row per preset. Its headers take two lines
+    (spelled out by table_note) and no cell wraps, so that a row is one line and the table fits 80 columns with a
+    GPU's tokens/s (tests/test_cli_output.py)."""
     from minifloat.amp.policy import PRESETS
 
     config = summary["config"]
@@ -65,24 +62,29 @@ def summary_table(summary: dict) -> Table:
 
 
 def table_note(summary: dict) -> list[str]:
-    """The lines under summary_table: what each short header means, and how many warm-up steps tok/s leaves out."""
+    """The lines under summary_table, each within 80 columns: what the headers mean, and how many warm-up steps
+    tok/s leaves out."""
     excluded = sorted({m["warmup_steps_excluded"] for m in summary["presets"].values()})
     if excluded == [0]:
-        speed = "tok/s: trained tokens per second over every training step (evaluation excluded)."
+        speed = "tok/s: training tokens per second, over every step."
     else:
         n = str(excluded[0]) if len(excluded) == 1 else f"{excluded[0]}-{excluded[-1]}"
-        first = "the first warm-up step" if n == "1" else f"the first {n} warm-up steps"
-        speed = f"tok/s: trained tokens per second; excludes {first} (compile included)."
-    return ["train loss, val loss: final training / validation loss; Δ vs bf16: val loss relative to bf16's.",
+        first = "step" if n == "1" else f"{n} steps"
+        speed = f"tok/s: training tokens per second after the first {first} (warm-up)."
+    return ["train / val loss: the final training / validation loss.",
+            "Δ vs bf16: the val loss relative to bf16's.",
             speed,
-            "skipped: steps the guard skipped; fallbacks: FP8 -> BF16 switches of the shadow check (- if off)."]
+            "skipped steps: steps the guard skipped.",
+            "fallbacks: FP8 -> BF16 switches of the shadow check (- where it is off)."]
+
+
+HELP = "train under several presets and compare loss curves and numerics with BF16"  # its line in `minifloat --help`
 
 
 def add_parser(sub) -> None:
     from minifloat.training.compare import DEFAULT_CONFIG, DEFAULT_PRESETS
 
-    c = sub.add_parser("compare", help="train under several presets and compare loss curves and numerics with BF16",
-                       description=cmd_compare.__doc__)
+    c = sub.add_parser("compare", help=HELP, description=cmd_compare.__doc__)
     c.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
                    help=f"comma list of precision presets; bf16 is added as the baseline when missing "
                         f"(default {','.join(DEFAULT_PRESETS)})")

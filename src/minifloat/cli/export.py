@@ -56,9 +56,11 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+HELP = "write a run's model as a Hugging Face checkpoint (bf16 or FP8)"  # its line in `minifloat --help`
+
+
 def add_parser(sub) -> None:
-    e = sub.add_parser("export", help="write a run's model as a Hugging Face checkpoint (bf16 or FP8)",
-                       description=cmd_export.__doc__)
+    e = sub.add_parser("export", help=HELP, description=cmd_export.__doc__)
     e.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
     e.add_argument("--format", default="hf", metavar="FORMAT",
                    help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8'; transformers loads it wrong) or "

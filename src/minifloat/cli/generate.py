@@ -84,9 +84,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+HELP = "continue a prompt with a trained run's model (KV cache, bf16 or FP8)"  # its line in `minifloat --help`
+
+
 def add_parser(sub) -> None:
-    g = sub.add_parser("generate", help="continue a prompt with a trained run's model (KV cache, bf16 or FP8)",
-                       description=cmd_generate.__doc__)
+    g = sub.add_parser("generate", help=HELP, description=cmd_generate.__doc__)
     g.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
     g.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
     g.add_argument("--max-new-tokens", default=None, metavar="N",

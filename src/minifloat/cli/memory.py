@@ -11,8 +11,6 @@ from rich.table import Table
 
 from minifloat.cli import common
 
-TABLE_WIDTH = 100  # columns the memory table fits in, headers whole (tests/test_memory.py)
-
 if TYPE_CHECKING:
     from minifloat.training.memory import MemoryReport
 
@@ -47,7 +45,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
             raise common.CliError(f"--json {args.json}: cannot create the folder {json_path.parent} "
                                   f"({err.strerror or err})") from None
     report = memory_report(config)
-    common.print_table(memory_table(report), TABLE_WIDTH)
+    common.print_table(memory_table(report))
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "
                          "activations (and autocast's weight copies), held from its forward to its backward.",
                          highlight=False)
@@ -77,13 +75,15 @@ def memory_table(report: MemoryReport) -> Table:
     return t
 
 
+HELP = "measure the bytes of one training step by kind, beside fp32 / bf16 AdamW"  # its line in `minifloat --help`
+
+
 def add_parser(sub) -> None:
     from minifloat.training.config import TrainConfig
     from minifloat.training.optimizer import MASTER_UPDATES
 
     d = TrainConfig()
-    m = sub.add_parser("memory", help="measure the bytes of one training step by kind, beside fp32 / bf16 AdamW",
-                       description=cmd_memory.__doc__)
+    m = sub.add_parser("memory", help=HELP, description=cmd_memory.__doc__)
     m.add_argument("--model", default="10m", help="model size: tiny, small, 10m, 100m (default 10m)")
     m.add_argument("--preset", default="fp8-delayed", help="precision preset (default fp8-delayed)")
     m.add_argument("--batch-size", type=int, default=d.batch_size,

@@ -33,7 +33,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
         t.add_row(r["name"], str(r["bits"]), str(r["exponent_bits"]), str(r["mantissa_bits"]), str(r["bias"]),
                   f"{r['max']:.6g}", f"{r['min_normal']:.6g}", f"{r['min_subnormal']:.6g}",
                   "yes" if r["has_inf"] else "no", "yes" if r["has_nan"] else "no", r["torch_dtype"] or "-")
-    common.console.print(t)
+    common.print_table(t)
     return 0
 
 
@@ -100,7 +100,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
     for r in results:
         t.add_row(r.variant, _cell(r.final_loss, ".4f"), _cell(r.rel_diff_vs_bf16, "+.2%"),
                   _cell(r.ms_per_step, ".1f"), _cell(r.min_sqnr_db, ".1f"), _cell(r.max_saturated, ".2%"))
-    console.print(t)
+    common.print_table(t)
     console.print(f"final loss = mean of the last {FINAL_LOSS_STEPS} steps' training loss; SQNR and saturation over "
                   f"every FP8 cast of the last step (see minifloat.fp8.telemetry).")
     if out is not None:
@@ -155,8 +155,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
 
     with policy.autocast("cpu"):
         report = audit(model, inputs, loss_fn=loss_fn)
-    common.console.print(policy.describe(model))
-    common.console.print(report.table(full=args.full))
+    common.print_table(policy.describe(model))
+    common.print_table(report.table(full=args.full))
     for v in report.violations:
         common.console.print(f"[red]violation[/red] {v.rule}: {v.module} ({v.phase}) {v.op} in {v.precision} — "
                              f"{v.detail}")
@@ -165,7 +165,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     status = 0 if report.ok else 1
     if args.preflight:
         pre = preflight(model, inputs)
-        common.console.print(pre.table())
+        common.print_table(pre.table())
         status = status or (0 if pre.fp16_safe else 1)
     if json_path is not None:
         json_path.write_text(report.to_json())
@@ -173,13 +173,19 @@ def cmd_audit(args: argparse.Namespace) -> int:
     return status
 
 
-def add_parsers(sub) -> None:
-    f = sub.add_parser("formats", help="print the number-format table", description=cmd_formats.__doc__)
+FORMATS_HELP = "print the number-format table"
+DEMO_HELP = "FP8 vs BF16 vs FP32 on a small byte-level MLP (minutes on 2 CPU cores)"
+AUDIT_HELP = "record the dtype every op of a model runs in and flag policy violations"
+
+
+def add_formats(sub) -> None:
+    f = sub.add_parser("formats", help=FORMATS_HELP, description=cmd_formats.__doc__)
     f.add_argument("--json", action="store_true", help="print JSON instead of a table")
     f.set_defaults(func=cmd_formats)
 
-    d = sub.add_parser("demo", help="FP8 vs BF16 vs FP32 on a small byte-level MLP (minutes on 2 CPU cores)",
-                       description=cmd_demo.__doc__)
+
+def add_demo(sub) -> None:
+    d = sub.add_parser("demo", help=DEMO_HELP, description=cmd_demo.__doc__)
     d.add_argument("--steps", type=int, default=300, help="training steps per variant (default 300)")
     d.add_argument("--batch", type=int, default=256, help="sequences per batch (default 256)")
     d.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default 0)")
@@ -187,10 +193,11 @@ def add_parsers(sub) -> None:
     d.add_argument("--out", default="", help="folder to write demo.json with results and loss curves")
     d.set_defaults(func=cmd_demo)
 
-    a = sub.add_parser("audit", help="record the dtype every op of a model runs in and flag policy violations",
-                       description=cmd_audit.__doc__)
+
+def add_audit(sub) -> None:
     from minifloat.training.model import SIZES
 
+    a = sub.add_parser("audit", help=AUDIT_HELP, description=cmd_audit.__doc__)
     a.add_argument("--model", default="byte-mlp", choices=["byte-mlp", *SIZES],
                    help=f"model to audit: byte-mlp (the demo's model) or a reference Llama size ({', '.join(SIZES)}) "
                         f"on a batch of {AUDIT_SEQ_LEN}-byte sequences (default byte-mlp)")

@@ -150,17 +150,22 @@ class AuditReport:
 
     def table(self, *, full: bool = False):
         """A rich Table of op counts per (module, phase, op, precision), violating rows in red. By default only the
-        ops the rules look at (GEMMs, softmax, norms, embeddings, collectives) and violations; `full` shows all."""
+        ops the rules look at (GEMMs, softmax, norms, embeddings, collectives) and violations; `full` shows all.
+        Made for 80 columns: an op's default overload is not spelled out (aten.mm, not aten.mm.default; the JSON
+        has the full name), and the "rule broken" column is there only when a rule is broken."""
         from rich.table import Table
 
         bad = {(v.module, v.phase, v.op, v.precision): v.rule for v in self.violations}
         t = Table(title=f"minifloat precision audit: {len(self.violations)} violation(s), head {self.head!r}")
-        for col in ("module", "phase", "op", "precision", "count", "rule broken"):
-            t.add_column(col, justify="right" if col == "count" else "left")
+        columns = ("module", "phase", "op", "precision", "count") + (("rule broken",) if bad else ())
+        for col in columns:  # a module's name whole on one line: where 80 columns are too few, the op wraps first
+            t.add_column(col, justify="right" if col == "count" else "left", no_wrap=col == "module")
         for key, n in self.summary().items():
             rule = bad.get(key, "")
             if full or rule or _packet(key[2]) in _NOTABLE:
-                t.add_row(*key, str(n), rule, style="red" if rule else None)
+                module, phase, op, precision = key
+                cells = (module, phase, op.removesuffix(".default"), precision, str(n)) + ((rule,) if bad else ())
+                t.add_row(*cells, style="red" if rule else None)
         return t
 
 

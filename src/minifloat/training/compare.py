@@ -7,9 +7,9 @@ Every preset trains with the same seed, data, model and steps (`base` with only 
 into out/<preset>/. Then, in `out`:
     summary.json          per preset: final train / val loss, val loss relative to BF16, tokens/s and the warm-up
                           steps it excludes, skipped steps, FP8 -> BF16 fallbacks of the shadow check
-    loss_curves.png       training loss per step (BF16 raw, every preset smoothed), the last quarter zoomed, and
-                          each preset's smoothed loss's % difference to BF16, with the ±1% band and DeepSeek-V3's
-                          0.25% marked (`loss_curves_figure` builds it)
+    loss_curves.png       the training loss (BF16's, and any preset's apart from it at that scale), each preset's
+                          per-step difference to BF16 over the last quarter, and its smoothed difference over the
+                          run against the band of step-to-step noise and DeepSeek-V3's 0.25% (`loss_curves_figure`)
     numerics_heatmap.png  per FP8 preset: SQNR of each layer's casts by tensor role, from telemetry captured on one
                           forward+backward of the trained model (rebuilt from its checkpoint) on a validation batch
 """
@@ -22,6 +22,7 @@ import json
 import logging
 import math
 import pathlib
+import statistics
 from typing import TYPE_CHECKING
 
 import torch
@@ -52,8 +53,12 @@ RANGE_BAND_PCT = 1.0  # a common acceptance band for low-precision loss curves
 # DeepSeek-V3 technical report (arXiv:2412.19437), §3.3: FP8 training's relative loss error vs BF16 "consistently
 # remains below 0.25%"
 DEEPSEEK_V3_PCT = 0.25
-ZOOM_FRACTION = 0.25  # the zoomed panel: the last quarter of the steps, where the smoothed curves lie closest
-ZERO_LABEL = f"= {BASELINE}"  # the difference panel's zero line
+TAIL_FRACTION = 0.25  # the last quarter of the steps, whose per-step differences the top-right panel shows
+NOISE_SIGMAS = 2  # the difference panel's noise band: ± this many standard deviations (~95% of the steps)
+# a smoothed curve within this fraction of the loss panel's height from BF16's lies under BF16's line (a 1.8 pt line
+# is about 0.7% of the panel's 3.6 inches): the loss panel leaves it out and names it instead
+VISIBLE_FRACTION = 0.01
+ZERO_LABEL = f"= {BASELINE}"  # the difference panel's zero line, written at the line
 # One style per non-BF16 preset, so the curves stay apart in grayscale too. Okabe & Ito's colour-blind-safe palette;
 # 7 colours, 4 dash patterns and 5 markers are coprime: the first 140 presets get distinct combinations
 COLORS = ("#E69F00", "#0072B2", "#009E73", "#D55E00", "#CC79A7", "#56B4E9", "#F0E442")
@@ -126,13 +131,35 @@ def _markevery(i: int, n_presets: int, n_steps: int) -> tuple[int, int]:
     return (i * every // max(1, n_presets), every)
 
 
-def loss_curves_figure(losses: dict[str, list[float]], *, title: str) -> Figure:
-    """The loss-curve figure, built without drawing it (plot_loss_curves writes it as a PNG).
+def _rel_pct(values: list[float], base: list[float]) -> list[float]:
+    """Each step's value relative to the baseline's, in % (nan where either is not finite)."""
+    return [100 * (v - b) / b if math.isfinite(v) and math.isfinite(b) and b else math.nan
+            for v, b in zip(values, base)]
 
-    Axes (found by their label): "loss", the training loss per step: BF16's raw per-step loss faint, every preset's
-    EMA smoothed, the zoomed steps shaded; "zoom", the smoothed losses of the last ZOOM_FRACTION of the steps on
-    their own y scale; "diff", each preset's smoothed loss minus BF16's in % of BF16's, with the zero line ("= bf16"),
-    the ±RANGE_BAND_PCT band and DeepSeek-V3's ±DEEPSEEK_V3_PCT. One legend, below the axes, names every line.
+
+def noise_band_pct(losses: dict[str, list[float]], beta: float = SMOOTHING) -> float:
+    """Half-width (%) of the band an EMA (weight `beta`) of the difference to BASELINE stays in when a preset
+    differs from it only by step-to-step noise: NOISE_SIGMAS standard deviations; 0.0 with nothing to measure.
+    Every preset trains on the same batches, so its per-step loss minus BF16's is a drift plus noise. First
+    differences cancel the drift and have variance 2σ², so σ = std(first differences) / √2 (the presets' median);
+    an EMA of independent noise has the standard deviation σ·sqrt((1 - β) / (1 + β))."""
+    sigmas = []
+    for name in (n for n in losses if n != BASELINE):
+        rel = [d for d in _rel_pct(losses[name], losses[BASELINE]) if math.isfinite(d)]
+        if len(rel) > 2:
+            sigmas.append(statistics.stdev([b - a for a, b in zip(rel, rel[1:])]) / math.sqrt(2))
+    return NOISE_SIGMAS * statistics.median(sigmas) * math.sqrt((1 - beta) / (1 + beta)) if sigmas else 0.0
+
+
+def loss_curves_figure(losses: dict[str, list[float]], *, title: str) -> Figure:
+    """The loss-curve figure, built without drawing it (plot_loss_curves writes it as a PNG). Its axes (by label):
+    "loss", BF16's training loss per step (raw, faint) and smoothed, and each preset whose smoothed curve leaves
+    BF16's by over VISIBLE_FRACTION of the panel's height (the title names the others), the last TAIL_FRACTION of
+    the steps shaded; "tail", per
+    preset, its per-step loss difference to BF16 (%) over those steps as a box (quartiles, 5-95% whiskers, mean);
+    "diff", each preset's smoothed loss minus BF16's in %, with the zero line labelled at the line, the band of
+    step-to-step noise (`noise_band_pct`), DeepSeek-V3's ±DEEPSEEK_V3_PCT and, where they fall in the view fitted
+    to the curves, the ±RANGE_BAND_PCT lines. One legend below the axes names every line once.
 
     Args:
         losses: per preset, its training loss per step; must hold BASELINE.
@@ -144,55 +171,81 @@ def loss_curves_figure(losses: dict[str, list[float]], *, title: str) -> Figure:
 
     styles = _styles(list(losses))
     smooth = {name: _ema(values) for name, values in losses.items()}
-    base = smooth[BASELINE]
+    others = [name for name in losses if name != BASELINE]
     n_steps = max(len(values) for values in losses.values())
-    zoom_from = min(n_steps - 1, int(n_steps * (1 - ZOOM_FRACTION)))
+    tail_from = min(n_steps - 1, int(n_steps * (1 - TAIL_FRACTION)))
 
     fig = Figure(figsize=(12, 9.5), layout="constrained")
     grid = fig.add_gridspec(2, 2, width_ratios=(3, 2), height_ratios=(1, 1))
-    loss_ax, zoom_ax = fig.add_subplot(grid[0, 0], label="loss"), fig.add_subplot(grid[0, 1], label="zoom")
+    loss_ax, tail_ax = fig.add_subplot(grid[0, 0], label="loss"), fig.add_subplot(grid[0, 1], label="tail")
     diff_ax = fig.add_subplot(grid[1, :], sharex=loss_ax, label="diff")
 
-    loss_ax.plot(range(len(losses[BASELINE])), losses[BASELINE], color="black", alpha=0.25, linewidth=0.7,
-                 label=f"{BASELINE} per step")
-    loss_ax.axvspan(zoom_from, n_steps - 1, color="0.92")
-    for i, (name, values) in enumerate(smooth.items()):
-        marks = _markevery(i, len(smooth), n_steps)
-        loss_ax.plot(range(len(values)), values, label=name, markevery=marks, **styles[name])
-        zoom_ax.plot(range(zoom_from, len(values)), values[zoom_from:], label=name, markevery=marks,
-                     **styles[name])
-        if name != BASELINE:
-            rel = [100 * (s - b) / b for s, b in zip(values, base)]
-            diff_ax.plot(range(len(rel)), rel, label=name, markevery=marks, **styles[name])
+    # -- loss: what training did; presets drawn only where they do not lie on BF16's line
+    raw = losses[BASELINE]
+    loss_ax.plot(range(len(raw)), raw, color="black", alpha=0.25, linewidth=0.7, label=f"{BASELINE} per step")
+    finite = [v for v in (*raw, *smooth[BASELINE]) if math.isfinite(v)] or [0.0]
+    near = VISIBLE_FRACTION * (max(finite) - min(finite))  # a curve this close to BF16's is under its line
+    apart = [n for n in others if any(abs(a - b) > near for a, b in zip(smooth[n], smooth[BASELINE]))]
+    for i, name in enumerate(smooth):
+        if name == BASELINE or name in apart:
+            loss_ax.plot(range(len(smooth[name])), smooth[name], label=name,
+                         markevery=_markevery(i, len(smooth), n_steps), **styles[name])
+    loss_ax.axvspan(tail_from, n_steps - 1, color="0.92")
+    on_line = [name for name in others if name not in apart]
+    loss_ax.set_title(f"training loss, smoothed ({BASELINE} per step faint)"
+                      + (f"\non {BASELINE}'s line at this scale: {', '.join(on_line)}" if on_line else ""))
     loss_ax.set_ylabel("training loss (nats / byte)")
-    loss_ax.set_title(f"all steps: {BASELINE} per step (faint), every preset smoothed; shaded: zoomed at right")
-    zoom_ax.set_title(f"last {ZOOM_FRACTION:.0%} of the steps, smoothed")
-    zoom_ax.set_xlabel("step")
 
-    # y fitted to the curves (often within a few 0.1% of each other), not to the ±1% band, which then shades the
-    # whole panel; DeepSeek-V3's lines always in view
-    rel = [v for line in diff_ax.get_lines() for v in line.get_ydata() if math.isfinite(v)] or [0.0]
-    margin = 0.1 * (max(rel) - min(rel))
-    diff_ax.set_ylim(min(min(rel) - margin, -1.5 * DEEPSEEK_V3_PCT), max(max(rel) + margin, 1.5 * DEEPSEEK_V3_PCT))
-    diff_ax.axhspan(-RANGE_BAND_PCT, RANGE_BAND_PCT, color="0.92", zorder=0, label=f"±{RANGE_BAND_PCT:g}% band")
+    # -- tail: how far from BF16 each preset ends, and how much that varies from step to step
+    spread = {name: [d for d in _rel_pct(losses[name][tail_from:], raw[tail_from:]) if math.isfinite(d)]
+              for name in others}
+    shown = [name for name in others if spread[name]]
+    if shown:
+        boxes = tail_ax.boxplot([spread[n] for n in shown], whis=(5, 95), showfliers=False, showmeans=True,
+                                patch_artist=True, medianprops={"color": "black"})
+        for name, box, mean in zip(shown, boxes["boxes"], boxes["means"]):
+            color = styles[name]["color"]
+            box.set(facecolor="white", edgecolor=color, linewidth=1.5)
+            mean.set(marker=styles[name]["marker"], markerfacecolor=color, markeredgecolor=color)
+        tail_ax.set_xticks(range(1, len(shown) + 1), shown, rotation=20)
+    tail_ax.axhline(0, color="black", linewidth=1.2)
+    tail_ax.set_title(f"per-step loss vs {BASELINE}, last {TAIL_FRACTION:.0%} of the steps\n"
+                      f"box: quartiles, whiskers: 5-95%, marker: mean")
+    tail_ax.set_ylabel(f"loss vs {BASELINE} (%)")
+
+    # -- diff: the smoothed difference over the whole run, against the noise it would have by chance alone
+    rel = {name: _rel_pct(smooth[name], smooth[BASELINE]) for name in others}
+    for i, name in enumerate(smooth):
+        if name != BASELINE:
+            diff_ax.plot(range(len(rel[name])), rel[name], label=name,
+                         markevery=_markevery(i, len(smooth), n_steps), **styles[name])
+    values = [v for line in rel.values() for v in line if math.isfinite(v)] or [0.0]
+    margin = 0.1 * (max(values) - min(values))  # DeepSeek-V3's lines always in view
+    low, high = min(min(values) - margin, -1.5 * DEEPSEEK_V3_PCT), max(max(values) + margin, 1.5 * DEEPSEEK_V3_PCT)
+    diff_ax.set_ylim(low, high)
+    band = noise_band_pct(losses)
+    if band > 0:
+        diff_ax.axhspan(-band, band, color="0.9", zorder=0,
+                        label=f"noise: ±{NOISE_SIGMAS}σ of the smoothed step-to-step difference (±{band:.2g}%)")
     for sign in (1, -1):
         diff_ax.axhline(sign * DEEPSEEK_V3_PCT, color="0.35", linestyle=(0, (2, 2)), linewidth=1,
                         label=f"±{DEEPSEEK_V3_PCT}% (DeepSeek-V3 FP8 vs BF16)" if sign == 1 else None)
-    diff_ax.axhline(0, color="black", linewidth=1.2, label=ZERO_LABEL)
-    # in the right margin, as a tick label would be, so that it covers no curve
+        if low < sign * RANGE_BAND_PCT < high:  # outside the view it would only stretch the y axis
+            diff_ax.axhline(sign * RANGE_BAND_PCT, color="0.6", linestyle=(0, (6, 3)), linewidth=1,
+                            label=f"±{RANGE_BAND_PCT:g}% (common acceptance band)" if sign == 1 else None)
+    diff_ax.axhline(0, color="black", linewidth=1.2)  # BF16: labelled in the right margin, not in the legend
     diff_ax.annotate(ZERO_LABEL, xy=(1, 0), xycoords=("axes fraction", "data"), xytext=(4, 0),
                      textcoords="offset points", ha="left", va="center")
-    diff_ax.set_xlabel("step")
-    diff_ax.set_ylabel(f"smoothed loss vs {BASELINE} (%)")
-    diff_ax.set_title(f"difference to {BASELINE} (positive: higher loss than {BASELINE})")
-    for ax in (loss_ax, zoom_ax, diff_ax):
+    diff_ax.set(xlabel="step", ylabel=f"smoothed loss vs {BASELINE} (%)")
+    diff_ax.set_title(f"smoothed difference to {BASELINE} (positive: higher loss than {BASELINE})")
+    for ax in (loss_ax, tail_ax, diff_ax):
         ax.grid(alpha=0.3)
 
-    handles = {}  # one entry per label, presets first
-    for ax in (zoom_ax, loss_ax, diff_ax):
+    handles = {}  # one entry per label: the presets (from the difference panel, where all are drawn) first
+    for ax in (diff_ax, loss_ax):
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
-    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(5, len(handles)),
+    fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(4, len(handles)),
                fontsize="small")
     fig.suptitle(f"{title}\nsmoothed: bias-corrected EMA of the per-step loss (β = {SMOOTHING})")
     return fig
