@@ -1,25 +1,35 @@
-"""minifloat: low-precision (FP8 / BF16 / FP16) training for PyTorch that runs anywhere and explains its numerics."""
+"""minifloat: low-precision (FP8 / BF16 / FP16) training for PyTorch that runs anywhere and explains its numerics.
+
+The public names are imported on first use (PEP 562), so `import minifloat` (and `minifloat --help`) does not load
+torch's compiler and every layer up front; `mf.convert`, `mf.E4M3`, ... work as plain attributes.
+"""
+
+import importlib
 
 from minifloat.core.version import __version__
-from minifloat.fp8 import telemetry
-from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, FP32, FORMATS, NumberFormat, get_format
-from minifloat.fp8.gemm import scaled_mm
-from minifloat.safety.guards import GuardConfig, StepGuard
-from minifloat.amp.master import MasterWeightOptimizer, MasterWeights
-from minifloat.fp8.convert import convert, fp8_layers
-from minifloat.fp8.modules import Fp8Linear, autocast
-from minifloat.amp.norms import LayerNorm, RMSNorm
-from minifloat.amp.policy import PrecisionPolicy
-from minifloat.numerics.quantize import Quantized, cast, quantize, sqnr_db
-from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling
-from minifloat.amp.scaler import LossScaler, StepRecord
-from minifloat.fp8.scaling import ScalingState, reduce_amax
-from minifloat.fp8.step import fp8_step
-from minifloat.safety.shadow import ShadowCheck, ShadowConfig
-from minifloat.safety.stability import StabilityConfig
-from minifloat.inference.prepare import prepare_inference
-from minifloat.inference.quantized_io import load_quantized, save_quantized
 
+_HOMES = {  # public name -> the module that defines it
+    "telemetry": "minifloat.fp8.telemetry",
+    **dict.fromkeys(("BF16", "E2M1", "E4M3", "E5M2", "E8M0", "FP16", "FP32", "FORMATS", "NumberFormat", "get_format"),
+                    "minifloat.numerics.formats"),
+    "scaled_mm": "minifloat.fp8.gemm",
+    **dict.fromkeys(("GuardConfig", "StepGuard"), "minifloat.safety.guards"),
+    **dict.fromkeys(("MasterWeightOptimizer", "MasterWeights"), "minifloat.amp.master"),
+    **dict.fromkeys(("convert", "fp8_layers"), "minifloat.fp8.convert"),
+    **dict.fromkeys(("Fp8Linear", "autocast"), "minifloat.fp8.modules"),
+    **dict.fromkeys(("LayerNorm", "RMSNorm"), "minifloat.amp.norms"),
+    "PrecisionPolicy": "minifloat.amp.policy",
+    **dict.fromkeys(("Quantized", "cast", "quantize", "sqnr_db"), "minifloat.numerics.quantize"),
+    **dict.fromkeys(("BlockScaling", "CurrentScaling", "DelayedScaling", "MXScaling", "NVFP4Scaling"),
+                    "minifloat.fp8.recipes"),
+    **dict.fromkeys(("LossScaler", "StepRecord"), "minifloat.amp.scaler"),
+    **dict.fromkeys(("ScalingState", "reduce_amax"), "minifloat.fp8.scaling"),
+    "fp8_step": "minifloat.fp8.step",
+    **dict.fromkeys(("ShadowCheck", "ShadowConfig"), "minifloat.safety.shadow"),
+    "StabilityConfig": "minifloat.safety.stability",
+    "prepare_inference": "minifloat.inference.prepare",
+    **dict.fromkeys(("load_quantized", "save_quantized"), "minifloat.inference.quantized_io"),
+}
 
 __all__ = [
     "E4M3", "E5M2", "E8M0", "E2M1", "BF16", "FP16", "FP32", "FORMATS", "NumberFormat", "get_format",
@@ -33,3 +43,17 @@ __all__ = [
 ]
 # the reference model, data, trainer, checkpoints and comparison live in their modules: minifloat.training.model,
 # minifloat.training.data, minifloat.training.loop, minifloat.training.checkpoint, minifloat.training.compare
+
+
+def __getattr__(name: str):
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'minifloat' has no attribute {name!r}")
+    module = importlib.import_module(home)
+    value = module if name == "telemetry" else getattr(module, name)  # mf.telemetry is the module itself
+    globals()[name] = value  # later lookups are plain attribute reads
+    return value
+
+
+def __dir__():
+    return sorted({*globals(), *_HOMES})

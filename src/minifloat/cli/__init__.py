@@ -25,7 +25,7 @@ MESSAGE_LIMIT = 400  # characters of an error message printed on the one line
 COMMANDS: dict[str, tuple[Callable, str]] = {
     "formats": (tools.add_formats, tools.FORMATS_HELP),
     "demo": (tools.add_demo, tools.DEMO_HELP),
-    "train": (train.add_parser, "train the reference Llama on the byte corpus under a precision preset"),
+    "train": (train.add_parser, train.HELP),
     "compare": (compare.add_parser, compare.HELP),
     "audit": (tools.add_audit, tools.AUDIT_HELP),
     "memory": (memory.add_parser, memory.HELP),

@@ -23,6 +23,9 @@ def _steps(text: str) -> tuple[int, ...]:
         raise ValueError(f"nan_steps must be a comma list of step numbers, e.g. 5,9, got {text!r}") from None
 
 
+HELP = "train the reference Llama on the byte corpus under a precision preset"
+
+
 def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
@@ -151,8 +154,7 @@ def add_parser(sub) -> None:
     metavar, choices; the default shown is the config's own)."""
     from minifloat.training.config import GROUPS
 
-    tr = sub.add_parser("train", help="train the reference Llama on the byte corpus under a precision preset",
-                        description=cmd_train.__doc__)
+    tr = sub.add_parser("train", help=HELP, description=cmd_train.__doc__)
     groups = {group: tr.add_argument_group(group) for group in GROUPS}
     for name, f in _flagged().items():
         meta, kind = f.metadata, str(f.type)

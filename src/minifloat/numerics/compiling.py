@@ -52,17 +52,19 @@ def maybe_compile(fn: F) -> F:
     """Wrap `fn` so that it runs compiled (dynamic shapes) when possible and eagerly otherwise."""
     compiled = None
     broken = False
-    # enough recompiles for every (dtype, format, output set, scale shape), scoped to this kernel's calls; made once
-    # (building the patch per call cost as much as a small kernel)
-    limit = torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)
+    # enough recompiles for every (dtype, format, output set, scale shape), scoped to this kernel's calls; made once,
+    # on the first compiled call (building the patch per call cost as much as a small kernel; building it at import
+    # loaded torch's compiler with `import minifloat`)
+    limit = None
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
-        nonlocal compiled, broken
+        nonlocal compiled, broken, limit
         if torch.compiler.is_compiling() or broken or not compile_enabled() or _largest(args) < EAGER_BELOW:
             return fn(*args, **kwargs)  # inside a compiled graph: inlined
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
+            limit = torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)
         try:
             with torch.no_grad(), limit:
                 return compiled(*args, **kwargs)

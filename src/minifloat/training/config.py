@@ -261,10 +261,10 @@ class TrainConfig:
                 raise ValueError(f"{field} overrides an NVFP4Scaling recipe, but preset {self.preset!r} has "
                                  f"{type(recipe).__name__ if recipe else 'no low-precision recipe'}; use nvfp4")
         if self.keep_blocks is not None:
+            self.blocks_kept  # "FIRST,LAST" parses: a malformed value is named before the preset is judged
             if recipe is None:
-                raise ValueError(f"keep_blocks keeps transformer blocks out of a low-precision recipe, but preset "
-                                 f"{self.preset!r} has none; use an fp8 or fp4 preset")
-            self.blocks_kept  # "FIRST,LAST" parses
+                raise ValueError(f"keep_blocks {self.keep_blocks!r} keeps transformer blocks out of a low-precision "
+                                 f"recipe, but preset {self.preset!r} has none; use an fp8 or fp4 preset")
         self.policy()  # DelayedScaling validates the overridden values
 
     @classmethod
