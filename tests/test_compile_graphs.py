@@ -92,7 +92,9 @@ def test_trainer_compiles_the_llama_once_in_one_graph(tmp_path, frames_per_call,
 
 
 @pytest.mark.filterwarnings("ignore:None of the inputs have requires_grad")  # the reentrant one's eager evaluation
-@pytest.mark.parametrize("checkpoint", [None, pytest.param("reentrant", marks=pytest.mark.slow),
+# all under -m slow (the default suite's 10-minute budget): the trainer test above covers the same guards
+@pytest.mark.parametrize("checkpoint", [pytest.param(None, marks=pytest.mark.slow),
+                                        pytest.param("reentrant", marks=pytest.mark.slow),
                                         pytest.param("non-reentrant", marks=pytest.mark.slow)])
 def test_converted_mlp_compiles_once_around_eager_evaluations(checkpoint):
     """mf.convert'ed layers compiled with fullgraph (and under activation checkpointing), an eager evaluation under

@@ -45,7 +45,8 @@ def test_a_training_split_too_short_is_refused(tmp_path):
         train(_config(tmp_path, "run", data=str(tmp_path / "data")), progress=False)
 
 
-@pytest.mark.parametrize("where", ["forward", "evaluation"])
+# the evaluation case under -m slow: the default suite's 10-minute budget (the forward case checks the same rewind)
+@pytest.mark.parametrize("where", ["forward", pytest.param("evaluation", marks=pytest.mark.slow)])
 def test_a_failure_keeps_the_steps_done_and_resume_continues_bitwise(tmp_path, monkeypatch, where):
     """A failure in step 3's forward (before its update) checkpoints 3 steps; one in the evaluation after step 4's
     update (eval_every 2) checkpoints 4. Resuming then ends bitwise where an uninterrupted run ends."""
