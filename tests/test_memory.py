@@ -181,7 +181,7 @@ def test_low_precision_states_are_measured():
     measured = measure(config).footprint.optimizer_state
     run = build(config)
     assert isinstance(run.optimizer, BlockwiseOptimizer)
-    forward_backward(run, run.model, [first_batch(config, run.device)], 0)
+    forward_backward(run, run.model, [first_batch(config, run.device)[0]], 0)
     run.optimizer.step()
     assert measured == run.optimizer.state_bytes() > 0
     assert measured < measure(tiny()).footprint.optimizer_state

@@ -120,7 +120,7 @@ def _stepped_run(**fields):
     """A bf16-sr run built as the trainer builds it, with one micro-batch's gradients."""
     config = _config(out="unused", master="bf16-sr", **fields)
     run = build(config)
-    forward_backward(run, run.model, [first_batch(config, run.device)], 0)
+    forward_backward(run, run.model, [first_batch(config, run.device)[0]], 0)
     return run
 
 

@@ -61,7 +61,7 @@ from minifloat.numerics.quantize import Quantized, quantize
 from minifloat.core.files import fsync_path, write_json
 from minifloat.training.checkpoint import load_checkpoint, move_into_place
 from minifloat.training.config import TrainConfig
-from minifloat.training.data import ByteCorpus, DataConfig, val_batches
+from minifloat.training.data import load_corpus, val_batches
 from minifloat.training.loop import build
 from minifloat.training.model import Llama
 from minifloat.training.rundir import CHECKPOINT_DIR
@@ -109,14 +109,17 @@ def load_run(run: str | os.PathLike, *, checkpoint: str = "latest") -> Llama:
         CheckpointError (a ValueError): the checkpoint is corrupt or does not fit its own config.
     """
     ckpt = run_checkpoint(run, checkpoint)
-    saved = read_extra(ckpt).get("config")
+    extra = read_extra(ckpt)
+    saved = extra.get("config")
     if not isinstance(saved, dict):
         raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
+    vocab_size = (extra.get("data") or {}).get("vocab_size", 256)  # the data manifest's; bytes before it was kept
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
               if k in TrainConfig.__dataclass_fields__}
     config = dataclasses.replace(TrainConfig(**fields), nproc=1, parallel=None, resume=False, device="cpu")
     with restoring_rng():  # build seeds torch's generator; loading a model leaves it alone
-        objects = build(config, torch.device("cpu"))  # the run's own objects: the checkpoint's keys and dtypes fit
+        # the run's own objects: the checkpoint's keys and dtypes fit
+        objects = build(config, torch.device("cpu"), vocab_size=vocab_size)
     if is_sharded(ckpt):  # written by several ranks: DCP reads model and optimizer together
         load_sharded(ckpt, model=objects.model, optimizer=objects.optimizer)
     else:
@@ -138,7 +141,7 @@ def run_calibration(run: str | os.PathLike, batches: int, *, checkpoint: str = "
     if not isinstance(saved, dict):
         raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
     config = TrainConfig(**{k: v for k, v in saved.items() if k in ("data", "max_bytes", "batch_size", "seq_len")})
-    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))
+    corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)
     return [x for x, _ in val_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len,
                                       max_batches=batches)]
 

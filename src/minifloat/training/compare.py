@@ -29,8 +29,8 @@ import torch
 
 from minifloat.fp8 import telemetry
 from minifloat.training.checkpoint import MANIFEST_FILE, checkpoint_extra, load_checkpoint
-from minifloat.training.data import ByteCorpus, DataConfig, val_batches
-from minifloat.training.model import Llama, LlamaConfig
+from minifloat.training.data import load_corpus, val_batches
+from minifloat.training.model import Llama
 from minifloat.amp.policy import PRESETS
 from minifloat.fp8.recipes import ROLES
 from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train, warmup_steps
@@ -104,9 +104,9 @@ def capture_numerics(config: TrainConfig) -> telemetry.Recorder:
     torch.manual_seed(config.seed)
     policy = config.policy()
     device = resolve_device(config.device)
-    model = policy.apply(Llama(LlamaConfig.preset(config.model))).to(device)
+    corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)
+    model = policy.apply(Llama(config.model_config(corpus.vocab_size))).to(device)
     load_checkpoint(pathlib.Path(config.out) / CHECKPOINT_DIR, model=model, restore_rng=False)
-    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))
     x, y = next(iter(val_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len, max_batches=1)))
     with telemetry.capture() as rec:
         with policy.autocast("cuda" if device.type == "cuda" else "cpu"):

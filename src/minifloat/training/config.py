@@ -15,7 +15,8 @@ from minifloat.numerics.stateformats import StateFormat
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.safety.shadow import ShadowConfig
 from minifloat.training.parallel import Parallel
-from minifloat.training.model import SIZES
+from minifloat.training.settings import GROUPS, NOT_RECORDED, RESUMES, setting  # noqa: F401 (re-exported)
+from minifloat.training.model import ATTENTIONS, SIZES, LlamaConfig
 from minifloat.training.optimizer import MASTER_HELP, MASTER_UPDATES, master_policy
 
 PARALLEL = [p.value for p in Parallel]  # TrainConfig.parallel
@@ -23,33 +24,7 @@ DEVICE_PATTERN = re.compile(r"auto|cpu|meta|cuda(:\d+)?")  # TrainConfig.device
 # TrainConfig's NVFP4 overrides and the NVFP4Scaling field each replaces
 NVFP4_OVERRIDES = {"nvfp4_weight_2d": "weight_2d", "nvfp4_rht": "rht",
                    "nvfp4_stochastic_rounding": "stochastic_rounding"}
-# the groups of settings, in the order `minifloat train --help` lists them
-GROUPS = ("model and data", "optimizer and schedule", "precision", "safety nets", "parallelism and device", "run")
-RESUMES = ("inherit", "fixed", "fresh")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # TrainConfig.compile_mode: torch.compile's modes
-_NOT_RECORDED = object()
-
-
-def setting(default, help: str, *, group: str, resume: str = "inherit", why: str = "", absent=_NOT_RECORDED,
-            metavar: str | None = None, choices: tuple | None = None, on_off: bool = False, flag: bool = True):
-    """A TrainConfig field and all that is said of it: its flag and help (minifloat.cli.train) and resume rule.
-
-    Args:
-        default: the default value.
-        help: what the setting does (the flag's help; the default is appended).
-        group: one of GROUPS.
-        resume: what a resumed run does with it: "inherit" (takes the checkpoint's value unless given), "fixed"
-            (must equal the checkpoint's: `why` says what a change would do) or "fresh" (never inherited: where and
-            how this call runs).
-        absent: for "fixed" settings newer than some checkpoints, the value such a checkpoint ran with.
-        metavar, choices: for the flag's help. on_off: a bool whose flag takes on|off (ablations must say off).
-        flag: False for settings with no flag.
-    """
-    if group not in GROUPS or resume not in RESUMES or (resume == "fixed") != bool(why):
-        raise ValueError(f"bad setting metadata: group={group!r}, resume={resume!r}, why={why!r}")
-    meta = dict(help=help, group=group, resume=resume, why=why, absent=absent, metavar=metavar, choices=choices,
-                on_off=on_off, flag=flag)
-    return dataclasses.field(default=default, metadata=meta)
 
 
 _SAME_BATCHES = "changes the tokens per step and the batches the run sees from here"
@@ -100,7 +75,18 @@ class TrainConfig:
                        resume="fresh")
     data: str | None = setting(None, "folder of text files (default: the Python standard library's sources)",
                                group="model and data")
-    max_bytes: int | None = setting(2_000_000, "cap on the corpus bytes, train + val", group="model and data")
+    max_bytes: int | None = setting(2_000_000, "cap on the corpus bytes, train + val, of a folder of text files "
+                                               "(token shards are memory-mapped, never capped)", group="model and data")
+    tokenizer: str | None = setting(
+        None, "tokenizer.json of Hugging Face tokenizers that turns the --data text into tokens; the model's "
+              "vocabulary is the tokenizer's (default: bytes, 256 ids; token shards name their own)",
+        group="model and data", resume="fixed", why="changes the tokens the model reads", absent=None,
+        metavar="FILE")
+    attention: str = setting(
+        "auto", "how attention computes softmax(QKᵀ/√d)·V: sdpa (torch's scaled_dot_product_attention: flash or "
+                "cuDNN kernels that keep the softmax and the accumulation in fp32 inside, never storing the T×T "
+                "scores), fp32 (explicit fp32 scores, softmax and scores·V) or auto (sdpa on CUDA, fp32 elsewhere)",
+        group="precision", choices=ATTENTIONS)
     checkpoint_every: int = setting(100, "steps between checkpoints into OUT/ckpt (one more at the end), 0 for none",
                                     group="run")
     resume: bool = setting(False, "continue the run in OUT from OUT/ckpt: settings not given keep the checkpoint's "
@@ -211,6 +197,9 @@ class TrainConfig:
         if self.data is not None and (not isinstance(self.data, str) or not self.data):
             raise ValueError(f"data must be a non-empty path string or None, got {self.data!r}")
         check_int("max_bytes", self.max_bytes, low=2, allow_none=True)
+        if self.tokenizer is not None and (not isinstance(self.tokenizer, str) or not self.tokenizer):
+            raise ValueError(f"tokenizer must be a path to a tokenizer.json or None, got {self.tokenizer!r}")
+        check_choice("attention", self.attention, list(ATTENTIONS))
         check_bool("resume", self.resume)
         check_bool("overwrite", self.overwrite)
         if self.resume and self.overwrite:
@@ -328,6 +317,11 @@ class TrainConfig:
         except ValueError:
             raise error from None
 
+    def model_config(self, vocab_size: int = 256) -> LlamaConfig:
+        """The model this run trains: the size preset `model`, with the data's vocabulary (padded up to a multiple
+        of 16) and this run's attention."""
+        return LlamaConfig.preset(self.model, vocab_size=16 * -(-vocab_size // 16), attention=self.attention)
+
     @property
     def bf16_tail_start(self) -> int:
         """The first step of the BF16 tail (`steps` when there is none)."""
@@ -385,7 +379,7 @@ SETTINGS = {f.name: f for f in dataclasses.fields(TrainConfig)}
 # derived from the settings: what a resumed run must share with its checkpoint (and what a change would do), the
 # value a checkpoint written before a fixed setting existed ran with, and what a resume never inherits
 RESUME_FIXED = tuple((n, f.metadata["why"]) for n, f in SETTINGS.items() if f.metadata["resume"] == "fixed")
-RESUME_ABSENT = {n: f.metadata["absent"] for n, f in SETTINGS.items() if f.metadata["absent"] is not _NOT_RECORDED}
+RESUME_ABSENT = {n: f.metadata["absent"] for n, f in SETTINGS.items() if f.metadata["absent"] is not NOT_RECORDED}
 NOT_INHERITED = tuple(n for n, f in SETTINGS.items() if f.metadata["resume"] == "fresh")
 
 

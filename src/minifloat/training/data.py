@@ -99,7 +99,7 @@ class Manifest:
 
     def to_dict(self) -> dict:
         """Plain (JSON-able) form, for a checkpoint."""
-        return {"root": self.root, "digest": self.digest, "skipped": [list(s) for s in self.skipped],
+        return {"root": self.root, "digest": self.digest, "vocab_size": 256, "skipped": [list(s) for s in self.skipped],
                 "files": [{"path": f.path, "split": f.split.value, "nbytes": f.nbytes, "sha256": f.sha256}
                           for f in self.files]}
 
@@ -183,6 +183,18 @@ class ByteCorpus:
     def tokens(self, split: Split | str) -> torch.Tensor:
         """The (N,) uint8 stream of one split ("train" or "val")."""
         return self.train if Split(split) == Split.TRAIN else self.val
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids are bytes: 256."""
+        return 256
+
+
+def load_corpus(data: str | None = None, *, max_bytes: int | None = None, tokenizer: str | None = None):
+    """The corpus a run trains on (TrainConfig's data, max_bytes and tokenizer): a folder of text files read as
+    bytes (ByteCorpus). Every corpus has `train` and `val` (1-D token streams), `vocab_size`, `manifest` and
+    `config`."""
+    return ByteCorpus.load(DataConfig(path=data, max_bytes=max_bytes))
 
 
 def require_windows(corpus: ByteCorpus, *, seq_len: int) -> None:

@@ -43,7 +43,7 @@ from minifloat.core.version import __version__
 from minifloat.safety.shadow import Mode
 from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
 from minifloat.training.config import TrainConfig
-from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig, require_windows
+from minifloat.training.data import BatchLoader, ByteCorpus, load_corpus, require_windows
 from minifloat.training.optimizer import grad_param_groups
 from minifloat.distributed.fsdp import precompute_fp8_scales
 from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
@@ -295,14 +295,14 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """
     out = pathlib.Path(config.out)
     device = rank_device(resolve_device(config.device))
-    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))  # bad input fails first
+    corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)  # bad input fails first
     require_windows(corpus, seq_len=config.seq_len)  # both splits: not at the first evaluation, steps later
     world = join_world(config.parallel, nproc=config.nproc, device=device, tp=config.tp_size)
     if world.is_main:  # rank 0 owns the run folder: its logs, run.json and checkpoints
         prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
     barrier(world)
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
-    run = build(config, device, world)
+    run = build(config, device, world, vocab_size=corpus.vocab_size)
     start_step, schedule = (_resume(run, out / CHECKPOINT_DIR, loader, corpus) if config.resume
                             else (0, Schedule.from_config(config)))
     # train rows are numbered by step, validation rows by steps done: the checkpoint's own evaluation is kept

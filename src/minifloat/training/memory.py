@@ -37,7 +37,7 @@ from torch import nn
 
 from minifloat.fp8.scaling import scaling_states
 from minifloat.training.config import TrainConfig
-from minifloat.training.data import BatchLoader, ByteCorpus, DataConfig
+from minifloat.training.data import BatchLoader, load_corpus
 from minifloat.training.loop import build, forward_backward
 from minifloat.training.optimizer import grad_param_groups, master_tensors
 from minifloat.training.throughput import resolve_device
@@ -159,11 +159,11 @@ def unique_params(model: nn.Module) -> int:
     return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
 
-def first_batch(config: TrainConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The run's first training batch (x, y), as `minifloat train` draws it."""
-    corpus = ByteCorpus.load(DataConfig(path=config.data, max_bytes=config.max_bytes))
+def first_batch(config: TrainConfig, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
+    """The run's first training batch (x, y), as `minifloat train` draws it, and its data's vocabulary size."""
+    corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
-    return tuple(t.to(device) for t in loader.batch(0))
+    return tuple(t.to(device) for t in loader.batch(0)), corpus.vocab_size
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,23 +177,24 @@ class Measurement:
 
 
 def measure(config: TrainConfig, *, optimizer: OptimizerFactory | None = None,
-            batch: tuple[torch.Tensor, torch.Tensor] | None = None) -> Measurement:
+            batch: tuple[torch.Tensor, torch.Tensor] | None = None, vocab_size: int = 256) -> Measurement:
     """Build `config`'s run, take one training step on `batch` and measure what it holds.
 
     Args:
         config: the run (one process, eager: nproc 1, compile off).
         optimizer: makes the optimizer from (model, param groups); None for the run's own AdamW.
         batch: (x, y) on the run's device; None for the run's first batch.
+        vocab_size: the vocabulary of `batch`'s data (the run's own data's when batch is None).
     """
     if config.nproc != 1 or config.compile:
         raise ValueError(f"memory measures one eager process: nproc must be 1 and compile off, got "
                          f"nproc={config.nproc}, compile={config.compile}")
     device = resolve_device(config.device)
-    run = build(config, device)
+    (x, y), vocab_size = (batch, vocab_size) if batch is not None else first_batch(config, device)
+    run = build(config, device, vocab_size=vocab_size)
     if optimizer is not None:
         run = dataclasses.replace(run, optimizer=optimizer(run.model, run.stability.param_groups(run.model)))
     model, opt = run.model, run.optimizer
-    x, y = batch if batch is not None else first_batch(config, device)
 
     ledger = StorageLedger()
     params = list(model.parameters())
@@ -237,9 +238,9 @@ def memory_report(config: TrainConfig, *, optimizer: OptimizerFactory | None = N
         baselines: also measure BASELINES (two more steps).
     """
     device = resolve_device(config.device)
-    batch = first_batch(config, device)
-    run = measure(config, optimizer=optimizer, batch=batch)
-    plain = {label: measure(plain_config(config, preset), batch=batch).footprint
+    batch, vocab_size = first_batch(config, device)
+    run = measure(config, optimizer=optimizer, batch=batch, vocab_size=vocab_size)
+    plain = {label: measure(plain_config(config, preset), batch=batch, vocab_size=vocab_size).footprint
              for label, preset in (BASELINES if baselines else ())}
     return MemoryReport(config=config, params=run.params, optimizer=run.optimizer, measured=run.footprint,
                         baselines=plain)

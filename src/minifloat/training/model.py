@@ -34,7 +34,11 @@ from torch import nn
 from minifloat.amp.attention import attention
 from minifloat.amp.norms import RMSNorm
 from minifloat.core.roles import MIN_DIM_MULTIPLE
-from minifloat.core.validate import check_bool, check_int, check_number
+from minifloat.core.validate import check_bool, check_choice, check_int, check_number
+
+
+# LlamaConfig.attention: how softmax(QKᵀ/√d)·V is computed (minifloat.amp.attention.attention's `impl`)
+ATTENTIONS = ("auto", "sdpa", "fp32")
 
 
 def swiglu_hidden(d_model: int) -> int:
@@ -65,6 +69,8 @@ class LlamaConfig:
         qk_norm: RMSNorm on each head's queries and keys before RoPE.
         tie_embeddings: lm_head shares its weight with wte.
         norm_eps: eps of every RMSNorm.
+        attention: "fp32" (scores, softmax and scores·V in fp32, explicitly), "sdpa" (scaled_dot_product_attention,
+            whose kernels keep them in fp32 internally) or "auto" (sdpa on CUDA, fp32 elsewhere).
     """
 
     vocab_size: int = 256
@@ -77,6 +83,7 @@ class LlamaConfig:
     qk_norm: bool = False
     tie_embeddings: bool = True
     norm_eps: float = 1e-5
+    attention: str = "auto"
 
     def __post_init__(self):
         for field in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
@@ -94,6 +101,7 @@ class LlamaConfig:
         check_number("norm_eps", self.norm_eps, low=0.0)
         for field in ("qk_norm", "tie_embeddings"):
             check_bool(field, getattr(self, field))
+        check_choice("attention", self.attention, list(ATTENTIONS))
 
     @property
     def head_dim(self) -> int:

@@ -23,7 +23,7 @@ from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import val_batches
-from minifloat.training.model import Llama, LlamaConfig
+from minifloat.training.model import Llama
 from minifloat.training.optimizer import adamw
 from minifloat.training.parallel import Parallel, World, accumulating, shard, wrap
 from minifloat.training.throughput import resolve_device
@@ -52,13 +52,15 @@ class Run:
         return "cuda" if self.device.type == "cuda" else "cpu"
 
 
-def build(config: TrainConfig, device: torch.device | None = None, world: World = World()) -> Run:
+def build(config: TrainConfig, device: torch.device | None = None, world: World = World(), *,
+          vocab_size: int = 256) -> Run:
     """The model (seeded, under the config's policy, on `device`; sharded or wrapped for the world's ranks), AdamW
-    (behind the `master` mode's wrapper: minifloat.training.optimizer), loss scaler, guard and shadow check."""
+    (behind the `master` mode's wrapper: minifloat.training.optimizer), loss scaler, guard and shadow check.
+    vocab_size: the data's (corpus.vocab_size)."""
     device = device if device is not None else resolve_device(config.device)
     torch.manual_seed(config.seed)
     policy = config.policy()
-    model = policy.apply(Llama(LlamaConfig.preset(config.model))).to(device)
+    model = policy.apply(Llama(config.model_config(vocab_size))).to(device)
     if world.parallel is Parallel.FSDP:
         shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
     elif world.parallel is Parallel.FSDP_TP:
