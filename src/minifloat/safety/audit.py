@@ -54,6 +54,17 @@ _NORM_KERNELS = frozenset({
     "native_batch_norm", "native_batch_norm_backward", "_native_batch_norm_legit",
     "_native_batch_norm_legit_no_training", "_batch_norm_with_update", "batch_norm_backward",
     "native_group_norm", "native_group_norm_backward"})
+# fused attention kernels (scaled_dot_product_attention's flash / cuDNN / memory-efficient / CPU-flash backends and
+# their backward): bf16 q, k, v in, but the scores' running max and sum and the probs·V accumulation stay in fp32
+# inside the kernel (minifloat.amp.attention); their fp32 logsumexp is the one tensor that shows it, so they are
+# judged, as the fused norms, by the widest tensor they touch
+_FUSED_ATTENTION = frozenset({
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_flash_attention_backward",
+    "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_flash_attention_for_cpu_backward",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_efficient_attention_backward",
+    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_cudnn_attention_backward",
+    "_flash_attention_forward", "_flash_attention_backward", "_efficient_attention_forward",
+    "_efficient_attention_backward"})
 _SOFTMAX_OPS = frozenset({"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
                           "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
                           "cross_entropy_loss"})
@@ -63,7 +74,7 @@ _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional
 _COLLECTIVES = frozenset({"allreduce_", "allreduce_coalesced_", "reduce_scatter_", "_reduce_scatter_base_",
                           "all_reduce", "all_reduce_", "all_reduce_coalesced", "reduce_scatter_tensor",
                           "reduce_scatter_tensor_coalesced"})
-_NOTABLE = _GEMMS | _NORM_KERNELS | _SOFTMAX_OPS | _EMBEDDING_OPS | _COLLECTIVES
+_NOTABLE = _GEMMS | _NORM_KERNELS | _FUSED_ATTENTION | _SOFTMAX_OPS | _EMBEDDING_OPS | _COLLECTIVES
 _FP32_BITS = torch.finfo(torch.float32).bits
 
 
@@ -179,8 +190,9 @@ def _float_dtypes(tensors) -> list[torch.dtype]:
 
 
 def _compute_dtype(name: str, ins: list[torch.Tensor], outs: list[torch.Tensor]) -> torch.dtype | None:
-    """The dtype an op computes in: the widest floating tensor for fused norms (their statistics), the output for
-    conversions and softmax (which may widen, half_to_float), else the narrowest floating tensor in or out."""
+    """The dtype an op computes in: the widest floating tensor for fused norms and fused attention (their
+    statistics), the output for conversions and softmax (which may widen, half_to_float), else the narrowest
+    floating tensor in or out."""
     if name in _CONVERSIONS or name in ("_softmax", "_log_softmax"):
         floats = _float_dtypes(outs)
         return floats[0] if floats else None
@@ -190,7 +202,8 @@ def _compute_dtype(name: str, ins: list[torch.Tensor], outs: list[torch.Tensor])
     def precision(d: torch.dtype) -> tuple[int, float]:  # bits, then mantissa (fp16 is finer than bf16)
         return torch.finfo(d).bits, -torch.finfo(d).eps
 
-    return max(floats, key=precision) if name in _NORM_KERNELS else min(floats, key=precision)
+    widest = name in _NORM_KERNELS or name in _FUSED_ATTENTION
+    return max(floats, key=precision) if widest else min(floats, key=precision)
 
 
 class _Tracker:
