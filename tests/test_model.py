@@ -39,9 +39,10 @@ def tokens(b: int, t: int, seed: int = 1) -> torch.Tensor:
 
 
 def expected_params(c: LlamaConfig) -> int:
-    """Parameters counted by hand: embeddings, per block 4 attention + 3 MLP matrices and two norm gains (+ QK-norm
-    gains), the final norm."""
-    block = 4 * c.d_model ** 2 + 3 * c.d_model * c.ffn_dim + 2 * c.d_model + (2 * c.head_dim if c.qk_norm else 0)
+    """Parameters counted by hand: embeddings, per block 4 attention matrices (q, o: d × d; k, v: d × n_kv_head·hd)
+    + 3 MLP matrices and two norm gains (+ QK-norm gains), the final norm."""
+    attn = 2 * c.d_model ** 2 + 2 * c.d_model * c.kv_heads * c.head_dim
+    block = attn + 3 * c.d_model * c.ffn_dim + 2 * c.d_model + (2 * c.head_dim if c.qk_norm else 0)
     embeddings = c.vocab_size * c.d_model * (1 if c.tie_embeddings else 2)
     return embeddings + c.n_layer * block + c.d_model
 
@@ -58,6 +59,17 @@ SIZE_TABLE = [
     ("small", 1e6, 2e6),
     ("10m", 8e6, 12e6),
     ("100m", 90e6, 110e6),
+    ("350m", 250e6, 300e6),
+    ("1b", 900e6, 1000e6),
+]
+# (name, parameters at vocab 256, at vocab 32,000): the counts SIZES' comment states
+PRESET_COUNTS = [
+    ("tiny", 117_056, 2_148_672),
+    ("small", 1_238_656, 5_301_888),
+    ("10m", 10_720_128, 22_909_824),
+    ("100m", 99_309_312, 123_688_704),
+    ("350m", 283_681_792, 348_693_504),
+    ("1b", 974_194_688, 1_104_218_112),
 ]
 
 
@@ -69,6 +81,30 @@ def test_param_counts(name, low, high):
     assert all(p.is_meta for p in model.parameters())
     assert low <= model.num_params() <= high
     assert model.num_params() == expected_params(config)
+
+
+@pytest.mark.parametrize("name, at_256, at_32k", PRESET_COUNTS, ids=[c[0] for c in PRESET_COUNTS])
+def test_preset_counts_at_two_vocabularies(name, at_256, at_32k):
+    for vocab, expected in ((256, at_256), (32_000, at_32k)):
+        with torch.device("meta"):
+            model = Llama(LlamaConfig.preset(name, vocab_size=vocab))
+        assert model.num_params() == expected, (name, vocab)
+
+
+# (name, the fields that make it Llama-3-shaped)
+GPU_PRESETS = [("350m", dict(d_model=1024, n_layer=20, n_head=16, n_kv_head=8, d_ff=3584)),
+               ("1b", dict(d_model=2048, n_layer=16, n_head=32, n_kv_head=8, d_ff=8192))]
+
+
+@pytest.mark.parametrize("name, fields", GPU_PRESETS, ids=[c[0] for c in GPU_PRESETS])
+def test_gpu_presets_are_llama3_shaped(name, fields):
+    c = SIZES[name]
+    assert {f: getattr(c, f) for f in fields} == fields
+    assert (c.tie_embeddings, c.rope_theta, c.max_seq_len, c.head_dim) == (False, 500000.0, 2048, 64)
+    with torch.device("meta"):  # untied: lm_head has its own weight
+        model = Llama(c)
+    assert model.lm_head.weight is not model.wte.weight
+    assert model.blocks[0].attn.k_proj.weight.shape == (c.n_kv_head * c.head_dim, c.d_model)
 
 
 def test_sizes_are_the_presets():
@@ -128,6 +164,12 @@ INVALID = [
     ("norm-eps-negative", dict(norm_eps=-1e-5), "norm_eps"),
     ("qk-norm-int", dict(qk_norm=1), "qk_norm"),
     ("tie-none", dict(tie_embeddings=None), "tie_embeddings"),
+    ("n-kv-head-zero", dict(n_kv_head=0), "n_kv_head"),
+    ("n-kv-head-float", dict(n_kv_head=2.0), "n_kv_head"),
+    ("n-kv-head-not-a-divisor", dict(n_head=4, n_kv_head=3), "n_kv_head.*3"),
+    ("n-kv-head-above-n-head", dict(n_head=4, n_kv_head=8), "n_kv_head.*8"),
+    ("kv-width-not-16", dict(d_model=64, n_head=8, n_kv_head=1), "n_kv_head.*multiple of 16"),
+    ("attention-unknown", dict(attention="flash"), "attention.*flash"),
 ]
 
 
@@ -358,9 +400,79 @@ def test_audit_finds_no_violations(tiny, fp8):
     assert any(r.precision == "fp8" for r in report.records) == fp8
 
 
+@pytest.mark.parametrize("name, attention", [("1b", "fp32"), ("1b", "sdpa"), ("350m", "auto")])
+def test_gpu_presets_forward_on_the_meta_device(name, attention):
+    with torch.device("meta"):
+        model = Llama(LlamaConfig.preset(name, attention=attention))
+        logits, _ = model(torch.zeros(2, 16, dtype=torch.long))
+    assert logits.shape == (2, 16, 256) and logits.device.type == "meta"
+
+
 def test_100m_forward_runs_on_the_meta_device():
     # shapes of the largest size without allocating it: the fp32 islands must work where autocast does not exist
     with torch.device("meta"):
         model = Llama(LlamaConfig.preset("100m"))
         logits, _ = model(torch.zeros(2, 16, dtype=torch.long))
     assert logits.shape == (2, 16, 256) and logits.device.type == "meta"
+
+
+# ------------------------------------------------------------------ attention implementation, grouped-query attention
+
+def _logits(config: LlamaConfig, idx: torch.Tensor, state: dict | None = None) -> torch.Tensor:
+    torch.manual_seed(0)
+    model = Llama(config)
+    if state is not None:
+        model.load_state_dict(state)
+    return model(idx)[0]
+
+
+def test_auto_attention_is_the_fp32_path_on_cpu_bitwise():
+    idx = tokens(2, 32)
+    auto = _logits(LlamaConfig.preset("tiny"), idx)  # attention="auto", the default
+    assert torch.equal(auto, _logits(LlamaConfig.preset("tiny", attention="fp32"), idx))
+
+
+@pytest.mark.parametrize("n_kv_head", [None, 2], ids=["mha", "gqa"])
+def test_sdpa_model_matches_the_fp32_model(n_kv_head):
+    idx = tokens(2, 32)
+    fp32 = _logits(LlamaConfig.preset("tiny", n_kv_head=n_kv_head, attention="fp32"), idx)
+    sdpa = _logits(LlamaConfig.preset("tiny", n_kv_head=n_kv_head, attention="sdpa"), idx)
+    torch.testing.assert_close(sdpa, fp32, rtol=FP32_RTOL, atol=FP32_ATOL)
+
+
+@pytest.mark.parametrize("attention", ["fp32", "sdpa"])
+def test_as_many_kv_heads_as_heads_is_multi_head_attention_bitwise(attention):
+    idx = tokens(2, 32)
+    mha = _logits(LlamaConfig.preset("tiny", attention=attention), idx)
+    assert torch.equal(_logits(LlamaConfig.preset("tiny", n_kv_head=4, attention=attention), idx), mha)
+
+
+@pytest.mark.parametrize("attention", ["fp32", "sdpa"])
+@pytest.mark.parametrize("n_kv_head", [1, 2])
+def test_gqa_is_multi_head_attention_with_repeated_kv_heads(attention, n_kv_head):
+    """A GQA model computes what a multi-head model computes whose k/v projections repeat each kv head's rows for
+    its n_head / n_kv_head query heads (Hugging Face's repeat_kv, on the weights)."""
+    torch.manual_seed(0)
+    gqa = Llama(LlamaConfig.preset("tiny", n_kv_head=n_kv_head, attention=attention))
+    c = gqa.config
+    state = gqa.state_dict()
+    for key in [k for k in state if k.endswith(("k_proj.weight", "v_proj.weight"))]:
+        w = state[key].view(n_kv_head, c.head_dim, c.d_model)  # (H_kv, hd, C)
+        state[key] = w.repeat_interleave(c.n_head // n_kv_head, dim=0).reshape(c.d_model, c.d_model)
+    idx = tokens(2, 32)
+    mha = _logits(LlamaConfig.preset("tiny", attention=attention), idx, state)
+    torch.testing.assert_close(gqa(idx)[0], mha, rtol=FP32_RTOL, atol=FP32_ATOL)
+    assert gqa.num_params() == expected_params(c) < Llama(LlamaConfig.preset("tiny")).num_params()
+
+
+def test_sdpa_model_under_bf16_autocast_passes_the_audit():
+    model = Llama(LlamaConfig.preset("tiny", n_kv_head=2, attention="sdpa"))
+    idx, targets = tokens(2, 16), tokens(2, 16, seed=2)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = audit(model, (idx, targets), loss_fn=lambda out, batch: out[1])
+    assert report.violations == []
+    fused = [r for r in report.records if "scaled_dot_product" in r.op]
+    # forward and backward of each block's fused kernel, judged by its fp32 softmax statistics (logsumexp)
+    assert len(fused) == 2 * model.config.n_layer and {r.precision for r in fused} == {"float32"}
+    forward = {r.module for r in fused if r.phase == "forward"}
+    assert forward == {f"blocks.{i}.attn" for i in range(model.config.n_layer)}

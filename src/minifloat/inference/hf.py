@@ -11,8 +11,11 @@ convention was checked against transformers' modeling_llama, and tests/test_expo
     wte                                    model.embed_tokens                        -
     blocks.N.attn_norm / mlp_norm          model.layers.N.input_layernorm /          RMSNorm y = x / rms(x) · w
                                            post_attention_layernorm                  (w, not 1 + w), eps = norm_eps
-    blocks.N.attn.{q,k,v,o}_proj           model.layers.N.self_attn.{q,k,v,o}_proj   separate projections, no bias,
-                                                                                     n_kv_head = n_head (no GQA)
+    blocks.N.attn.{q,k,v,o}_proj           model.layers.N.self_attn.{q,k,v,o}_proj   separate projections, no bias;
+                                                                                     n_kv_head = num_key_value_heads,
+                                                                                     query head h reads kv head
+                                                                                     h // (n_head / n_kv_head)
+                                                                                     (repeat_kv)
     RoPE: pairs (i, i + hd/2)              rotate_half                               same pairing, same inv_freq
                                                                                      theta^(-2i/hd): no permutation
     attention scale                        1/sqrt(head_dim)                          -
@@ -160,7 +163,7 @@ def hf_config(config: LlamaConfig, *, dtype: str) -> dict:
         "architectures": [arch], "model_type": model_type,
         "vocab_size": config.vocab_size, "hidden_size": config.d_model, "intermediate_size": config.ffn_dim,
         "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head,
-        "num_key_value_heads": config.n_head, "head_dim": config.head_dim,
+        "num_key_value_heads": config.kv_heads, "head_dim": config.head_dim,
         "max_position_embeddings": config.max_seq_len, "rms_norm_eps": config.norm_eps,
         "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "rope_scaling": None, "tie_word_embeddings": config.tie_embeddings,
@@ -181,7 +184,7 @@ def generation_config(config: LlamaConfig) -> dict:
 
 def llama_config(hf: dict) -> LlamaConfig:
     """The LlamaConfig of a Hugging Face config.json written by `hf_config` (or any Llama / Qwen3 config that our
-    Llama can express: no GQA, no biases, SiLU, plain RoPE).
+    Llama can express: no biases, SiLU, plain RoPE; grouped-query attention included).
 
     Raises:
         ValueError naming the field that our Llama cannot express.
@@ -193,9 +196,7 @@ def llama_config(hf: dict) -> LlamaConfig:
         if hf.get(field, value) != value:
             raise ValueError(f"config field {field}={hf[field]!r} is not supported (minifloat's Llama has {value!r})")
     heads = hf["num_attention_heads"]
-    if hf.get("num_key_value_heads", heads) != heads:
-        raise ValueError(f"num_key_value_heads={hf['num_key_value_heads']!r} != num_attention_heads={heads!r}: "
-                         f"grouped-query attention is not supported")
+    kv_heads = hf.get("num_key_value_heads") or heads  # absent or null in older configs: multi-head attention
     if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
         raise ValueError(f"head_dim={hf['head_dim']!r} must be hidden_size / num_attention_heads")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
@@ -205,7 +206,8 @@ def llama_config(hf: dict) -> LlamaConfig:
         raise ValueError("sliding-window attention is not supported")
     d_ff = hf["intermediate_size"]
     return LlamaConfig(
-        vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=heads, d_model=hf["hidden_size"],
+        vocab_size=hf["vocab_size"], n_layer=hf["num_hidden_layers"], n_head=heads,
+        n_kv_head=None if kv_heads == heads else kv_heads, d_model=hf["hidden_size"],
         d_ff=None if d_ff == swiglu_hidden(hf["hidden_size"]) else d_ff, max_seq_len=hf["max_position_embeddings"],
         rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))), qk_norm=arch == QWEN3[0],
         tie_embeddings=hf.get("tie_word_embeddings", False), norm_eps=hf["rms_norm_eps"])

@@ -35,7 +35,7 @@ class KVCache:
     `cache` argument); `length` is the number of positions stored, i.e. the position of the next token.
 
     Args:
-        config: the model's LlamaConfig (layers, heads, head size).
+        config: the model's LlamaConfig (layers, key/value heads, head size).
         batch: sequences generated together (they share positions: prompts of equal length).
         max_len: positions to hold, at most config.max_seq_len; None means config.max_seq_len.
         dtype: "fp32", "bf16" or "fp8" (E4M3 with a scale per token and head).
@@ -48,7 +48,8 @@ class KVCache:
         check_int("max_len", max_len, low=1, high=config.max_seq_len, allow_none=True)
         check_choice("kv_cache", dtype, list(KV_DTYPES))
         self.dtype, self.max_len, self.length = dtype, max_len or config.max_seq_len, 0
-        shape = (config.n_layer, batch, config.n_head, self.max_len, config.head_dim)  # (L, B, H, T, hd)
+        # (L, B, H_kv, T, hd): grouped-query attention stores n_kv_head heads, n_head / n_kv_head times fewer bytes
+        shape = (config.n_layer, batch, config.kv_heads, self.max_len, config.head_dim)
         self.k = torch.zeros(shape, dtype=KV_DTYPES[dtype], device=device)
         self.v = torch.zeros(shape, dtype=KV_DTYPES[dtype], device=device)
         scale_shape = (*shape[:-1], 1) if dtype == "fp8" else (0,)  # (L, B, H, T, 1): one per token and head
@@ -60,9 +61,9 @@ class KVCache:
 
         Args:
             layer: the block's index.
-            k, v: (B, H, T, head_dim), after RoPE (keys are cached rotated: their positions never change).
+            k, v: (B, H_kv, T, head_dim), after RoPE (keys are cached rotated: their positions never change).
         Returns:
-            k, v: (B, H, length + T, head_dim): views of the cache (fp32, bf16), or fp32 dequantized copies (fp8).
+            k, v: (B, H_kv, length + T, head_dim): views of the cache (fp32, bf16), or fp32 dequantized copies (fp8).
         """
         start, end = self.length, self.length + k.shape[-2]
         if end > self.max_len:

@@ -31,14 +31,14 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from minifloat.amp.attention import attention
+from minifloat.amp.attention import IMPLEMENTATIONS, attention
 from minifloat.amp.norms import RMSNorm
 from minifloat.core.roles import MIN_DIM_MULTIPLE
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 
 
 # LlamaConfig.attention: how softmax(QKᵀ/√d)·V is computed (minifloat.amp.attention.attention's `impl`)
-ATTENTIONS = ("auto", "sdpa", "fp32")
+ATTENTIONS = IMPLEMENTATIONS
 
 
 def swiglu_hidden(d_model: int) -> int:
@@ -62,6 +62,9 @@ class LlamaConfig:
         vocab_size: tokens in the vocabulary (256: bytes). A multiple of 16, as every Linear's features.
         n_layer: transformer blocks.
         n_head: attention heads; d_model / n_head is the head size, which must be even (RoPE rotates pairs).
+        n_kv_head: key/value heads (grouped-query attention, Ainslie et al., arXiv 2305.13245): query heads share
+            them in groups of n_head / n_kv_head; a divisor of n_head; None means n_head (multi-head attention).
+            n_kv_head · head_dim, the k/v projections' width, must be a multiple of 16 as every Linear's features.
         d_model: width of the residual stream; a multiple of 16 and of n_head.
         d_ff: SwiGLU hidden size, a multiple of 16; None means `swiglu_hidden(d_model)` (read `ffn_dim`).
         max_seq_len: the longest sequence forward() accepts.
@@ -76,6 +79,7 @@ class LlamaConfig:
     vocab_size: int = 256
     n_layer: int = 2
     n_head: int = 4
+    n_kv_head: int | None = None
     d_model: int = 64
     d_ff: int | None = None
     max_seq_len: int = 256
@@ -89,6 +93,7 @@ class LlamaConfig:
         for field in ("vocab_size", "n_layer", "n_head", "d_model", "max_seq_len"):
             check_int(field, getattr(self, field), low=1)
         check_int("d_ff", self.d_ff, low=1, allow_none=True)
+        check_int("n_kv_head", self.n_kv_head, low=1, allow_none=True)
         _multiple_of_16("vocab_size", self.vocab_size)
         _multiple_of_16("d_model", self.d_model)
         _multiple_of_16("d_ff", self.ffn_dim)
@@ -97,6 +102,12 @@ class LlamaConfig:
         if self.head_dim % 2:
             raise ValueError(f"n_head must leave an even head size for RoPE, got n_head={self.n_head!r} "
                              f"(head size {self.head_dim})")
+        if self.n_head % self.kv_heads:
+            raise ValueError(f"n_kv_head must divide n_head ({self.n_head}), got {self.n_kv_head!r}")
+        if self.kv_dim % MIN_DIM_MULTIPLE:
+            raise ValueError(f"n_kv_head · head_dim (the k/v projections' width) must be a multiple of "
+                             f"{MIN_DIM_MULTIPLE} (FP8 GEMMs need it), got n_kv_head={self.n_kv_head!r} · "
+                             f"{self.head_dim} = {self.kv_dim}")
         check_number("rope_theta", self.rope_theta, low=1.0, low_open=True)
         check_number("norm_eps", self.norm_eps, low=0.0)
         for field in ("qk_norm", "tie_embeddings"):
@@ -108,24 +119,41 @@ class LlamaConfig:
         return self.d_model // self.n_head
 
     @property
+    def kv_heads(self) -> int:
+        """Key/value heads in use: n_kv_head, or n_head when n_kv_head is None."""
+        return self.n_head if self.n_kv_head is None else self.n_kv_head
+
+    @property
+    def kv_dim(self) -> int:
+        """Width of the k and v projections: kv_heads · head_dim."""
+        return self.kv_heads * self.head_dim
+
+    @property
     def ffn_dim(self) -> int:
         """The SwiGLU hidden size in use: d_ff, or swiglu_hidden(d_model) when d_ff is None."""
         return swiglu_hidden(self.d_model) if self.d_ff is None else self.d_ff
 
     @classmethod
     def preset(cls, name: str, **overrides) -> "LlamaConfig":
-        """A named size from SIZES ("tiny", "small", "10m", "100m"), with fields replaced by `overrides`."""
+        """A named size from SIZES ("tiny", "small", "10m", "100m", "350m", "1b"), with fields replaced by
+        `overrides`."""
         if name not in SIZES:
             raise ValueError(f"unknown model size {name!r}; known: {list(SIZES)}")
         return dataclasses.replace(SIZES[name], **overrides)
 
 
-# Parameter counts at vocab_size=256, tied embeddings, no QK-norm (tests/test_model.py checks them)
+# Parameter counts at vocab_size=256 (the bytes; tests/test_model.py checks them); the first four: tied embeddings,
+# no QK-norm, multi-head attention: CPU and CI sizes. The last two are Llama-3-shaped for a GPU: untied embeddings,
+# grouped-query attention, rope_theta 500000, 2048 positions; "1b" is Llama-3.2-1B's body (its vocabulary is
+# 128,256, tied: 1.24B). Their counts at a 32,000-token vocabulary (a BPE tokenizer's) are in parentheses.
+_LLAMA3 = dict(tie_embeddings=False, rope_theta=500000.0, max_seq_len=2048)
 SIZES: dict[str, LlamaConfig] = {
     "tiny": LlamaConfig(n_layer=2, n_head=4, d_model=64, max_seq_len=128),  # 0.12M, for CI
     "small": LlamaConfig(n_layer=6, n_head=4, d_model=128, max_seq_len=256),  # 1.24M
     "10m": LlamaConfig(n_layer=6, n_head=6, d_model=384, max_seq_len=512),  # 10.7M
     "100m": LlamaConfig(n_layer=14, n_head=12, d_model=768, max_seq_len=1024),  # 99.3M
+    "350m": LlamaConfig(n_layer=20, n_head=16, n_kv_head=8, d_model=1024, d_ff=3584, **_LLAMA3),  # 283.7M (348.7M)
+    "1b": LlamaConfig(n_layer=16, n_head=32, n_kv_head=8, d_model=2048, d_ff=8192, **_LLAMA3),  # 974.2M (1104.2M)
 }
 
 
@@ -168,10 +196,11 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class CausalSelfAttention(nn.Module):
     def __init__(self, config: LlamaConfig):
         super().__init__()
-        d, self.n_head, self.head_dim = config.d_model, config.n_head, config.head_dim
+        d, self.n_head, self.n_kv_head, self.head_dim = config.d_model, config.n_head, config.kv_heads, config.head_dim
+        self.attention = config.attention  # "fp32", "sdpa" or "auto" (minifloat.amp.attention)
         self.q_proj = nn.Linear(d, d, bias=False)
-        self.k_proj = nn.Linear(d, d, bias=False)
-        self.v_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, config.kv_dim, bias=False)  # n_kv_head heads (grouped-query attention)
+        self.v_proj = nn.Linear(d, config.kv_dim, bias=False)
         self.o_proj = nn.Linear(d, d, bias=False)
         if config.qk_norm:  # over each head's features
             self.q_norm, self.k_norm = RMSNorm(self.head_dim, config.norm_eps), RMSNorm(self.head_dim, config.norm_eps)
@@ -181,13 +210,15 @@ class CausalSelfAttention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv=None) -> torch.Tensor:
         B, T, C = x.shape
         q = self.q_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        k = self.k_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
-        v = self.v_proj(x).view(B, T, self.n_head, self.head_dim).transpose(1, 2)  # (B, H, T, hd)
+        k = self.k_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, H_kv, T, hd)
+        v = self.v_proj(x).view(B, T, self.n_kv_head, self.head_dim).transpose(1, 2)  # (B, H_kv, T, hd)
         q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if kv is not None:  # generation: the cache stores this call's k, v and returns every position's so far
-            k, v = kv(k, v)  # (B, H, T_cached + T, hd) each
-        y = attention(q, k, v, causal=True)  # (B, H, T, hd); scores, softmax and scores·V in fp32
+            k, v = kv(k, v)  # (B, H_kv, T_cached + T, hd) each
+        # (B, H, T, hd); query head h reads kv head h // (H / H_kv); softmax and scores·V in fp32 (explicitly, or
+        # inside SDPA's fused kernel)
+        y = attention(q, k, v, causal=True, impl=self.attention)
         y = y.transpose(1, 2).contiguous().view(B, T, -1)  # (B, T, C): heads side by side again (C/t under TP)
         return self.o_proj(y)
 

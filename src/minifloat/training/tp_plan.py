@@ -8,7 +8,8 @@ reduce-scatters the output back onto the sequence shards.
 
     wte             RowwiseParallel (vocab rows)         idx replicated  -> x (B, T/t, C)
     attn_norm       SequenceParallel, fp32               x (B, T/t, C)
-    q/k/v_proj      Fp8ColwiseParallel (heads)           all-gather      -> (B, T, C/t): n_head/t local heads
+    q/k/v_proj      Fp8ColwiseParallel (heads)           all-gather      -> (B, T, C/t): n_head/t local heads,
+                                                                            n_kv_head/t local key/value heads
     o_proj          Fp8RowwiseParallel                   partial sums    -> reduce-scatter (B, T/t, C)
     mlp_norm        SequenceParallel, fp32
     gate/up_proj    Fp8ColwiseParallel                   all-gather      -> (B, T, d_ff/t)
@@ -37,7 +38,10 @@ def _check(model: Llama, tp: int) -> None:
     config = model.config
     if config.qk_norm:  # its gain would see only the local heads: a gradient per rank, summed nowhere
         raise ValueError("tensor parallel does not support qk_norm=True yet")
-    for field, value in (("n_head", config.n_head), ("ffn_dim", config.ffn_dim), ("vocab_size", config.vocab_size)):
+    # each rank holds whole heads, and the query heads of a key/value head on the same rank: n_head and n_kv_head
+    # both split (query head h reads kv head h // (n_head / n_kv_head); rank r's blocks of each stay together)
+    for field, value in (("n_head", config.n_head), ("n_kv_head", config.kv_heads), ("ffn_dim", config.ffn_dim),
+                         ("vocab_size", config.vocab_size)):
         if value % tp:
             raise ValueError(f"{field} ({value}) must be a multiple of the tensor-parallel size {tp}")
 
@@ -78,6 +82,7 @@ def _parallelize(model: Llama, tp_mesh: DeviceMesh, apply) -> Llama:
         model.lm_head.weight = model.wte.weight
     for block in model.blocks:
         block.attn.n_head //= tp  # the heads of this rank's q/k/v columns
+        block.attn.n_kv_head //= tp
     return model
 
 
@@ -85,7 +90,8 @@ def llama_tensor_parallel(model: Llama, tp_mesh: DeviceMesh) -> Llama:
     """Tensor + sequence parallel over the 1-D `tp_mesh`, in place (a converted Llama; build the optimizer after).
 
     Every rank feeds the same (B, T) tokens, T a multiple of the TP size; logits and loss come out replicated.
-    Raises ValueError if the heads, SwiGLU width or vocabulary do not split evenly, or with qk_norm.
+    Raises ValueError if the heads (query or key/value), SwiGLU width or vocabulary do not split evenly, or with
+    qk_norm.
     """
     return _parallelize(model, tp_mesh, lambda plan: apply_tensor_parallel(model, tp_mesh, plan))
 
