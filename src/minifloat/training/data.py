@@ -21,13 +21,12 @@ import logging
 import math
 import os
 import pathlib
-import struct
 import sysconfig
-from collections.abc import Iterator
 
 import torch
 
 from minifloat.core.validate import check_int, check_number
+from minifloat.training.batches import BatchLoader, TokenStream, val_batches  # noqa: F401 - re-exported
 
 log = logging.getLogger("minifloat")
 
@@ -96,10 +95,14 @@ class Manifest:
     files: tuple[FileEntry, ...]
     skipped: tuple[tuple[str, str], ...]  # (relative path, reason)
     digest: str
+    vocab_size: int = 256
+    # what else decides the tokens, by name (e.g. {"tokenizer": {"sha256": …}, "dtype": "uint16"}); in to_dict()
+    source: dict = dataclasses.field(default_factory=dict)
 
     def to_dict(self) -> dict:
         """Plain (JSON-able) form, for a checkpoint."""
-        return {"root": self.root, "digest": self.digest, "vocab_size": 256, "skipped": [list(s) for s in self.skipped],
+        return {"root": self.root, "digest": self.digest, "vocab_size": self.vocab_size,
+                "skipped": [list(s) for s in self.skipped], **self.source,
                 "files": [{"path": f.path, "split": f.split.value, "nbytes": f.nbytes, "sha256": f.sha256}
                           for f in self.files]}
 
@@ -118,6 +121,8 @@ class Manifest:
         lines = [f"removed: {p}" for p in sorted(old.keys() - new.keys())]
         lines += [f"added: {p}" for p in sorted(new.keys() - old.keys())]
         lines += [f"changed: {p}" for p in sorted(old.keys() & new.keys()) if old[p] != new[p]]
+        mine = {"vocab_size": self.vocab_size, **self.source}  # the tokenizer, the shards' dtype …
+        lines += [f"{key} changed" for key in mine if saved.get(key) != mine[key]]
         return lines or ["digest differs"]
 
 
@@ -192,12 +197,20 @@ class ByteCorpus:
 
 def load_corpus(data: str | None = None, *, max_bytes: int | None = None, tokenizer: str | None = None):
     """The corpus a run trains on (TrainConfig's data, max_bytes and tokenizer): a folder of text files read as
-    bytes (ByteCorpus). Every corpus has `train` and `val` (1-D token streams), `vocab_size`, `manifest` and
-    `config`."""
+    bytes (ByteCorpus), or, with a tokenizer.json, encoded by it; or token shards (a `.bin` file, or a folder of them,
+    memory-mapped). Every corpus has `train` and `val` (token streams for BatchLoader and val_batches),
+    `vocab_size`, `manifest` and `config`; docs/training.md ("Data") has the rules."""
+    # imported here: minifloat.training.tokens builds on this module (DataConfig, Manifest, split_files)
+    from minifloat.training.tokens import is_token_data, load_text_tokens, load_token_shards
+
+    if data is not None and is_token_data(data):
+        return load_token_shards(data, tokenizer=tokenizer)
+    if tokenizer is not None:
+        return load_text_tokens(data, max_bytes=max_bytes, tokenizer=tokenizer)
     return ByteCorpus.load(DataConfig(path=data, max_bytes=max_bytes))
 
 
-def require_windows(corpus: ByteCorpus, *, seq_len: int) -> None:
+def require_windows(corpus, *, seq_len: int) -> None:
     """Refuse, before a run starts, a corpus whose train or validation split is too short for one sequence of
     `seq_len` + 1 tokens: training samples such windows from the train split and every evaluation reads the
     validation split, so a short split would otherwise end the run at its first evaluation.
@@ -207,11 +220,20 @@ def require_windows(corpus: ByteCorpus, *, seq_len: int) -> None:
     """
     where = "the standard library's sources" if corpus.config.path is None else f"--data {corpus.config.path}"
     for split in Split:
-        n = corpus.tokens(split).numel()
+        tokens, name = corpus.tokens(split), "validation" if split == Split.VAL else "training"
+        if isinstance(tokens, TokenStream):  # shards: a window never crosses from one into the next
+            if tokens.n_starts(seq_len) <= 0:
+                raise ValueError(
+                    f"the {name} split of {where} has no token shard longer than one sequence of {seq_len + 1} tokens "
+                    f"(--seq-len {seq_len} + 1): its longest holds {max(tokens.lengths)}; add tokens to the split "
+                    f"(files named val/validation are the validation split), or lower --seq-len")
+            continue
+        n = tokens.numel()
         if n <= seq_len:
+            unit = "bytes" if isinstance(corpus, ByteCorpus) else "tokens"
             cap = f"raise --max-bytes (now {corpus.config.max_bytes}), " if corpus.config.max_bytes else ""
             raise ValueError(
-                f"the {'validation' if split == Split.VAL else 'training'} split of {where} holds {n} bytes, but one "
+                f"the {name} split of {where} holds {n} {unit}, but one "
                 f"sequence needs {seq_len + 1} (--seq-len {seq_len} + 1); {cap}add text files (each file goes to "
                 f"one split, about {corpus.config.val_fraction:.0%} of them to validation), or lower --seq-len")
 
@@ -238,93 +260,6 @@ def split_files(paths: list[str], val_fraction: float) -> dict[str, Split]:
     if len(paths) >= 2 and Split.TRAIN not in splits.values():
         splits[by_score[-1]] = Split.TRAIN
     return splits
-
-
-class BatchLoader:
-    """Random (B, T) windows of one token stream; batch k is a pure function of (seed, k) and the tokens.
-
-    The window starts of batch k are SHAKE-256("minifloat.data/{seed}/{k}") read as B little-endian uint64s modulo the
-    number of starts. A hash rather than torch.Generator: the CPU generator keeps only the low 32 bits of its seed
-    (manual_seed(1) and manual_seed(1 + 2**32) draw the same numbers), so seeding one per batch would repeat batches,
-    and a hash gives the same batches on every torch version. The modulo bias is below N / 2^64.
-    """
-
-    def __init__(self, tokens: torch.Tensor, *, batch_size: int, seq_len: int, seed: int = 0):
-        """Args:
-            tokens: (N,) uint8 stream, N > seq_len.
-            batch_size: B, windows per batch.
-            seq_len: T, tokens per row of x (and of y).
-            seed: non-negative int.
-        """
-        for name, value, low in (("batch_size", batch_size, 1), ("seq_len", seq_len, 1), ("seed", seed, 0)):
-            check_int(name, value, low=low)
-        if tokens.dim() != 1 or tokens.numel() <= seq_len:
-            raise ValueError(f"tokens must be a 1-D stream longer than seq_len={seq_len}, got shape "
-                             f"{tuple(tokens.shape)}")
-        self.tokens, self.batch_size, self.seq_len = tokens, batch_size, seq_len
-        self.seed, self.position = seed, 0
-        self._offsets = torch.arange(seq_len + 1)
-
-    def batch(self, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Batch number k (does not move the position). Returns (x, y), both (B, T) int64, y[:, t] = x[:, t + 1]."""
-        check_int("k", k, low=0)
-        n_starts = self.tokens.numel() - self.seq_len  # a window is seq_len + 1 tokens
-        raw = hashlib.shake_256(f"minifloat.data/{self.seed}/{k}".encode()).digest(8 * self.batch_size)
-        starts = torch.tensor([v % n_starts for v in struct.unpack(f"<{self.batch_size}Q", raw)])
-        window = self.tokens[starts[:, None] + self._offsets].long()  # (B, T + 1)
-        return window[:, :-1], window[:, 1:]
-
-    def __iter__(self) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-        return self
-
-    def __next__(self) -> tuple[torch.Tensor, torch.Tensor]:
-        xy = self.batch(self.position)
-        self.position += 1
-        return xy
-
-    def skip(self, n: int) -> None:
-        """Move ahead n batches, as if drawing them (rollback uses it to step over the batches of a bad stretch)."""
-        check_int("n", n, low=0)
-        self.position += n
-
-    def state_dict(self) -> dict[str, int]:
-        return {"position": self.position, "seed": self.seed}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        """Resume from `state_dict()`; the saved seed replaces this loader's."""
-        if set(state) != {"position", "seed"}:
-            raise ValueError(f"state must have exactly the keys 'position' and 'seed', got {sorted(state)}")
-        check_int("position", state["position"], low=0)
-        check_int("seed", state["seed"], low=0)
-        self.position, self.seed = state["position"], state["seed"]
-
-
-def val_batches(tokens: torch.Tensor, *, batch_size: int, seq_len: int,
-                max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Fixed batches covering a stream: windows start at 0, T, 2T, …, so every token after the first is a target
-    exactly once (up to a tail shorter than T). The last batch may have fewer than B rows.
-
-    Args:
-        tokens: (N,) uint8 stream, N > seq_len.
-        batch_size, seq_len: B and T.
-        max_batches: stop after this many batches (the first ones, so the subset is fixed too); None for all.
-    Returns:
-        an iterator of (x, y), each (b, T) int64 with b <= B.
-    """
-    check_int("batch_size", batch_size, low=1)
-    check_int("seq_len", seq_len, low=1)
-    if max_batches is not None:
-        check_int("max_batches", max_batches, low=1)
-    if tokens.dim() != 1 or tokens.numel() <= seq_len:
-        raise ValueError(f"tokens must be a 1-D stream longer than seq_len={seq_len}, got shape {tuple(tokens.shape)}")
-    n_windows = (tokens.numel() - 1) // seq_len
-    offsets = torch.arange(seq_len + 1)
-    for i, first in enumerate(range(0, n_windows, batch_size)):
-        if max_batches is not None and i == max_batches:
-            return
-        starts = torch.arange(first, min(first + batch_size, n_windows)) * seq_len
-        window = tokens[starts[:, None] + offsets].long()  # (b, T + 1)
-        yield window[:, :-1], window[:, 1:]
 
 
 def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig,

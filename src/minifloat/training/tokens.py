@@ -1,0 +1,214 @@
+"""Token corpora: memory-mapped token shards, or a folder of text encoded by a Hugging Face tokenizer.
+
+Shards (minifloat.training.shards has the layouts) are split by what their names or meta.json say: a file whose name
+holds the word val, valid or validation is validation data; a lone shard gives its last `val_fraction` of tokens to
+validation; several shards, none named so, are split by file with `split_files`' hash rule. The vocabulary is
+meta.json's, else the --tokenizer's, else one pass over the shards finds the largest id (vocabulary = that + 1).
+
+A text folder with a tokenizer is read exactly as the byte corpus reads it (the same files, split and --max-bytes
+cap), each file encoded on its own and the files of a split concatenated with the end-of-text id between them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import logging
+import math
+import pathlib
+import re
+
+import torch
+
+from minifloat.training.batches import TokenStream
+from minifloat.training.data import ByteCorpus, DataConfig, FileEntry, Manifest, Split, split_files
+from minifloat.training.shards import (HASH_RULE, META_FILE, SHARD_FIX, Shard, file_sha256, max_id, read_meta,
+                                       read_shard)
+from minifloat.training.tokenizer import LoadedTokenizer, encode_texts, load_tokenizer
+
+log = logging.getLogger("minifloat")
+
+VAL_WORDS = {"val", "valid", "validation"}
+# words in a bare .bin's name that make its folder token data (besides VAL_WORDS); a folder holding other .bin files
+# only (model weights, say) is read as text, so its text files are not mistaken for shards' neighbours
+SPLIT_WORDS = {"train", "training", *VAL_WORDS}
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenCorpus:
+    """Token streams of each split (TokenStreams of mapped shards, or in-memory int32 ids), the vocabulary, and the
+    manifest they were built from."""
+
+    train: torch.Tensor | TokenStream
+    val: torch.Tensor | TokenStream
+    vocab_size: int
+    manifest: Manifest
+    config: DataConfig
+
+    def tokens(self, split: Split | str) -> torch.Tensor | TokenStream:
+        """The stream of one split ("train" or "val")."""
+        return self.train if Split(split) == Split.TRAIN else self.val
+
+
+def _words(name: str) -> set[str]:
+    return set(re.split(r"[^a-z0-9]+", pathlib.PurePath(name).stem.lower()))
+
+
+def is_token_data(data: str) -> bool:
+    """Whether --data names token shards: a `.bin` file; or a folder holding meta.json, or `.bin` files of which one
+    is an llm.c or Megatron shard or has a split word (SPLIT_WORDS) in its name, as nanoGPT's train.bin."""
+    path = pathlib.Path(data).expanduser()
+    if path.is_file():
+        return path.suffix == ".bin"
+    if not path.is_dir():
+        return False
+    if (path / META_FILE).is_file():
+        return True
+    bins = [p for p in path.glob("*.bin") if p.is_file()]
+    return any(p.with_suffix(".idx").is_file() or _words(p.name) & SPLIT_WORDS or _llmc_magic(p) for p in bins)
+
+
+def _llmc_magic(path: pathlib.Path) -> bool:
+    try:
+        return read_shard(path, path.name).layout == "llm.c"
+    except (OSError, ValueError):
+        return False
+
+
+def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: float | None = None) -> TokenCorpus:
+    """The corpus of a `.bin` shard or a folder of them, memory-mapped.
+
+    Args:
+        data: a `.bin` file or a folder (see `is_token_data`).
+        tokenizer: a tokenizer.json: the vocabulary when the shards name none, else checked against theirs.
+        val_fraction: a lone shard's share of validation tokens (DataConfig's default when None).
+    Raises:
+        ValueError naming the file and the fix: a corrupt shard or meta.json, a vocabulary that disagrees with the
+        tokenizer's, ids outside the vocabulary (checked on a sample of each shard), a split left without shards.
+    """
+    config = DataConfig(path=data, **({} if val_fraction is None else {"val_fraction": val_fraction}))
+    root = pathlib.Path(data).expanduser()
+    folder = root if root.is_dir() else root.parent
+    meta = read_meta(folder) if root.is_dir() and (root / META_FILE).is_file() else None
+    if meta is not None:
+        for entry in meta["shards"]:
+            if not (folder / entry["file"]).is_file():
+                raise ValueError(f"{folder / META_FILE} lists the shard {entry['file']}, which is missing from "
+                                 f"{folder}; re-create the folder with minifloat tokenize")
+        shards = [read_shard(folder / e["file"], e["file"], dtype=meta["dtype"], tokens=e["tokens"])
+                  for e in meta["shards"]]
+        splits = {e["file"]: Split(e["split"]) for e in meta["shards"]}
+    else:
+        paths = [root] if root.is_file() else sorted(p for p in root.glob("*.bin") if p.is_file())
+        shards = [read_shard(p, p.name) for p in paths]
+        splits = _split_by_name([s.rel for s in shards], config.val_fraction)
+    if len({s.dtype for s in shards}) > 1:
+        kinds = ", ".join(f"{s.rel}: {s.dtype}" for s in shards)
+        raise ValueError(f"the token shards under {folder} mix id types ({kinds}); {SHARD_FIX}")
+    loaded = load_tokenizer(tokenizer) if tokenizer is not None else None
+    vocab_size = _vocabulary(shards, meta, loaded, folder)
+    pieces = _pieces(shards, splits, config.val_fraction)
+    for split in Split:
+        if not pieces[split]:
+            which = "training" if split == Split.TRAIN else "validation"
+            raise ValueError(f"the token shards under {folder} leave the {which} split empty (every shard is named "
+                             f"{'val' if split == Split.TRAIN else 'train'}…); add a shard whose name says "
+                             f"{'train' if split == Split.TRAIN else 'val'}, or write a meta.json (minifloat tokenize)")
+    streams = {split: TokenStream([t for _, _, t in pieces[split]], names=[n for _, n, _ in pieces[split]],
+                                  unsigned=True, vocab_size=vocab_size) for split in Split}
+    tokenizer_sha = loaded.sha256 if loaded is not None else ((meta or {}).get("tokenizer") or {}).get("sha256")
+    source = {"kind": "shards", "dtype": shards[0].dtype, "tokenizer": tokenizer_sha, "hash_rule": HASH_RULE}
+    hashes = {s.rel: file_sha256(s.path) for s in shards}
+    files = tuple(FileEntry(name, split, t.numel() * shard.itemsize, hashes[shard.rel])
+                  for split in Split for shard, name, t in pieces[split])
+    manifest = Manifest(str(folder), files, (), _digest(files, vocab_size, source), vocab_size, source)
+    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], vocab_size, manifest, config)
+
+
+def _split_by_name(names: list[str], val_fraction: float) -> dict[str, Split]:
+    """Named val/valid/validation: validation; one shard, none so named: both (see _pieces, None here); several:
+    the others by `split_files` when no name says val."""
+    named = {n: Split.VAL for n in names if _words(n) & VAL_WORDS}
+    if named:
+        return {n: named.get(n, Split.TRAIN) for n in names}
+    if len(names) == 1:
+        return {}
+    return split_files(names, val_fraction)
+
+
+def _pieces(shards: list[Shard], splits: dict[str, Split],
+            val_fraction: float) -> dict[Split, list[tuple[Shard, str, torch.Tensor]]]:
+    """(shard, name, mapped ids) of each split. A lone shard without a split (`splits` empty) gives its last
+    ceil(n·val_fraction) tokens to validation and the rest to training."""
+    out: dict[Split, list] = {Split.TRAIN: [], Split.VAL: []}
+    if not splits:
+        shard, ids = shards[0], shards[0].map()
+        n_val = math.ceil(ids.numel() * val_fraction)
+        if ids.numel() < 2 or n_val >= ids.numel():
+            raise ValueError(f"token shard {shard.rel} holds {ids.numel()} tokens, too few to split into training "
+                             f"and validation; add tokens or a validation shard (a .bin named val)")
+        cut = ids.numel() - n_val
+        out[Split.TRAIN].append((shard, f"{shard.rel} (tokens 0-{cut})", ids[:cut]))
+        out[Split.VAL].append((shard, f"{shard.rel} (tokens {cut}-{ids.numel()})", ids[cut:]))
+        return out
+    for shard in shards:
+        out[splits[shard.rel]].append((shard, shard.rel, shard.map()))
+    return out
+
+
+def _vocabulary(shards: list[Shard], meta: dict | None, loaded: LoadedTokenizer | None, folder: pathlib.Path) -> int:
+    """meta.json's vocabulary (checked against the tokenizer's), else the tokenizer's, else the largest id + 1; a
+    stated vocabulary is checked on a sample of each shard."""
+    if meta is not None:
+        vocab_size = meta["vocab_size"]
+        if loaded is not None and loaded.vocab_size != vocab_size:
+            raise ValueError(f"--tokenizer {loaded.path} has a vocabulary of {loaded.vocab_size} ids, but the token "
+                             f"shards under {folder} were made with one of {vocab_size} (meta.json); pass the "
+                             f"tokenizer they were made with, or leave --tokenizer out")
+    elif loaded is not None:
+        vocab_size = loaded.vocab_size
+    else:
+        top = max(max_id(s.map(), sample=False) for s in shards)
+        log.info("data: the token shards under %s name no vocabulary; their largest id is %d, so the vocabulary is "
+                 "%d ids (pass --tokenizer to set it)", folder, top, top + 1)
+        return top + 1
+    for shard in shards:
+        top = max_id(shard.map(), sample=True)
+        if top >= vocab_size:
+            raise ValueError(f"token shard {shard.rel} holds the id {top}, outside the vocabulary of {vocab_size} ids "
+                             f"({'meta.json' if meta else f'--tokenizer {loaded.path}'}): the shard is corrupt or was "
+                             f"made with another tokenizer; {SHARD_FIX}")
+    return vocab_size
+
+
+def _digest(files: tuple[FileEntry, ...], vocab_size: int, source: dict) -> str:
+    """SHA-256 over what decides the token streams: each piece (name, split, size, hash), the vocabulary and source."""
+    listing = [[f.path, f.split.value, f.nbytes, f.sha256] for f in files]
+    return hashlib.sha256(json.dumps([listing, vocab_size, source], sort_keys=True).encode()).hexdigest()
+
+
+def load_text_tokens(data: str | None, *, max_bytes: int | None, tokenizer: str) -> TokenCorpus:
+    """A text folder (the standard library's sources when None) read as ByteCorpus reads it, each file encoded by
+    `tokenizer`, the files of a split concatenated with its end-of-text id after each.
+
+    Raises:
+        ValueError: a missing or unreadable tokenizer.json; and ByteCorpus.load's errors.
+    """
+    loaded = load_tokenizer(tokenizer)
+    corpus = ByteCorpus.load(DataConfig(path=data, max_bytes=max_bytes))
+    streams = {split: encode_texts(loaded, split_texts(corpus, split)).to(torch.int32) for split in Split}
+    source = {"kind": "text", "tokenizer": loaded.sha256}
+    digest = hashlib.sha256(f"{corpus.manifest.digest}\n{loaded.sha256}\n{loaded.eot_id}".encode()).hexdigest()
+    manifest = dataclasses.replace(corpus.manifest, digest=digest, vocab_size=loaded.vocab_size, source=source)
+    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], loaded.vocab_size, manifest, corpus.config)
+
+
+def split_texts(corpus: ByteCorpus, split: Split) -> list[str]:
+    """The text of each file of one split, in order, cut from the split's byte stream by the manifest's sizes (a file
+    cut by --max-bytes may end inside a UTF-8 character: that character is dropped)."""
+    data, texts, at = corpus.tokens(split).numpy().tobytes(), [], 0
+    for entry in (f for f in corpus.manifest.files if f.split == split):
+        texts.append(data[at:at + entry.nbytes].decode("utf-8", errors="ignore"))
+        at += entry.nbytes
+    return texts
