@@ -10,7 +10,7 @@ import pytest
 from rich.console import Console
 
 from minifloat.cli import main
-from minifloat.cli.compare import COLUMNS, summary_table, table_note
+from minifloat.cli.compare import COLUMNS, SPEED_COLUMNS, speed_table, summary_table, table_note
 from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, SMOOTHING,
                                         TAIL_FRACTION, ZERO_LABEL, _command, _summarize, compare, loss_curves_figure,
                                         noise_band_pct)
@@ -19,8 +19,9 @@ from minifloat.training.rundir import RunExistsError
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
-METRICS = ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "tokens_per_s", "warmup_steps_excluded",
-           "skipped_steps", "fallbacks")
+METRICS = ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "tokens_per_s", "speedup_vs_bf16",
+           "warmup_steps_excluded", "skipped_steps", "fallbacks")
+GPU_METRICS = ("mfu", "peak_memory_gib")  # None on a CPU: no peak FLOP/s, no device memory to measure
 TERMINAL_COLUMNS = 80  # issue 22: the compare table fits an 80-column terminal
 TINY = dict(model="tiny", steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1, max_bytes=200_000)
 
@@ -44,10 +45,13 @@ def test_summary_json_has_finite_metrics_per_preset(summary):
     assert written["command"].startswith("minifloat compare --presets bf16,fp8-current")
     assert written["config"]["steps"] == TINY["steps"]
     for preset, metrics in written["presets"].items():
-        assert set(metrics) == set(METRICS), preset
+        assert set(metrics) == set(METRICS + GPU_METRICS), preset
         for key in METRICS:
             assert math.isfinite(metrics[key]), (preset, key)
+        assert [metrics[key] for key in GPU_METRICS] == [None, None]
+        assert metrics["speedup_vs_bf16"] == metrics["tokens_per_s"] / written["presets"]["bf16"]["tokens_per_s"]
         assert (out / preset / "log.csv").is_file()
+    assert written["presets"]["bf16"]["speedup_vs_bf16"] == 1.0 and written["device"] == "cpu"
 
 
 @pytest.mark.parametrize("name", ["loss_curves.png", "numerics_heatmap.png"])
@@ -169,16 +173,18 @@ def fake_summary(*, warmup: int, shadow_every: int = 0) -> dict:
     """A summary of the default presets with the widest numbers a run prints (a GPU's tok/s, two-digit counts)."""
     presets = {name: {"final_train_loss": 12.3456 + i, "final_val_loss": 12.4567 + i,
                       "rel_diff_vs_bf16": -0.1234 * i if i else 0.0, "tokens_per_s": 12_345_678.9 * (i + 1),
-                      "warmup_steps_excluded": warmup, "skipped_steps": 10 + i, "fallbacks": 20 + i}
+                      "warmup_steps_excluded": warmup, "skipped_steps": 10 + i, "fallbacks": 20 + i,
+                      "speedup_vs_bf16": 1.0 + 0.35 * i, "mfu": 0.4567 - 0.05 * i, "peak_memory_gib": 123.4 + i}
                for i, name in enumerate(DEFAULT_PRESETS)}
     return {"config": {"model": "100m", "steps": 100_000, "batch_size": 64, "seq_len": 2048, "seed": 12345,
-                       "shadow_every": shadow_every}, "presets": presets}
+                       "shadow_every": shadow_every}, "presets": presets, "device": "NVIDIA H100 80GB HBM3"}
 
 
-def render(summary: dict) -> list[str]:
-    """The table and its note as `minifloat compare` prints them, in an 80-column terminal."""
+def render(summary: dict, tables=(summary_table, speed_table)) -> list[str]:
+    """The tables and their note as `minifloat compare` prints them, in an 80-column terminal."""
     console = Console(width=TERMINAL_COLUMNS, record=True, file=io.StringIO())
-    console.print(summary_table(summary))
+    for table in tables:
+        console.print(table(summary))
     for line in table_note(summary):
         console.print(line, highlight=False)
     return console.export_text().splitlines()
@@ -190,22 +196,25 @@ def test_table_fits_80_columns_without_cutting_a_cell(shadow_every):
     lines = render(s)
     assert max(len(line) for line in lines) <= TERMINAL_COLUMNS
     assert not any("…" in line for line in lines)
-    header = [line for line in lines if line.startswith("┃")]  # the headers' lines
-    for column in COLUMNS:  # every header whole: each of its lines' words in its own header line
-        for i, part in enumerate(column.split("\n")):
-            assert part in header[i + len(header) - len(column.split("\n"))], column
+    header = [line for line in lines if line.startswith("┃")]  # the headers' lines, two per table
+    for columns, lines_of in ((COLUMNS, header[:2]), (SPEED_COLUMNS, header[2:])):
+        for column in columns:  # every header whole: each of its lines' words in its own header line
+            for i, part in enumerate(column.split("\n")):
+                assert part in lines_of[i + len(lines_of) - len(column.split("\n"))], column
     for name, m in s["presets"].items():
-        cells = [name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}", f"{m['rel_diff_vs_bf16']:+.2%}",
-                 f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"])]
-        # the row is one line, every number whole
-        assert sum(all(c in line for c in cells) for line in lines) == 1, name
+        losses = [name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}", f"{m['rel_diff_vs_bf16']:+.2%}",
+                  str(m["skipped_steps"])]
+        speed = [name, f"{m['tokens_per_s']:,.0f}", f"{m['speedup_vs_bf16']:.2f}×", f"{m['mfu']:.1%}",
+                 f"{m['peak_memory_gib']:.1f} GiB"]
+        for cells in (losses, speed):  # the row is one line, every number whole
+            assert sum(all(c in line for c in cells) for line in lines) == 1, (name, cells)
     for note in table_note(s):
         assert note in lines  # a note line is never wrapped either
 
 
 def fallback_cells(summary: dict) -> dict[str, str]:
     """preset -> its fallbacks cell, the last column of the rendered table's body rows."""
-    rows = [line.split("│")[1:-1] for line in render(summary) if line.startswith("│")]
+    rows = [line.split("│")[1:-1] for line in render(summary, tables=(summary_table,)) if line.startswith("│")]
     return {cells[0].strip(): cells[-1].strip() for cells in rows}
 
 
@@ -346,6 +355,8 @@ def test_the_table_is_whole_in_a_log(summary, monkeypatch):
     log = io.StringIO()
     monkeypatch.setattr(common, "console", Console(file=log, width=80))
     common.print_table(summary_table(result))
+    common.print_table(speed_table(result))
     text = log.getvalue()
-    assert "…" not in text and all(f"{m['tokens_per_s']:,.0f}" in text for m in result["presets"].values())
+    assert "…" not in text and all(f"{m['tokens_per_s']:,.0f}" in text and f"{m['final_val_loss']:.4f}" in text
+                                   for m in result["presets"].values())
     assert common.console.width == 80  # restored

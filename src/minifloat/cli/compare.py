@@ -3,38 +3,63 @@
 from __future__ import annotations
 
 import argparse
+import math
 
 from rich.table import Table
 
 from minifloat.cli import common
 
 # headers in two lines where one would widen the table past 80 columns (table_note spells them out)
-COLUMNS = ("preset", "train\nloss", "val\nloss", "Δ vs\nbf16", "tok/s", "skipped\nsteps", "fallbacks")
+COLUMNS = ("preset", "train\nloss", "val\nloss", "Δ vs\nbf16", "skipped\nsteps", "fallbacks")
+SPEED_COLUMNS = ("preset", "tok/s", "speed-up\nvs bf16", "MFU", "peak\nmemory")
+# the TrainConfig settings compare takes as flags (the same flags as `minifloat train`'s); --presets, --out and
+# --overwrite are its own
+SETTINGS = ("model", "steps", "batch_size", "seq_len", "seed", "data", "max_bytes", "tokenizer", "attention", "lr",
+            "min_lr", "warmup", "grad_accum", "eval_every", "eval_batches", "shadow_every", "shadow_threshold",
+            "device", "compile", "compile_mode")
+
+
+def base_config(args: argparse.Namespace):
+    """The run every preset shares: the device's defaults (minifloat.training.compare.default_config) with the
+    flags given on top; without --seq-len, the default is cut to the model's context."""
+    import dataclasses
+
+    from minifloat.training.compare import default_config
+    from minifloat.training.model import SIZES
+
+    base = default_config(args.device or "auto")
+    fields = {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
+    if args.overwrite:
+        fields["overwrite"] = True
+    if args.shadow_every:
+        fields["preset"] = "fp8-delayed"  # base's preset is replaced per run; an FP8 one may carry shadow_every
+    if "seq_len" not in fields and fields.get("model") in SIZES:
+        fields["seq_len"] = min(base.seq_len, SIZES[fields["model"]].max_seq_len)
+    if "lr" in fields and "min_lr" not in fields:
+        fields["min_lr"] = fields["lr"] / 10  # as `minifloat train`: the cosine floor follows a given lr
+    return dataclasses.replace(base, **fields)
 
 
 def cmd_compare(args: argparse.Namespace) -> int:
     """Train the reference Llama once per precision preset (same seed, data, model and steps; each into OUT/<preset>)
-    and compare them against BF16 (added when not listed). Writes OUT/summary.json, OUT/loss_curves.png (the
+    and compare them against BF16 (added when not listed). Prints two tables: the losses (final training and
+    validation loss, the difference to BF16, skipped steps, shadow fallbacks) and the speed (tokens/s, speed-up over
+    BF16, MFU against the GPU's dense BF16 peak, peak GPU memory). Writes OUT/summary.json, OUT/loss_curves.png (the
     training loss; each preset's per-step difference to BF16 over the last quarter; its smoothed difference over the
     run against the band of step-to-step noise and DeepSeek-V3's 0.25%) and OUT/numerics_heatmap.png (per-layer SQNR
-    of every FP8 cast after training). With --shadow-every the
-    FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s leaves out each run's
-    warm-up steps (compilation). The defaults take about three minutes on 2 CPU cores.
-    An OUT holding an earlier comparison is refused unless --overwrite. Exits with status 2 on an invalid option."""
-    import dataclasses
+    of every FP8 cast after training). On a CPU the defaults train the tiny model in about three minutes on 2
+    cores; on a CUDA GPU they are the seed's experiment at GPU scale: the 1b model, 300 steps of 8 × 2048 tokens.
+    With --shadow-every the FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s
+    leaves out each run's warm-up steps (compilation). An OUT holding an earlier comparison is refused unless
+    --overwrite. Exits with status 2 on an invalid option."""
+    from minifloat.training.compare import compare
 
-    from minifloat.training.compare import DEFAULT_CONFIG, compare
-
-    fields = {"model": args.model, "steps": args.steps, "batch_size": args.batch_size, "seq_len": args.seq_len,
-              "seed": args.seed, "data": args.data, "max_bytes": args.max_bytes, "shadow_every": args.shadow_every,
-              "shadow_threshold": args.shadow_threshold, "device": args.device, "overwrite": args.overwrite or None}
-    if args.shadow_every:
-        fields["preset"] = "fp8-delayed"  # base's preset is replaced per run; an FP8 one may carry shadow_every
     # a bad option, data folder or existing comparison is one error line from main(), before anything trains
-    base = dataclasses.replace(DEFAULT_CONFIG, **{k: v for k, v in fields.items() if v is not None})
+    base = base_config(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
     summary = compare(presets, base=base, out=args.out)
     common.print_table(summary_table(summary))
+    common.print_table(speed_table(summary))
     for line in table_note(summary):
         common.console.print(line, highlight=False)
     for path in summary["files"].values():
@@ -43,9 +68,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def summary_table(summary: dict) -> Table:
-    """The table of a compare summary (as `compare` returns it), one row per preset. Its headers take two lines
-    (spelled out by table_note) and no cell wraps, so that a row is one line and the table fits 80 columns with a
-    GPU's tokens/s (tests/test_cli_output.py)."""
+    """The losses of a compare summary (as `compare` returns it), one row per preset. Its headers take two lines
+    (spelled out by table_note) and no cell wraps, so that a row is one line and the table fits 80 columns
+    (tests/test_cli_output.py)."""
     from minifloat.amp.policy import PRESETS
 
     config = summary["config"]
@@ -56,13 +81,25 @@ def summary_table(summary: dict) -> Table:
     for name, m in summary["presets"].items():
         shadowed = config["shadow_every"] and PRESETS[name].recipe is not None
         t.add_row(name, f"{m['final_train_loss']:.4f}", f"{m['final_val_loss']:.4f}",
-                  f"{m['rel_diff_vs_bf16']:+.2%}", f"{m['tokens_per_s']:,.0f}", str(m["skipped_steps"]),
+                  f"{m['rel_diff_vs_bf16']:+.2%}", str(m["skipped_steps"]),
                   str(m["fallbacks"]) if shadowed else "-")
     return t
 
 
+def speed_table(summary: dict) -> Table:
+    """The speed of each preset: tokens/s, speed-up over BF16, MFU and peak memory ("-" where a CPU has none)."""
+    t = Table(title=f"speed on {summary.get('device', 'this device')}")
+    for header in SPEED_COLUMNS:
+        t.add_column(header, justify="left" if header == "preset" else "right", no_wrap=True)
+    for name, m in summary["presets"].items():
+        mfu, memory = m.get("mfu"), m.get("peak_memory_gib")
+        t.add_row(name, f"{m['tokens_per_s']:,.0f}", f"{m.get('speedup_vs_bf16', math.nan):.2f}×",
+                  "-" if mfu is None else f"{mfu:.1%}", "-" if memory is None else f"{memory:.1f} GiB")
+    return t
+
+
 def table_note(summary: dict) -> list[str]:
-    """The lines under summary_table, each within 80 columns: what the headers mean, and how many warm-up steps
+    """The lines under the tables, each within 80 columns: what the headers mean, and how many warm-up steps
     tok/s leaves out."""
     excluded = sorted({m["warmup_steps_excluded"] for m in summary["presets"].values()})
     if excluded == [0]:
@@ -73,42 +110,27 @@ def table_note(summary: dict) -> list[str]:
         speed = f"tok/s: training tokens per second after the first {first} (warm-up)."
     return ["train / val loss: the final training / validation loss.",
             "Δ vs bf16: the val loss relative to bf16's.",
-            speed,
             "skipped steps: steps the guard skipped.",
-            "fallbacks: FP8 -> BF16 switches of the shadow check (- where it is off)."]
+            "fallbacks: FP8 -> BF16 switches of the shadow check (- where it is off).",
+            speed,
+            "MFU: model FLOPs / s over the GPU's dense BF16 peak (FP8 presets too).",
+            "peak memory: the most GPU memory held in tensors during the run."]
 
 
-HELP = "train under several presets and compare loss curves and numerics with BF16"  # its line in `minifloat --help`
+HELP = "train under several presets and compare loss curves, speed and numerics with BF16"  # in `minifloat --help`
 
 
 def add_parser(sub) -> None:
-    from minifloat.training.compare import DEFAULT_CONFIG, DEFAULT_PRESETS
+    from minifloat.cli.train import add_settings
+    from minifloat.training.compare import DEFAULT_CONFIG, DEFAULT_PRESETS, GPU_SETTINGS
 
     c = sub.add_parser("compare", help=HELP, description=cmd_compare.__doc__)
     c.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
                    help=f"comma list of precision presets; bf16 is added as the baseline when missing "
                         f"(default {','.join(DEFAULT_PRESETS)})")
-    c.add_argument("--model", default=None, help=f"model size: tiny, small, 10m, 100m (default {DEFAULT_CONFIG.model})")
-    c.add_argument("--steps", type=int, default=None,
-                   help=f"optimizer steps per preset (default {DEFAULT_CONFIG.steps})")
-    c.add_argument("--batch-size", type=int, default=None,
-                   help=f"sequences per batch (default {DEFAULT_CONFIG.batch_size})")
-    c.add_argument("--seq-len", type=int, default=None, help=f"bytes per sequence (default {DEFAULT_CONFIG.seq_len})")
-    c.add_argument("--seed", type=int, default=None,
-                   help=f"seed for weights and batch order, shared by every preset (default {DEFAULT_CONFIG.seed})")
-    c.add_argument("--data", default=None, help="folder of text files (default: the Python standard library)")
-    c.add_argument("--max-bytes", type=int, default=None,
-                   help=f"cap on the corpus bytes, train + val (default {DEFAULT_CONFIG.max_bytes})")
-    c.add_argument("--shadow-every", type=int, default=None, metavar="N",
-                   help="run the FP8-vs-BF16 shadow check every N steps in the FP8 presets and count their fallbacks "
-                        f"to BF16; 0 for off (default {DEFAULT_CONFIG.shadow_every})")
-    c.add_argument("--shadow-threshold", type=float, default=None, metavar="X",
-                   help=f"largest healthy relative loss difference of a shadow check "
-                        f"(default {DEFAULT_CONFIG.shadow_threshold})")
     c.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
-    c.add_argument("--device", default=None,
-                   help=f"auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N "
-                        f"(default {DEFAULT_CONFIG.device})")
     c.add_argument("--overwrite", action="store_true",
                    help="replace an earlier comparison in OUT (only the files the comparison and its runs wrote)")
+    on_gpu = {name: f"; on CUDA {'none' if value is None else value}" for name, value in GPU_SETTINGS.items()}
+    add_settings(c, SETTINGS, defaults=DEFAULT_CONFIG, extra_help=on_gpu)
     c.set_defaults(func=cmd_compare)

@@ -149,18 +149,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parser(sub) -> None:
-    """`minifloat train`'s flags, one per TrainConfig setting, made from the settings' metadata (help, group,
-    metavar, choices; the default shown is the config's own)."""
+def add_settings(parser, names, *, defaults=None, extra_help: dict | None = None) -> None:
+    """A flag for each TrainConfig setting in `names`, made from the settings' metadata (help, group, metavar,
+    choices), in argument groups by the settings' group. Every flag defaults to None (not given). The help shows the
+    default of `defaults` (a TrainConfig; the config's own field defaults when None) and `extra_help[name]`."""
     from minifloat.training.config import GROUPS
 
-    tr = sub.add_parser("train", help=HELP, description=cmd_train.__doc__)
-    groups = {group: tr.add_argument_group(group) for group in GROUPS}
-    for name, f in _flagged().items():
+    flagged = _flagged()
+    groups = {group: parser.add_argument_group(group) for group in GROUPS}
+    for name in names:
+        f = flagged[name]
         meta, kind = f.metadata, str(f.type)
-        unset = f.default is None or f.default is False or f.default == ()
-        default = "" if unset or "(default" in meta["help"] else f" (default {f.default})"
-        options = dict(default=None, help=(meta["help"] + default).replace("%", "%%"))
+        default_value = f.default if defaults is None else getattr(defaults, name)
+        unset = default_value is None or default_value is False or default_value == ()
+        default = "" if unset or "(default" in meta["help"] else f" (default {default_value})"
+        text = meta["help"] + default + ((extra_help or {}).get(name) or "")
+        options = dict(default=None, help=text.replace("%", "%%"))
         if meta["on_off"]:
             options["metavar"] = "on|off"
         elif kind == "bool":
@@ -173,4 +177,11 @@ def add_parser(sub) -> None:
             elif meta["metavar"]:
                 options["metavar"] = meta["metavar"]
         groups[meta["group"]].add_argument(_flag(name), **options)
+
+
+def add_parser(sub) -> None:
+    """`minifloat train`'s flags, one per TrainConfig setting (`add_settings`; the default shown is the config's
+    own)."""
+    tr = sub.add_parser("train", help=HELP, description=cmd_train.__doc__)
+    add_settings(tr, list(_flagged()))
     tr.set_defaults(func=cmd_train)

@@ -49,7 +49,8 @@ class TrainConfig:
                          group="optimizer and schedule")
     batch_size: int = setting(16, "sequences per (micro-)batch", group="model and data", resume="fixed",
                               why=_SAME_BATCHES)
-    seq_len: int = setting(64, "bytes per sequence (at most the model's max_seq_len)", group="model and data",
+    seq_len: int = setting(64, "tokens per sequence (bytes of text by default; at most the model's max_seq_len)",
+                           group="model and data",
                            resume="fixed", why=_SAME_BATCHES)
     # nanoGPT's baby-GPT value; docs/benchmarks.md shows FP8 tracking BF16 less closely at 3e-3
     lr: float = setting(1e-3, "peak learning rate; given alone, the cosine floor --min-lr follows as lr/10",

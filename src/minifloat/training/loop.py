@@ -83,6 +83,8 @@ class TrainResult:
         device: where the run trained ("cpu", "cuda:0", ...).
         mfu: model FLOPs utilisation against the GPU's dense BF16 peak (minifloat.training.throughput); None on a
             CPU or a GPU of unknown peak.
+        peak_memory: the most bytes the device's caching allocator held in tensors during this call (CUDA's
+            max_memory_allocated, this rank's); None on a CPU.
         stopped_by: "SIGTERM" or "SIGINT" when a signal stopped the run early (after writing a checkpoint at
             `last_step`), else None.
         last_step: the step the run reached (steps done).
@@ -100,6 +102,7 @@ class TrainResult:
     warmup_steps: int = 0
     device: str = "cpu"
     mfu: float | None = None
+    peak_memory: int | None = None
     stopped_by: str | None = None
     last_step: int = 0
 
@@ -302,6 +305,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         prepare_run_dir(out, resume=config.resume, overwrite=config.overwrite)
     barrier(world)
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)  # TrainResult.peak_memory: this call's, model and optimizer included
     run = build(config, device, world, vocab_size=corpus.vocab_size)
     start_step, schedule = (_resume(run, out / CHECKPOINT_DIR, loader, corpus) if config.resume
                             else (0, Schedule.from_config(config)))
@@ -366,7 +371,8 @@ def _result(loop: _Loop, start_step: int, step: int, stopped_by: str | None) -> 
                        val_losses=tuple(loop.val_losses), tokens_per_s=tokens_per_s, skipped=tuple(loop.skipped),
                        shadow_events=tuple(loop.shadow_events), rollbacks=tuple(loop.rollbacks),
                        level_shifts=tuple(loop.level_shifts), warmup_steps=warmup, device=str(run.device),
-                       mfu=mfu(tokens_per_s, flops, peak), stopped_by=stopped_by, last_step=step)
+                       mfu=mfu(tokens_per_s, flops, peak), stopped_by=stopped_by, last_step=step,
+                       peak_memory=torch.cuda.max_memory_allocated(run.device) if run.device.type == "cuda" else None)
 
 
 class TrainingFailed(RuntimeError):
