@@ -126,7 +126,7 @@ def test_names_outside_the_reference_llama_are_refused(bad):
 
 # (name, config.json change, words of the error)
 UNSUPPORTED = [
-    ("gqa", {"num_key_value_heads": 2}, "num_key_value_heads"),
+    ("kv-heads-not-a-divisor", {"num_key_value_heads": 3}, "num_key_value_heads"),
     ("bias", {"attention_bias": True}, "attention_bias"),
     ("gelu", {"hidden_act": "gelu"}, "hidden_act"),
     ("rope scaling", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}}, "rope"),
@@ -144,7 +144,8 @@ def test_configs_our_llama_cannot_express_are_refused(name, change, words):
 
 # ---- bf16 / fp32 exports read by transformers -----------------------------------------------------------------
 
-VARIANTS = {"tied": {}, "untied": {"tie_embeddings": False}, "qk-norm": {"qk_norm": True}}
+VARIANTS = {"tied": {}, "untied": {"tie_embeddings": False}, "qk-norm": {"qk_norm": True},
+            "gqa": {"n_kv_head": 2, "tie_embeddings": False}}  # transformers' repeat_kv pairs heads as we do
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -156,8 +157,10 @@ def test_transformers_computes_our_logits(transformers, tmp_path, variant):
     assert config["architectures"] == ["Qwen3ForCausalLM" if variant == "qk-norm" else "LlamaForCausalLM"]
     assert "quantization_config" not in config
 
+    assert llama_config(config) == model.config  # num_key_value_heads and back
     theirs = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "fp32").eval()
     assert theirs.config.rope_parameters["rope_theta"] == 1000.0 and theirs.config.rms_norm_eps == 1e-6
+    assert theirs.config.num_key_value_heads == model.config.kv_heads
     assert theirs.dtype == torch.float32
     assert torch.allclose(transformers_logits(theirs), logits(model), rtol=0, atol=FP32_LOGITS_ATOL)
 
@@ -167,9 +170,9 @@ def test_transformers_computes_our_logits(transformers, tmp_path, variant):
     assert sqnr_db(logits(ours), transformers_logits(theirs)) >= BF16_LOGITS_SQNR_FLOOR_DB
 
 
-@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
-def test_bf16_export_has_hugging_face_names_and_dtypes(tmp_path, tied):
-    model = tiny(tie_embeddings=tied)
+@pytest.mark.parametrize("tied, n_kv_head", [(True, None), (False, None), (False, 1)], ids=["tied", "untied", "mqa"])
+def test_bf16_export_has_hugging_face_names_and_dtypes(tmp_path, tied, n_kv_head):
+    model = tiny(tie_embeddings=tied, n_kv_head=n_kv_head)
     export_hf(model, tmp_path / "out")
     tensors = read_hf_export(tmp_path / "out")
     stored = load_file(str(tmp_path / "out" / hf.WEIGHTS_FILE))
@@ -179,6 +182,7 @@ def test_bf16_export_has_hugging_face_names_and_dtypes(tmp_path, tied):
     assert tensors.format.name == "hf" and not tensors.quantized
     assert (tmp_path / "out" / hf.GENERATION_FILE).is_file()
     reloaded = load_hf_export(tmp_path / "out")
+    assert reloaded.config == model.config
     for key, p in model.state_dict().items():
         assert torch.equal(reloaded.state_dict()[key], p.to(torch.bfloat16).float()), key
 
@@ -223,9 +227,11 @@ def test_fp8_layout_names_dtypes_shapes_and_config(tmp_path, fmt):
 
 
 # the block layout has dynamic activations only (test_static_needs_a_source)
-@pytest.mark.parametrize("fmt, activations", [("hf-fp8", "dynamic"), ("hf-fp8", "static"), ("hf-fp8-block", "dynamic")])
-def test_fp8_export_reloads_as_the_fp8_model(tmp_path, fmt, activations):
-    model = tiny()
+@pytest.mark.parametrize("fmt, activations, n_kv_head", [
+    ("hf-fp8", "dynamic", None), ("hf-fp8", "static", None), ("hf-fp8-block", "dynamic", None),
+    ("hf-fp8-block", "dynamic", 2)], ids=["fp8-dynamic", "fp8-static", "block", "block-gqa"])
+def test_fp8_export_reloads_as_the_fp8_model(tmp_path, fmt, activations, n_kv_head):
+    model = tiny(n_kv_head=n_kv_head)
     batches = [TOKENS[:, :16], TOKENS[:, 4:]]
     calibration = batches if activations == "static" else None
     export_hf(model, tmp_path / "out", format=fmt, dtype="float32", calibration=calibration, activations=activations)

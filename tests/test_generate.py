@@ -28,7 +28,9 @@ CACHE_BF16_SQNR_FLOOR_DB = 40.0
 FP8_KV_SQNR_FLOOR_DB = 30.0
 USER_ERROR = 2
 CONFIGS = {"tiny": LlamaConfig.preset("tiny"),
-           "tiny-qknorm-untied": LlamaConfig.preset("tiny", qk_norm=True, tie_embeddings=False)}
+           "tiny-qknorm-untied": LlamaConfig.preset("tiny", qk_norm=True, tie_embeddings=False),
+           "tiny-gqa": LlamaConfig.preset("tiny", n_kv_head=2),  # grouped-query attention: 2 kv heads of 4
+           "tiny-mqa-sdpa": LlamaConfig.preset("tiny", n_kv_head=1, attention="sdpa")}  # one kv head; SDPA
 PROMPT_LEN, TOTAL_LEN = 8, 24
 
 
@@ -83,6 +85,25 @@ def test_fp8_cache_logits_stay_within_the_sqnr_floor_of_bf16(name):
     model, idx = _model(CONFIGS[name]), _tokens()
     bf16, fp8 = _incremental_logits(model, idx, "bf16"), _incremental_logits(model, idx, "fp8")
     assert sqnr_db(bf16, fp8) >= FP8_KV_SQNR_FLOOR_DB
+
+
+@pytest.mark.parametrize("name", ["tiny-gqa", "tiny-mqa-sdpa"])
+def test_chunks_longer_than_one_token_after_a_prefill_equal_the_full_forward(name):
+    """q shorter than k and longer than one token: the causal mask aligns q's rows with the last positions (SDPA's
+    is_causal would align them with the first)."""
+    model, idx = _model(CONFIGS[name]), _tokens()
+    cache = KVCache(model.config, batch=2, max_len=TOTAL_LEN, dtype="fp32")
+    with torch.no_grad():
+        full, _ = model(idx)
+        chunks = [model(idx[:, a:b], cache=cache)[0] for a, b in ((0, PROMPT_LEN), (PROMPT_LEN, 13), (13, TOTAL_LEN))]
+    torch.testing.assert_close(torch.cat(chunks, dim=1), full, atol=CACHE_FP32_ATOL, rtol=CACHE_FP32_RTOL)
+
+
+def test_gqa_cache_holds_n_kv_head_heads():
+    gqa, mha = CONFIGS["tiny-gqa"], CONFIGS["tiny"]
+    cache = KVCache(gqa, batch=2, max_len=8)
+    assert cache.k.shape == (gqa.n_layer, 2, gqa.n_kv_head, 8, gqa.head_dim)
+    assert cache.nbytes() * (gqa.n_head // gqa.n_kv_head) == KVCache(mha, batch=2, max_len=8).nbytes()
 
 
 def test_fp8_cache_is_half_of_bf16_plus_a_scale_per_token_and_head():

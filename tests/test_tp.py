@@ -10,7 +10,8 @@ and the tests below read it. Claims checked:
   * with different data per rank, every rank holds the same scaling state after every step;
   * recipes with scales along K (row, block, MX) and row-parallel layers with a bias are refused;
   * the reference Llama under the TP plan (sequence-parallel fp32 norms) trains, its losses within LOSS_RTOL of the
-    unsharded model's;
+    unsharded model's; with grouped-query attention too (each rank keeps its query heads' key/value heads), and
+    key/value heads that do not split over the ranks are refused;
   * (slow, 4 ranks) the 2-D FSDP × TP mesh trains, its losses within LOSS_RTOL of one process on the same batch.
 """
 
@@ -130,16 +131,22 @@ def _refusals(world: int) -> dict:
         out["row-parallel bias"] = "accepted"
     except ValueError as e:
         out["row-parallel bias"] = str(e)
+    try:  # one key/value head cannot split over two ranks
+        llama_tensor_parallel(Llama(LlamaConfig.preset("tiny", n_kv_head=1)), mesh)
+        out["kv heads"] = "accepted"
+    except ValueError as e:
+        out["kv heads"] = str(e)
     return out
 
 
 LLAMA = LlamaConfig.preset("tiny")
+LLAMA_GQA = LlamaConfig.preset("tiny", n_kv_head=2)  # 4 query heads, 2 key/value heads: 2 and 1 per rank
 LLAMA_STEPS = 4
 
 
-def _llama(recipe) -> nn.Module:
+def _llama(recipe, config: LlamaConfig = LLAMA) -> nn.Module:
     torch.manual_seed(0)
-    return mf.convert(Llama(LLAMA), recipe=recipe)
+    return mf.convert(Llama(config), recipe=recipe)
 
 
 def _llama_losses(model: nn.Module, steps: int = LLAMA_STEPS, *, rows: slice = slice(None), lr: float = 1e-2,
@@ -160,8 +167,8 @@ def _llama_losses(model: nn.Module, steps: int = LLAMA_STEPS, *, rows: slice = s
     return losses
 
 
-def _llama_tp(rank: int, world: int, recipe) -> dict:
-    ref, model = _llama(recipe), _llama(recipe)
+def _llama_tp(rank: int, world: int, recipe, config: LlamaConfig = LLAMA) -> dict:
+    ref, model = _llama(recipe, config), _llama(recipe, config)
     llama_tensor_parallel(model, init_device_mesh("cpu", (world,)))
     norms = [m for m in model.modules() if isinstance(m, RMSNorm)]
     sequence_parallel_fp32 = all(isinstance(m.weight, DTensor) and m.weight.placements == (Replicate(),)
@@ -199,6 +206,7 @@ def _worker(rank: int, world: int) -> dict:
                            for name, recipe in RECIPES.items() for style in ("col", "row")},
         "refusals": _refusals(world),
         "llama": {name: _llama_tp(rank, world, recipe) for name, recipe in RECIPES.items()},
+        "llama_gqa": _llama_tp(rank, world, RECIPES["current"], LLAMA_GQA),
     }
 
 
@@ -222,11 +230,20 @@ def test_every_rank_holds_the_same_scaling_state(results, recipe, style):
         assert torch.equal(a["state"], b["state"]), f"step {step}"
 
 
-@pytest.mark.parametrize("case", [*REFUSED, "row-parallel bias"])
+@pytest.mark.parametrize("case", [*REFUSED, "row-parallel bias", "kv heads"])
 def test_unsupported_layers_are_refused(results, case):
     message = results[0]["refusals"][case]
     assert message != "accepted"
-    assert ("per-tensor recipe" in message) if case in REFUSED else ("bias" in message)
+    expected = {"row-parallel bias": "bias", "kv heads": "n_kv_head (1) must be a multiple"}
+    assert (expected[case] if case in expected else "per-tensor recipe") in message
+
+
+def test_llama_tp_plan_with_grouped_query_attention_trains_as_the_unsharded_model(results):
+    for rank, result in enumerate(results):
+        tp, ref = result["llama_gqa"]["tp"], result["llama_gqa"]["ref"]
+        assert tp[0] == pytest.approx(ref[0], rel=FIRST_LOSS_RTOL), f"rank {rank}: {tp} vs {ref}"
+        assert tp == pytest.approx(ref, rel=LOSS_RTOL), f"rank {rank}: {tp} vs {ref}"
+        assert tp[-1] < tp[0]
 
 
 @pytest.mark.parametrize("recipe", RECIPES)

@@ -197,6 +197,8 @@ def llama_config(hf: dict) -> LlamaConfig:
             raise ValueError(f"config field {field}={hf[field]!r} is not supported (minifloat's Llama has {value!r})")
     heads = hf["num_attention_heads"]
     kv_heads = hf.get("num_key_value_heads") or heads  # absent or null in older configs: multi-head attention
+    if not isinstance(kv_heads, int) or kv_heads < 1 or heads % kv_heads:
+        raise ValueError(f"num_key_value_heads={kv_heads!r} must divide num_attention_heads={heads!r}")
     if hf.get("head_dim", hf["hidden_size"] // heads) != hf["hidden_size"] // heads:
         raise ValueError(f"head_dim={hf['head_dim']!r} must be hidden_size / num_attention_heads")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
