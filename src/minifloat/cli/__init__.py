@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Collection, Iterator
 from typing import NoReturn
 
-from minifloat.cli import common, compare, export, generate, memory, tools, train
+from minifloat.cli import common, compare, export, generate, memory, tokenize, tools, train
 
 # errors that describe the user's input (options, files, folders, checkpoints; a CheckpointError is a ValueError), not
 # a bug in minifloat
@@ -31,6 +31,7 @@ COMMANDS: dict[str, tuple[Callable, str]] = {
     "memory": (memory.add_parser, memory.HELP),
     "generate": (generate.add_parser, generate.HELP),
     "export": (export.add_parser, export.HELP),
+    "tokenize": (tokenize.add_parser, tokenize.HELP),
 }
 
 
