@@ -14,6 +14,8 @@ Sections (full sizes; --smoke shrinks every one of them so that the whole run ta
               32 heads (the model has no grouped-query attention: k and v are 4096×4096), vocab 32000, untied head,
               RoPE θ 500000, 4×2048 tokens; the trainer's PrecisionPolicy presets; AdamW
     100m      the "100m" preset (14 layers, d 768, byte vocabulary) at 8×1024 = 8192 tokens/step; AdamW
+    1b        the "1b" preset (Llama-3.2-1B's body: 16 layers, d 2048, 32 heads, 8 kv heads, ffn 8192, untied head) at
+              a 32000-token vocabulary, 8×2048 = 16384 tokens/step, SDPA attention on CUDA; AdamW (issue 23's MFU)
 
 Variants: bf16 (fp32 parameters, torch.autocast bfloat16: the baseline); minifloat's delayed, current, row (current
 scaling per row), block (DeepSeek 1×128 / 128×128), mxfp8, nvfp4, mxfp4 (mf.convert(..., keep_first_last=False) in
@@ -65,7 +67,7 @@ from torch._dynamo.utils import counters
 import minifloat as mf
 from minifloat.fp8.native import native_scale
 from minifloat.training.model import Llama, LlamaConfig, SwiGLU
-from minifloat.training.throughput import flops_per_token
+from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402 - benchmarks/machine.py
@@ -73,10 +75,10 @@ import step_time  # noqa: E402 - benchmarks/step_time.py: its consoles, command 
 
 BASELINE = "bf16"
 GIB = 2**30
-SECTIONS = ("gemm", "linear", "mlp", "llama8b", "100m")
+SECTIONS = ("gemm", "linear", "mlp", "llama8b", "100m", "1b")
 # seconds a compiled run is expected to take, compile included, until one of its section has been timed (then the
 # longest so far): the full Llama compiles in ~1 min per variant on an H100's host; the 100m preset has 14 layers
-COMPILE_GUESS_S = {"linear": 30, "mlp": 60, "llama8b": 90, "100m": 120}
+COMPILE_GUESS_S = {"linear": 30, "mlp": 60, "llama8b": 90, "100m": 120, "1b": 150}
 
 # (K, N) of Llama-3-8B's linears: q, k, v fused (4096 + 2·1024 under GQA), o, gate / up, down
 LLAMA3_8B_LINEARS = ((4096, 6144), (4096, 4096), (4096, 14336), (14336, 4096))
@@ -89,6 +91,7 @@ FULL = {
     "llama8b": [dict(config=dict(n_layer=4, d_model=4096, n_head=32, d_ff=14336, vocab_size=32000, max_seq_len=2048,
                                  rope_theta=500000.0, tie_embeddings=False), batch=4, seq=2048)],
     "100m": [dict(preset="100m", batch=8, seq=1024)],
+    "1b": [dict(preset="1b", vocab=32000, batch=8, seq=2048)],
 }
 # every quantized tensor under minifloat's EAGER_BELOW (32768 elements), so that no kernel compiles on a CPU
 SMOKE = {
@@ -98,6 +101,7 @@ SMOKE = {
     "llama8b": [dict(config=dict(n_layer=2, d_model=128, n_head=4, d_ff=128, vocab_size=256, max_seq_len=32,
                                  tie_embeddings=False), batch=2, seq=32)],
     "100m": [dict(preset="tiny", batch=2, seq=32)],
+    "1b": [dict(preset="tiny", vocab=512, batch=2, seq=32)],
 }
 
 # compiled runs by default, most wanted first (issue 21's targets), each on its section's first shape, while the
@@ -105,6 +109,7 @@ SMOKE = {
 COMPILED_PRIORITY = (
     ("linear", ("bf16", "current", "delayed", "torchao-tensorwise")),
     ("llama8b", ("bf16", "delayed", "current")),
+    ("1b", ("bf16", "current", "delayed")),
     ("100m", ("bf16", "current", "delayed")),
     ("llama8b", ("row", "block", "torchao-tensorwise")),
     ("linear", ("row", "block", "torchao-rowwise")),
@@ -116,10 +121,12 @@ NOTES = {  # what a reader of each table should know; printed under it and writt
     "gemm": "operands quantized before timing, bf16 output; minifloat's own GEMMs never ask for fast accumulation",
     "linear": "fp32 weight under torch.autocast(bfloat16); the input requires grad, so all three GEMMs run",
     "mlp": "fp32 weights under torch.autocast(bfloat16); RMSNorm in fp32 (mf.RMSNorm)",
-    "llama8b": "no grouped-query attention (k and v projections 4096x4096); attention scores, softmax and scores·V "
-               "materialised in fp32 (minifloat.amp.attention, no SDPA); fp32 head and cross-entropy "
-               "(PrecisionPolicy); nvfp4 and mxfp4 presets keep the last block in bf16",
-    "100m": "byte vocabulary (256), tied head in fp32; fp32 attention as above",
+    "llama8b": "no grouped-query attention (k and v projections 4096x4096); attention: the model's default, "
+               "scaled_dot_product_attention on CUDA (fp32 scores materialised on a CPU); fp32 head and "
+               "cross-entropy (PrecisionPolicy); nvfp4 and mxfp4 presets keep the last block in bf16",
+    "100m": "byte vocabulary (256), tied head in fp32; attention as above",
+    "1b": "the 1b preset at a 32000-token vocabulary: grouped-query attention (8 kv heads), SDPA on CUDA, untied "
+          "fp32 head; MFU against the GPU's dense BF16 peak",
 }
 
 
@@ -266,7 +273,8 @@ def mlp_workload(shape: dict, variant: Variant, device: torch.device, compiled: 
 
 
 def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled: bool) -> Workload:
-    config = (LlamaConfig.preset(shape["preset"]) if "preset" in shape else LlamaConfig(**shape["config"]))
+    config = (LlamaConfig.preset(shape["preset"], vocab_size=shape.get("vocab", 256)) if "preset" in shape
+              else LlamaConfig(**shape["config"]))
     config = dataclasses.replace(config, max_seq_len=max(config.max_seq_len, shape["seq"]))
     with torch.device(device):
         model = Llama(config)
@@ -287,7 +295,7 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
 
 
 BUILDERS = {"gemm": gemm_workload, "linear": linear_workload, "mlp": mlp_workload, "llama8b": llama_workload,
-            "100m": llama_workload}
+            "100m": llama_workload, "1b": llama_workload}
 
 
 # ----------------------------------------------------------------------------------------------------------- running
@@ -377,8 +385,10 @@ def measure(case: Case, shape, variant, references: dict, args) -> dict:
         work.step()
     times, peak = time_steps(work.step, args.steps, args.device)
     ms = statistics.median(times)
-    figures.update(step_ms=ms, step_ms_all=times, tokens_per_s=work.tokens / ms * 1e3, tflops=work.flops / ms / 1e9,
+    tokens_per_s = work.tokens / ms * 1e3
+    figures.update(step_ms=ms, step_ms_all=times, tokens_per_s=tokens_per_s, tflops=work.flops / ms / 1e9,
                    peak_gib=None if peak is None else peak / GIB,
+                   mfu=mfu(tokens_per_s, work.flops / work.tokens, peak_bf16_flops(args.device)),
                    fp8_linears=None if work.model is None else step_time.count_fp8_linears(work.model))
     if case.compiled:
         figures.update(graphs=counters["stats"]["unique_graphs"], graph_breaks=sum(counters["graph_break"].values()),
@@ -483,7 +493,8 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-COLUMNS = ("shape", "variant", "mode", "FP8 linears", "step ms", "tokens/s", "TFLOP/s", "speedup × bf16", "peak GiB",
+COLUMNS = ("shape", "variant", "mode", "FP8 linears", "step ms", "tokens/s", "TFLOP/s (MFU)", "speedup × bf16",
+           "peak GiB",
            "SQNR dB vs bf16")
 
 
@@ -493,7 +504,8 @@ def cells(r: dict) -> list[str]:
         return head + ["", f"{'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['error']}"] + [""] * 5
     breaks = f" ({r['graph_breaks']} breaks)" if r.get("graph_breaks") else ""
     return head + [_num(r["fp8_linears"], "d"), f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
-                   f"{r['tflops']:.1f}", _num(r["speedup_vs_bf16"], ".2f") + breaks, _num(r["peak_gib"], ".2f"),
+                   f"{r['tflops']:.1f}" + ("" if r.get("mfu") is None else f" ({r['mfu']:.0%})"),
+                   _num(r["speedup_vs_bf16"], ".2f") + breaks, _num(r["peak_gib"], ".2f"),
                    _db(r)]
 
 
