@@ -84,7 +84,10 @@ class PrecisionPolicy:
         fp32_softmax: nn.Softmax / nn.LogSoftmax modules compute in fp32.
         fp32_cross_entropy: nn.CrossEntropyLoss / nn.NLLLoss modules compute in fp32 and return an fp32 loss.
         fp32_attention: attention scores and scores·V in fp32. Recorded for code that reads it (minifloat's model);
-            apply() cannot reach a functional attention call inside an arbitrary forward().
+            apply() cannot reach a functional attention call inside an arbitrary forward(). Both implementations of
+            minifloat.amp.attention satisfy it: "fp32" computes them in fp32 explicitly; "sdpa"'s fused kernels
+            (FlashAttention-2, cuDNN, memory-efficient, CPU flash) keep the softmax's max and sum and the probs·V
+            accumulation in fp32 and round only the output (the probabilities enter that GEMM as bf16 operands).
         fp32_embeddings: embedding tables stay fp32 (rare tokens get tiny sparse updates; their gradient sums many
             tokens) and return param_dtype.
         fp32_head: the output head keeps fp32 weights, runs in fp32 and returns fp32 logits (for the softmax and the
@@ -298,7 +301,8 @@ class PrecisionPolicy:
                 ("norms", "fp32 compute, fp32 weights" if self.fp32_norms else c),
                 ("softmax", "fp32" if self.fp32_softmax else c),
                 ("cross-entropy", "fp32" if self.fp32_cross_entropy else c),
-                ("attention scores·V", "fp32 (model code reads it)" if self.fp32_attention else c),
+                ("attention scores·V", "fp32 (model code reads it; SDPA: fp32 inside its kernel)"
+                 if self.fp32_attention else c),
                 ("embeddings", "fp32 weights" if self.fp32_embeddings else _NAMES[self.param_dtype]),
                 ("output head", "fp32 weights, compute and logits" if self.fp32_head else c),
                 ("gradient reduction", _NAMES[self.reduce_dtype]),
