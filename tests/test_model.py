@@ -358,6 +358,21 @@ def test_bf16_params_loss_is_fp32(tiny):
 FIRST_QKV = {"blocks.0.attn.q_proj", "blocks.0.attn.k_proj", "blocks.0.attn.v_proj"}  # read the embedding output
 
 
+def test_convert_takes_gqa_kv_projections_and_keeps_the_first_blocks():
+    """Grouped-query k/v projections (d → n_kv_head·hd = 16 features) are FP8 layers as every other block linear;
+    the first block's q/k/v stay high precision by role whatever their width."""
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_kv_head=1, attention="sdpa"))
+    mf.convert(model, recipe=mf.CurrentScaling())
+    converted = {n for n, m in model.named_modules() if isinstance(m, mf.Fp8Linear)}
+    assert converted == set(block_linears(model)) - FIRST_QKV
+    assert model.blocks[1].attn.k_proj.out_features == model.config.head_dim == 16
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        _, loss = model(tokens(2, 16), tokens(2, 16, seed=2))
+    loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters())
+
+
 def test_convert_takes_block_linears_but_first_and_head(tiny):
     linears = block_linears(tiny)
     assert len(linears) == 7 * tiny.config.n_layer
