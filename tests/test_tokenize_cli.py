@@ -1,0 +1,151 @@
+"""`minifloat tokenize` (minifloat.cli.tokenize, minifloat.training.tokenize): a round trip from text to shards and
+back, the files and meta.json it writes, a deterministic BPE, its refusal to write over files, its one-line errors,
+and `minifloat train --data OUT` on the result."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+import torch
+
+from minifloat.cli import main
+from minifloat.cli import tokenize as cli_tokenize
+from minifloat.training import tokenize as lib_tokenize
+from minifloat.training.data import load_corpus
+from minifloat.training.sharded import read_extra
+from minifloat.training.tokenizer import load_tokenizer
+
+USER_ERROR = 2
+VOCAB = 300
+
+
+def tokenize(tmp_path: pathlib.Path, capsys, *extra: str, out: str = "tok") -> tuple[int, str, str]:
+    status = main(["tokenize", "--data", str(tmp_path / "text"), "--out", str(tmp_path / out), *extra])
+    captured = capsys.readouterr()
+    return status, captured.out, captured.err
+
+
+@pytest.fixture
+def text(tmp_path) -> pathlib.Path:
+    """Eight deterministic text files of a few KB, non-ASCII characters included."""
+    words = "the model trains on tokens while scales follow amax history éàü ✓ numbers 448 57344".split()
+    root = tmp_path / "text"
+    root.mkdir()
+    for i in range(8):
+        body = " ".join(words[(i * 7 + j * j) % len(words)] for j in range(600))
+        (root / f"doc{i:02d}.txt").write_text(f"# file {i}\n{body}\n", encoding="utf-8")
+    return root
+
+
+def _shard_ids(folder: pathlib.Path, meta: dict, split: str) -> list[int]:
+    out = []
+    for shard in meta["shards"]:
+        if shard["split"] == split:
+            data = (folder / shard["file"]).read_bytes()
+            out += torch.frombuffer(bytearray(data), dtype=torch.int16).long().bitwise_and(0xFFFF).tolist()
+    return out
+
+
+def test_round_trip(tmp_path, capsys, text):
+    status, stdout, err = tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB), "--shard-tokens", "700")
+    assert status == 0 and err == "" and "minifloat train --data" in stdout
+    out = tmp_path / "tok"
+    meta = json.loads((out / "meta.json").read_text())
+    assert meta["dtype"] == "uint16" and meta["vocab_size"] == VOCAB and meta["tokenizer"]["trained"]
+    names = sorted(p.name for p in out.iterdir())
+    assert names == sorted(["meta.json", "tokenizer.json", *(s["file"] for s in meta["shards"])])
+    assert all(s["tokens"] <= 700 for s in meta["shards"]) and len(meta["shards"]) > 2  # cut into shards
+    tok = load_tokenizer(out / "tokenizer.json")
+    assert meta["tokenizer"]["sha256"] == tok.sha256
+    bytes_corpus = load_corpus(str(text), max_bytes=None)
+    for split in ("train", "val"):
+        ids = _shard_ids(out, meta, split)
+        assert sum(s["tokens"] for s in meta["shards"] if s["split"] == split) == len(ids)
+        files = [f.path for f in bytes_corpus.manifest.files if f.split.value == split]  # training's own split
+        pieces, piece = [], []
+        for i in ids:  # cut at the end-of-text ids
+            if i == tok.eot_id:
+                pieces.append(piece)
+                piece = []
+            else:
+                piece.append(i)
+        assert [tok.tokenizer.decode(p) for p in pieces] == [(text / f).read_text(encoding="utf-8") for f in files]
+    corpus = load_corpus(str(out))
+    assert corpus.vocab_size == VOCAB and len(corpus.val) == len(_shard_ids(out, meta, "val"))
+
+
+def test_trained_bpe_is_deterministic(tmp_path, capsys, text):
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB), out="a")[0] == 0
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB), out="b")[0] == 0
+    for name in ("tokenizer.json", "train_000000.bin", "val_000000.bin"):
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+def test_given_tokenizer_is_used_and_copied(tmp_path, capsys, text):
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB), out="first")[0] == 0
+    given = tmp_path / "first" / "tokenizer.json"
+    status, _, err = tokenize(tmp_path, capsys, "--tokenizer", str(given), out="second")
+    assert status == 0 and err == ""
+    meta = json.loads((tmp_path / "second" / "meta.json").read_text())
+    assert not meta["tokenizer"]["trained"] and (tmp_path / "second" / "tokenizer.json").read_bytes() == \
+        given.read_bytes()
+    assert (tmp_path / "second" / "train_000000.bin").read_bytes() == \
+        (tmp_path / "first" / "train_000000.bin").read_bytes()
+
+
+def test_refuses_a_folder_holding_files_and_overwrite_keeps_the_users(tmp_path, capsys, text):
+    out = tmp_path / "tok"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine\n")
+    status, _, err = tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB))
+    lines = err.splitlines()
+    assert status == USER_ERROR and len(lines) == 1 and "--overwrite" in lines[0] and str(out) in lines[0]
+    assert [p.name for p in out.iterdir()] == ["notes.txt"]
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB), "--overwrite")[0] == 0
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB))[0] == USER_ERROR  # now it holds shards
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before  # nothing changed
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB + 20), "--overwrite")[0] == 0
+    assert (out / "notes.txt").read_text() == "mine\n"
+    assert json.loads((out / "meta.json").read_text())["vocab_size"] == VOCAB + 20
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tok.tmp")]  # the temporary folder is gone
+
+
+@pytest.mark.parametrize("name, extra, words", [
+    ("vocabulary too small", ["--vocab-size", "100"], "--vocab-size must be at least 257"),
+    ("vocabulary with a tokenizer", ["--vocab-size", "400", "--tokenizer", "t.json"], "leave one of them out"),
+    ("shard tokens 0", ["--shard-tokens", "0"], "--shard-tokens must be at least 1"),
+    ("missing tokenizer", ["--tokenizer", "/nonexistent/tokenizer.json"], "does not exist"),
+    ("missing text folder", ["--data", "/nonexistent/text"], "does not exist"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_errors_are_one_line(tmp_path, capsys, text, name, extra, words):
+    status, stdout, err = tokenize(tmp_path, capsys, *extra)
+    lines = err.splitlines()
+    assert status == USER_ERROR and len(lines) == 1 and words in lines[0] and "Traceback" not in err, lines
+    assert not (tmp_path / "tok").exists()
+
+
+def test_help_explains_itself(capsys):
+    with pytest.raises(SystemExit):
+        main(["tokenize", "--help"])
+    text = capsys.readouterr().out
+    for words in ("byte-level BPE", "--overwrite", "meta.json", "minifloat train --data", "uint16"):
+        assert words in " ".join(text.split()), words
+
+
+def test_cli_defaults_are_the_librarys():
+    assert cli_tokenize.DEFAULT_VOCAB_SIZE == lib_tokenize.DEFAULT_VOCAB_SIZE
+    assert cli_tokenize.DEFAULT_SHARD_TOKENS == lib_tokenize.DEFAULT_SHARD_TOKENS
+
+
+def test_train_on_the_shards_uses_their_vocabulary(tmp_path, capsys, text):
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB))[0] == 0
+    run = tmp_path / "run"
+    status = main(["train", "--data", str(tmp_path / "tok"), "--model", "tiny", "--steps", "2", "--batch-size", "2",
+                   "--seq-len", "16", "--eval-every", "2", "--eval-batches", "1", "--checkpoint-every", "2",
+                   "--out", str(run), "--device", "cpu"])
+    assert status == 0, capsys.readouterr().err
+    data = read_extra(run / "ckpt")["data"]
+    assert data["vocab_size"] == VOCAB and data["kind"] == "shards" and data["dtype"] == "uint16"
