@@ -99,7 +99,8 @@ def run_rank(config):
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    """Train the reference Llama on the byte corpus (the Python standard library's sources, or --data) under a
+    """Train the reference Llama on the byte corpus (the Python standard library's sources, or --data: text files,
+    encoded by --tokenizer when given, or token shards from minifloat tokenize, nanoGPT, llm.c or Megatron) under a
     precision preset on a CPU or GPU (--device): warm-up + cosine LR, AdamW, gradient accumulation (--grad-accum),
     loss scaling, non-finite and spike guards, evaluation, checkpoints. Optional safety nets: --shadow-every (check
     FP8 against BF16 every N steps and fall back to BF16 while FP8 is off), --rollback-after (after N skipped steps

@@ -74,7 +74,8 @@ class TrainConfig:
     out: str = setting("runs/train", "output folder: log.csv, val.csv, ckpt/, run.json, tensorboard/. A folder that "
                                      "holds a run is refused unless --resume or --overwrite", group="run",
                        resume="fresh")
-    data: str | None = setting(None, "folder of text files (default: the Python standard library's sources)",
+    data: str | None = setting(None, "folder of text files, or token shards: a .bin file or a folder of them, "
+                                     "memory-mapped (default: the Python standard library's sources)",
                                group="model and data")
     max_bytes: int | None = setting(2_000_000, "cap on the corpus bytes, train + val, of a folder of text files "
                                                "(token shards are memory-mapped, never capped)", group="model and data")
