@@ -7,8 +7,10 @@ so adding a file never moves another. The tokens are the files' bytes (256 value
 split in path order.
 
 Batches are random windows, and batch k is a pure function of (seed, k): resuming from position k yields the same
-batches as a run that never stopped, and `skip(n)` jumps ahead without drawing. The manifest (files, sizes, SHA-256)
-lets a checkpoint notice that the data under it changed.
+batches as a run that never stopped, and `skip(n)` jumps ahead without drawing (BatchLoader and val_batches live in
+minifloat.training.batches). The manifest (files, sizes, SHA-256) lets a checkpoint notice that the data under it
+changed. `load_corpus` is what runs call: it also reads text through a tokenizer and memory-maps token shards
+(minifloat.training.tokens).
 """
 
 from __future__ import annotations

@@ -112,9 +112,9 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
     for split in Split:
         if not pieces[split]:
             which = "training" if split == Split.TRAIN else "validation"
-            raise ValueError(f"the token shards under {folder} leave the {which} split empty (every shard is named "
-                             f"{'val' if split == Split.TRAIN else 'train'}…); add a shard whose name says "
-                             f"{'train' if split == Split.TRAIN else 'val'}, or write a meta.json (minifloat tokenize)")
+            raise ValueError(f"the token shards under {folder} leave the {which} split empty; add a shard for it "
+                             f"(a .bin whose name has the word val is validation data, any other training data), or "
+                             f"re-create the folder with minifloat tokenize")
     streams = {split: TokenStream([t for _, _, t in pieces[split]], names=[n for _, n, _ in pieces[split]],
                                   unsigned=True, vocab_size=vocab_size) for split in Split}
     tokenizer_sha = loaded.sha256 if loaded is not None else ((meta or {}).get("tokenizer") or {}).get("sha256")
@@ -127,8 +127,8 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
 
 
 def _split_by_name(names: list[str], val_fraction: float) -> dict[str, Split]:
-    """Named val/valid/validation: validation; one shard, none so named: both (see _pieces, None here); several:
-    the others by `split_files` when no name says val."""
+    """Shards named val/valid/validation go to validation and the others to training; several shards, none so
+    named, are split by `split_files`; a lone one gets {} (`_pieces` splits its tokens)."""
     named = {n: Split.VAL for n in names if _words(n) & VAL_WORDS}
     if named:
         return {n: named.get(n, Split.TRAIN) for n in names}
