@@ -241,10 +241,27 @@ def test_windows_never_cross_a_shard(constant_shards):
     assert seen == {0, 1, 2, 4}  # shard 3 (10 tokens) holds no window of 17
 
 
-def test_batch_k_is_a_pure_function_of_seed_and_k(tmp_path):
-    data, *_ = _llmc_uint16(tmp_path)
-    a = BatchLoader(load_corpus(str(data)).train, batch_size=4, seq_len=32, seed=7)
-    b = BatchLoader(load_corpus(str(data)).train, batch_size=4, seq_len=32, seed=7)
+def _shards_data(tmp: pathlib.Path, _tokenizer: pathlib.Path) -> dict:
+    """llm.c shards of a 512-id vocabulary (the tiny model's head stays small), training data in two shards."""
+    (tmp / "data").mkdir()
+    for name, seed, n in (("d_train_000001.bin", 1, 3000), ("d_train_000002.bin", 2, 2000), ("d_val_000000.bin", 3, 600)):
+        (tmp / "data" / name).write_bytes(llmc(ids(n, 512, seed=seed)))
+    return {"data": str(tmp / "data")}
+
+
+def _text_data(tmp: pathlib.Path, tokenizer: pathlib.Path) -> dict:
+    return {"data": str(text_folder(tmp / "text")), "tokenizer": str(tokenizer)}
+
+
+# (name, make(tmp, tokenizer.json) -> TrainConfig's data settings): the two new kinds; bytes are tests/test_train.py's
+RUN_DATA = [("llm.c shards", _shards_data), ("text and tokenizer", _text_data)]
+
+
+@pytest.mark.parametrize("name, make", RUN_DATA, ids=[d[0] for d in RUN_DATA])
+def test_batch_k_is_a_pure_function_of_seed_and_k(tmp_path, tokenizer_file, name, make):
+    settings = make(tmp_path, tokenizer_file)
+    a = BatchLoader(load_corpus(**settings).train, batch_size=4, seq_len=32, seed=7)
+    b = BatchLoader(load_corpus(**settings).train, batch_size=4, seq_len=32, seed=7)
     assert all(torch.equal(a.batch(k)[0], b.batch(k)[0]) for k in (0, 1, 5, 1000))
     drawn = [next(a) for _ in range(3)]
     b.load_state_dict(a.state_dict())
@@ -272,13 +289,13 @@ def test_short_split_is_refused_naming_the_data(tmp_path):
 SMALL = dict(model="tiny", batch_size=4, seq_len=32, warmup=2, eval_every=3, eval_batches=2, checkpoint_every=0)
 
 
-def test_resume_on_shards_is_bitwise(tmp_path):
-    (tmp_path / "data").mkdir()
-    data, *_ = _llmc_uint16(tmp_path / "data")
+@pytest.mark.parametrize("name, make", RUN_DATA, ids=[d[0] for d in RUN_DATA])
+def test_resume_is_bitwise(tmp_path, tokenizer_file, name, make):
+    data = make(tmp_path, tokenizer_file)
     n = 3
-    whole = train(TrainConfig(**SMALL, steps=2 * n, data=str(data), out=str(tmp_path / "a")), progress=False)
+    whole = train(TrainConfig(**SMALL, **data, steps=2 * n, out=str(tmp_path / "a")), progress=False)
     # the first half follows the 2n-step schedule (lr_decay_steps), as a run cut short would
-    half = TrainConfig(**{**SMALL, "checkpoint_every": n}, steps=n, data=str(data), lr_decay_steps=2 * n,
+    half = TrainConfig(**{**SMALL, "checkpoint_every": n}, **data, steps=n, lr_decay_steps=2 * n,
                        out=str(tmp_path / "b"))
     first = train(half, progress=False)
     second = train(dataclasses.replace(half, steps=2 * n, lr_decay_steps=None, resume=True), progress=False)
