@@ -188,10 +188,13 @@ def test_vocabulary_comes_from_tokenizer_when_shards_name_none(tmp_path, tokeniz
 
 
 def test_a_folder_of_other_bin_files_is_still_text(tmp_path):
-    """Only split words, llm.c's magic, a Megatron .idx or meta.json make a folder token data: weights.bin is not."""
+    """Only split words, llm.c's magic, a Megatron .idx or minifloat's meta.json make a folder token data: weights.bin
+    and another program's meta.json do not."""
     text = text_folder(tmp_path / "text", 3)
     (text / "weights.bin").write_bytes(bytes(range(256)))
-    assert load_corpus(str(text)).vocab_size == 256
+    (text / META_FILE).write_text('{"title": "my notes"}')
+    corpus = load_corpus(str(text))
+    assert corpus.vocab_size == 256 and META_FILE in [f.path for f in corpus.manifest.files]
 
 
 # ---- memory mapping -----------------------------------------------------------------------------------------------

@@ -23,8 +23,8 @@ import torch
 
 from minifloat.training.batches import TokenStream
 from minifloat.training.data import ByteCorpus, DataConfig, FileEntry, Manifest, Split, split_files
-from minifloat.training.shards import (HASH_RULE, META_FILE, SHARD_FIX, Shard, file_sha256, max_id, read_meta,
-                                       read_shard)
+from minifloat.training.shards import (HASH_RULE, META_FILE, META_FORMAT, SHARD_FIX, Shard, file_sha256, max_id,
+                                       read_meta, read_shard)
 from minifloat.training.tokenizer import LoadedTokenizer, encode_texts, load_tokenizer
 
 log = logging.getLogger("minifloat")
@@ -63,10 +63,22 @@ def is_token_data(data: str) -> bool:
         return path.suffix == ".bin"
     if not path.is_dir():
         return False
-    if (path / META_FILE).is_file():
+    if _has_meta(path):
         return True
     bins = [p for p in path.glob("*.bin") if p.is_file()]
     return any(p.with_suffix(".idx").is_file() or _words(p.name) & SPLIT_WORDS or _llmc_magic(p) for p in bins)
+
+
+def _has_meta(folder: pathlib.Path) -> bool:
+    """Whether the folder holds minifloat's meta.json: one that says so, or one that is not JSON (read_meta then says
+    what is wrong). Another program's meta.json in a folder of text files leaves it text."""
+    try:
+        meta = json.loads((folder / META_FILE).read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return False
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return (folder / META_FILE).is_file()
+    return isinstance(meta, dict) and meta.get("format") == META_FORMAT
 
 
 def _llmc_magic(path: pathlib.Path) -> bool:
@@ -90,7 +102,7 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
     config = DataConfig(path=data, **({} if val_fraction is None else {"val_fraction": val_fraction}))
     root = pathlib.Path(data).expanduser()
     folder = root if root.is_dir() else root.parent
-    meta = read_meta(folder) if root.is_dir() and (root / META_FILE).is_file() else None
+    meta = read_meta(folder) if root.is_dir() and _has_meta(root) else None
     if meta is not None:
         for entry in meta["shards"]:
             if not (folder / entry["file"]).is_file():
