@@ -184,18 +184,17 @@ def file_sha256(path: pathlib.Path) -> str:
 
 
 def max_id(ids: torch.Tensor, *, sample: bool) -> int:
-    """The largest id in a mapped shard: all of it, a chunk at a time (sample=False), or its first and last 64Ki ids
-    and 16 chunks of 4Ki between them (sample=True: the cheap check before a run)."""
-    n, chunk, mask = ids.numel(), (1 << 12 if sample else 1 << 22), UNSIGNED_MASKS.get(ids.dtype)
-    if n == 0:
-        return -1
+    """The largest id in a mapped shard (-1 when empty): all of it, a chunk at a time (sample=False), or its first and
+    last 64Ki ids and 16 chunks of 4Ki spread between them (sample=True: the cheap check before a run)."""
+    n, mask = ids.numel(), UNSIGNED_MASKS.get(ids.dtype)
     if sample:
-        starts = sorted({0, *range(0, n, max(1, n // 16)), max(0, n - (1 << 16))})
-        spans = [(s, min(n, s + (1 << 16 if s in (0, max(0, n - (1 << 16))) else chunk))) for s in starts]
+        edge = 1 << 16
+        spans = [(0, edge), (max(0, n - edge), n), *((s, s + (1 << 12)) for s in range(0, n, max(1, n // 16)))]
     else:
-        spans = [(s, min(n, s + chunk)) for s in range(0, n, chunk)]
+        spans = [(s, s + (1 << 22)) for s in range(0, n, 1 << 22)]
     top = -1
     for start, end in spans:
-        part = ids[start:end].long()
-        top = max(top, int((part & mask if mask is not None else part).max()))
+        part = ids[start:end].long()  # a slice past the end stops at it
+        if part.numel():
+            top = max(top, int((part & mask if mask is not None else part).max()))
     return top
