@@ -491,3 +491,15 @@ def test_sdpa_model_under_bf16_autocast_passes_the_audit():
     assert len(fused) == 2 * model.config.n_layer and {r.precision for r in fused} == {"float32"}
     forward = {r.module for r in fused if r.phase == "forward"}
     assert forward == {f"blocks.{i}.attn" for i in range(model.config.n_layer)}
+
+
+@pytest.mark.slow  # ~20 s of inductor compile on a CPU
+@pytest.mark.parametrize("attention", ["fp32", "sdpa"])
+def test_compiled_gqa_model_matches_eager(attention):
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", n_kv_head=2, attention=attention))
+    idx, targets = tokens(2, 32), tokens(2, 32, seed=2)
+    eager_logits, eager_loss = model(idx, targets)
+    logits, loss = torch.compile(model)(idx, targets)
+    torch.testing.assert_close(logits, eager_logits, rtol=FP32_RTOL, atol=FP32_ATOL)
+    torch.testing.assert_close(loss, eager_loss, rtol=FP32_RTOL, atol=FP32_ATOL)
