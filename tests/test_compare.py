@@ -11,7 +11,8 @@ from rich.console import Console
 
 from minifloat.cli import main
 from minifloat.cli.compare import COLUMNS, SPEED_COLUMNS, speed_table, summary_table, table_note
-from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, SMOOTHING,
+from minifloat.training.compare import (BASELINE, DEEPSEEK_V3_PCT, DEFAULT_CONFIG, DEFAULT_PRESETS, GPU_SETTINGS,
+                                        RANGE_BAND_PCT, SMOOTHING,
                                         TAIL_FRACTION, ZERO_LABEL, _command, _summarize, compare, loss_curves_figure,
                                         noise_band_pct)
 from minifloat.training.loop import TrainConfig, TrainResult
@@ -360,3 +361,46 @@ def test_the_table_is_whole_in_a_log(summary, monkeypatch):
     assert "…" not in text and all(f"{m['tokens_per_s']:,.0f}" in text and f"{m['final_val_loss']:.4f}" in text
                                    for m in result["presets"].values())
     assert common.console.width == 80  # restored
+
+
+# --- the command line: train's own flags, the device's defaults ---------------------------------------------------
+
+def compare_args(argv: list[str]):
+    from minifloat.cli import build_parser
+
+    return build_parser(["compare"]).parse_args(["compare", *argv])
+
+
+def test_compare_flags_are_trains_settings():
+    """Every setting compare takes is a TrainConfig setting with train's flag, help and type (one source of truth)."""
+    from minifloat.cli.compare import SETTINGS
+    from minifloat.cli.train import _flagged
+
+    assert set(SETTINGS) <= set(_flagged())
+    args = compare_args(["--tokenizer", "tok.json", "--attention", "sdpa", "--lr", "3e-3", "--grad-accum", "2",
+                         "--compile", "--compile-mode", "max-autotune", "--device", "cpu"])
+    from minifloat.cli.compare import base_config
+
+    base = base_config(args)
+    assert (base.tokenizer, base.attention, base.lr, base.min_lr, base.grad_accum, base.compile, base.compile_mode) \
+        == ("tok.json", "sdpa", 3e-3, 3e-3 / 10, 2, True, "max-autotune")
+    assert base.steps == DEFAULT_CONFIG.steps and base.model == DEFAULT_CONFIG.model  # the CPU's defaults
+
+
+def test_on_cuda_the_defaults_are_the_gpu_experiment(monkeypatch):
+    """--device cuda (faked: this machine may have no GPU) gives GPU_SETTINGS; a model with a shorter context gets
+    its own max_seq_len, not an invalid --seq-len."""
+    import torch
+
+    from minifloat.cli.compare import base_config
+    from minifloat.training import compare as compare_module
+    from minifloat.training.model import SIZES
+
+    monkeypatch.setattr(compare_module, "resolve_device", lambda name: torch.device("cuda"))
+    base = base_config(compare_args(["--device", "cuda"]))
+    assert {k: getattr(base, k) for k in GPU_SETTINGS} == GPU_SETTINGS and base.device == "cuda"
+    assert base.seq_len <= SIZES[base.model].max_seq_len
+    small = base_config(compare_args(["--device", "cuda", "--model", "100m"]))
+    assert small.seq_len == SIZES["100m"].max_seq_len == 1024 and small.steps == GPU_SETTINGS["steps"]
+    assert "--model 1b" in _command(["bf16"], base, pathlib.Path("runs/x"))
+    assert "--max-bytes" not in _command(["bf16"], base, pathlib.Path("runs/x"))  # the GPU default: no cap
