@@ -12,7 +12,6 @@ from minifloat.cli import common
 
 MIB = 2 ** 20
 DEFAULT_NEW_TOKENS = 128  # without --max-new-tokens: this many, or as many as the model's context leaves
-BYTE_VOCAB = 256  # the byte-level vocabulary of minifloat.training.data: what --top-k is checked against
 
 
 def _parse(flag: str, text: str | None, kind: type):
@@ -49,13 +48,17 @@ def summary(stats) -> str:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     """Load a run's model (its latest checkpoint, or --checkpoint) on the run's device (or --device), in bf16 or
-    FP8 (--fp8), continue the prompt (its UTF-8 bytes are the tokens) and print the continuation, bytes decoded as
-    UTF-8 with invalid sequences replaced, then one stats line on stderr (tokens/s, peak memory). Greedy unless
-    --temperature > 0. Exits with status 2 on a bad option, run folder or checkpoint."""
+    FP8 (--fp8), continue the prompt and print the continuation, then one stats line on stderr (tokens/s, peak
+    memory). Greedy unless --temperature > 0. Text is encoded and decoded by the run's tokenizer: the one it trained
+    with (train --tokenizer, or the tokenizer.json of a minifloat tokenize folder), else --tokenizer (.bin shards
+    without one need it); a run on text without a tokenizer reads UTF-8 bytes (invalid sequences print as U+FFFD).
+    Exits with status 2 on a bad option, run folder, checkpoint or tokenizer (missing, or of another vocabulary
+    size than the run's)."""
     import torch
 
-    from minifloat.inference.generate import FP8_RECIPES, check_sampling, decode_bytes, generate, load_run_model
+    from minifloat.inference.generate import FP8_RECIPES, check_sampling, generate, load_run_model
     from minifloat.inference.prepare import prepare_inference
+    from minifloat.inference.tokenizer import run_tokenizer
 
     max_new_tokens = _parse("--max-new-tokens", args.max_new_tokens, int)
     temperature = _parse("--temperature", args.temperature, float)
@@ -63,9 +66,10 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seed = _parse("--seed", args.seed, int)
     if not args.prompt:
         raise common.CliError("invalid option: --prompt must be non-empty text")
-    try:  # before the model loads; generate() checks them again against the model (top_k against its vocabulary)
+    tokenizer = run_tokenizer(args.run, args.checkpoint, tokenizer=args.tokenizer)  # the run's vocabulary
+    try:  # before the model loads; generate() checks them again against the model
         check_sampling(max_new_tokens=1 if max_new_tokens is None else max_new_tokens, temperature=temperature,
-                       top_k=top_k, seed=seed, kv_cache=args.kv_cache, vocab_size=BYTE_VOCAB)
+                       top_k=top_k, seed=seed, kv_cache=args.kv_cache, vocab_size=tokenizer.vocab_size)
     except ValueError as err:
         raise common.CliError(f"invalid option: {err}") from None
     if args.fp8 is not None and args.fp8 not in FP8_RECIPES:
@@ -74,12 +78,14 @@ def cmd_generate(args: argparse.Namespace) -> int:
     if args.fp8 is not None:  # quantized from the fp32 weights: one rounding, not bf16's and then FP8's
         model = prepare_inference(model, recipe=FP8_RECIPES[args.fp8])
     model = model.to(torch.bfloat16)  # everything else in bf16; FP8 weight buffers keep their storage dtype
-    prompt = list(args.prompt.encode("utf-8"))
+    prompt = tokenizer.encode(args.prompt)
+    if not prompt:
+        raise common.CliError(f"invalid option: --prompt {args.prompt!r} encodes to no tokens")
     if max_new_tokens is None:  # the positions left after the prompt (the last new token takes none), at least 1
         max_new_tokens = max(1, min(DEFAULT_NEW_TOKENS, model.config.max_seq_len - len(prompt) + 1))
     out = generate(model, prompt, max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k, seed=seed,
                    kv_cache=args.kv_cache)
-    common.console.print(Text(printable(decode_bytes(out.tokens[0]))), soft_wrap=True, highlight=False)
+    common.console.print(Text(printable(tokenizer.decode(out.tokens[0]))), soft_wrap=True, highlight=False)
     common.ERR.print(summary(out.stats), soft_wrap=True, highlight=False, markup=False)
     return 0
 
@@ -90,19 +96,25 @@ HELP = "continue a prompt with a trained run's model (KV cache, bf16 or FP8)"  #
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help=HELP, description=cmd_generate.__doc__)
     g.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
-    g.add_argument("--prompt", required=True, help="the text to continue (its UTF-8 bytes are the tokens)")
+    g.add_argument("--prompt", required=True,
+                   help="the text to continue (encoded by the run's tokenizer; UTF-8 bytes for a run on text without "
+                        "one)")
     g.add_argument("--max-new-tokens", default=None, metavar="N",
-                   help=f"bytes to generate (default {DEFAULT_NEW_TOKENS}, or fewer where the model's max_seq_len "
-                        f"leaves fewer after the prompt)")
+                   help=f"tokens to generate (bytes for a run on text without a tokenizer; default "
+                        f"{DEFAULT_NEW_TOKENS}, or fewer where the model's max_seq_len leaves fewer after the prompt)")
     g.add_argument("--temperature", default="0", metavar="T", help="0 for greedy (default), else the softmax "
                                                                    "temperature")
-    g.add_argument("--top-k", default=None, metavar="K", help="sample among the K most likely bytes only")
+    g.add_argument("--top-k", default=None, metavar="K", help="sample among the K most likely tokens only")
     g.add_argument("--seed", default="0", metavar="S", help="seed of the sampling (default 0)")
     g.add_argument("--kv-cache", default="bf16", metavar="DTYPE",
                    help="storage of the KV cache: bf16 (default), fp8 (E4M3, a scale per token and head) or fp32")
     g.add_argument("--fp8", default=None, metavar="RECIPE",
                    help="FP8 weights by minifloat.inference.prepare_inference, scaled per tensor, row, 128×128 "
                         "block or MX block: tensor, row, block or mx (default: bf16 weights)")
+    g.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the tokenizer.json to encode and decode with, for a run that records none (.bin shards "
+                        "without meta.json) or whose file moved; refused unless its vocabulary size is the run's; "
+                        "a file other than the one the run recorded (SHA-256) is used with a warning")
     g.add_argument("--checkpoint", default="latest", metavar="NAME",
                    help="latest (the run's ckpt/, default), or a checkpoint folder inside the run or elsewhere")
     g.add_argument("--device", default=None, help="auto, cpu, cuda or cuda:N (default: the device the run used)")

@@ -16,7 +16,8 @@ A batch of B prompts of equal length generates B continuations in one pass (they
 masks are needed).
 
 `load_run_model(run_dir)` rebuilds a run folder's model (minifloat.inference.export.load_run) from its checkpoint as a
-plain Llama: FP8 layers and their scaling state are training's, and inference chooses its own precision.
+plain Llama: FP8 layers and their scaling state are training's, and inference chooses its own precision. Its text in
+and out goes through `minifloat.inference.tokenizer.run_tokenizer(run_dir)` (bytes for a run on text without one).
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from minifloat.core.validate import check_choice, check_int, check_number
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, MXScaling, Recipe
 from minifloat.inference.export import load_run
 from minifloat.inference.kvcache import KV_DTYPES, KVCache
+from minifloat.inference.tokenizer import ByteTokenizer
 from minifloat.training.memory import StorageLedger
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.training.rundir import RUN_FILE
@@ -268,5 +270,4 @@ def load_run_model(run_dir: str | pathlib.Path, *, checkpoint: str = "latest",
 
 def decode_bytes(tokens: Sequence[int] | torch.Tensor) -> str:
     """Byte tokens (minifloat.training.data's vocabulary) as text; invalid UTF-8 becomes U+FFFD."""
-    ids = tokens.tolist() if isinstance(tokens, torch.Tensor) else list(tokens)
-    return bytes(ids).decode("utf-8", errors="replace")
+    return ByteTokenizer().decode(tokens)
