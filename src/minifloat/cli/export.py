@@ -29,7 +29,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     hf-fp8-block stores DeepSeek-V3's 128×128 blocks with fp32 weight_scale_inv. Embeddings, norms, lm_head and the
     layers training kept in high precision stay --dtype. transformers (5.24, CPU) reads hf, and hf-fp8-block whose
     sizes are multiples of 128 (or at most 128), right, but loads hf-fp8's weights unscaled without an error: for
-    transformers export hf or hf-fp8-block; the command prints one warning line on stderr for each such case. An
+    transformers export hf or hf-fp8-block; the command prints one warning line on stderr for each such case. A
+    run trained with a tokenizer gets its tokenizer.json (as minifloat generate finds it, or --tokenizer) and a
+    tokenizer_config.json, which AutoTokenizer reads (a warning line when a token run's tokenizer is not found). An
     --out that exists and is not empty is refused unless --overwrite. Exits with status 2 on a bad option, run
     folder or checkpoint."""
     from minifloat.inference.export import export_hf, run_calibration
@@ -44,7 +46,8 @@ def cmd_export(args: argparse.Namespace) -> int:
                                   f"got {args.calibrate}")
         calibration = run_calibration(args.run, args.calibrate, checkpoint=args.checkpoint)
     out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
-                    activations=args.activations, calibration=calibration, overwrite=args.overwrite)
+                    activations=args.activations, calibration=calibration, tokenizer=args.tokenizer,
+                    overwrite=args.overwrite)
     config = json.loads((pathlib.Path(out) / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config")
     detail = config["architectures"][0]
@@ -76,5 +79,8 @@ def add_parser(sub) -> None:
     e.add_argument("--calibrate", type=int, default=None, metavar="N",
                    help="hf-fp8: static input scales from the run's first N validation batches (amax / 448 per "
                         "layer), for a run without delayed scales of its own")
+    e.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="the tokenizer.json to copy into --out, for a run that records none (.bin shards without "
+                        "meta.json) or whose file moved; refused unless its vocabulary size is the run's")
     e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the export is complete")
     e.set_defaults(func=cmd_export)

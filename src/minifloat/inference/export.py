@@ -5,8 +5,10 @@
     model = load_hf_export("out/fp8")                            # back to minifloat's Llama (minifloat.inference.hf)
 
 An export is a folder: config.json (transformers' LlamaConfig fields, or Qwen3's for a QK-norm model: see
-minifloat.inference.hf), generation_config.json and model.safetensors with Hugging Face's tensor names. In the FP8
-formats each quantized linear layer stores
+minifloat.inference.hf), generation_config.json and model.safetensors with Hugging Face's tensor names; for a run
+that trained with a tokenizer (minifloat.inference.tokenizer.run_tokenizer) also its tokenizer.json and a
+tokenizer_config.json naming PreTrainedTokenizerFast, so that AutoTokenizer reads the folder (a byte run has no
+tokenizer file: its ids are UTF-8 bytes). In the FP8 formats each quantized linear layer stores
 
     format          tensors of <layer>                                      quantization_config
     hf              weight (bf16)                                           -
@@ -290,10 +292,35 @@ def _check_out(out: Path, overwrite: bool) -> None:
                               f"(overwrite=True) to replace it")
 
 
+def _tokenizer_file(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.PathLike | None,
+                    warnings: list[str]) -> Path | None:
+    """The tokenizer.json an export copies: `tokenizer` (checked against the model's vocabulary), else a run's own;
+    None for a byte run, or (a line in `warnings`) a token run whose tokenizer cannot be found."""
+    # imported here: minifloat.inference.tokenizer finds a run's checkpoint with this module's run_checkpoint
+    from minifloat.inference.tokenizer import run_tokenizer
+    from minifloat.training.tokenizer import load_tokenizer
+
+    if isinstance(model_or_run, nn.Module):
+        if tokenizer is None:
+            return None
+        loaded = load_tokenizer(tokenizer)
+        if loaded.vocab_size != model.config.vocab_size:
+            raise ValueError(f"the tokenizer {loaded.path} has a vocabulary of {loaded.vocab_size} ids, but the "
+                             f"model has {model.config.vocab_size}; pass the tokenizer it trained with")
+        return loaded.path
+    try:
+        return run_tokenizer(model_or_run, checkpoint, tokenizer=tokenizer).path
+    except ValueError as err:
+        if tokenizer is not None:
+            raise
+        warnings.append(f"minifloat: the export has no tokenizer.json: {err}")
+        return None
+
+
 def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "hf",
               dtype: str | torch.dtype = "bfloat16", checkpoint: str = "latest", activations: str = "auto",
               calibration: Iterable | None = None, clip: str = "max", percentile: float = DEFAULT_PERCENTILE,
-              overwrite: bool = False) -> Path:
+              tokenizer: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
     """Write a Hugging Face checkpoint of the reference Llama (see the module docstring for the layouts).
 
     Args:
@@ -308,6 +335,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         calibration: model inputs (e.g. a list of (B, T) token batches) for static input scales: amax / 448 of each
             quantized layer's input over them, amax as `clip` ("max", "percentile" or "mse") and `percentile` set
             it (minifloat.inference.calibrate, as prepare_inference calibrates).
+        tokenizer: a tokenizer.json to copy into the export, checked against the model's vocabulary; None for a
+            run's own (found as minifloat generate finds it; a warning when a token run's cannot be found).
         overwrite: replace a non-empty `out_dir` (only once the new export is complete).
     Returns:
         The export folder.
@@ -328,6 +357,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
     warnings = _transformers_warnings(out, fmt, layers, tensors)
+    tokenizer_file = _tokenizer_file(model_or_run, model, checkpoint, tokenizer, warnings)
     files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None),
              hf.GENERATION_FILE: hf.generation_config(model.config)}
 
@@ -337,6 +367,9 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
         for name, content in files.items():
             write_json(tmp / name, content, indent=2)
+        if tokenizer_file is not None:
+            shutil.copyfile(tokenizer_file, tmp / hf.TOKENIZER_FILE)
+            write_json(tmp / hf.TOKENIZER_CONFIG_FILE, hf.tokenizer_config(), indent=2)
         for path in (*tmp.iterdir(), tmp):
             fsync_path(path)
         _check_out(out, overwrite)  # nothing appeared there meanwhile

@@ -45,6 +45,7 @@ from minifloat.numerics.quantize import Quantized
 from minifloat.training.model import Llama, LlamaConfig, swiglu_hidden
 
 CONFIG_FILE, GENERATION_FILE, WEIGHTS_FILE = "config.json", "generation_config.json", "model.safetensors"
+TOKENIZER_FILE, TOKENIZER_CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"  # a run with a tokenizer
 WEIGHT_FORMAT = E4M3  # the element format of every FP8 serving layout
 
 # (architecture, model_type) of a plain Llama and of one with QK-norm
@@ -180,6 +181,13 @@ def hf_config(config: LlamaConfig, *, dtype: str) -> dict:
 def generation_config(config: LlamaConfig) -> dict:
     """generation_config.json: generate up to the context length; the byte vocabulary has no end token."""
     return {"max_length": config.max_seq_len, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+
+
+def tokenizer_config() -> dict:
+    """tokenizer_config.json beside a copied tokenizer.json: it names the class, PreTrainedTokenizerFast (the
+    tokenizer.json as it is, no BOS token added), so that AutoTokenizer need not guess one from config.json's
+    model_type. transformers 5.24 reads the folder the same without it (measured); older versions guess."""
+    return {"tokenizer_class": "PreTrainedTokenizerFast"}
 
 
 def llama_config(hf: dict) -> LlamaConfig:
