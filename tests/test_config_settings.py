@@ -202,7 +202,7 @@ def test_what_spans_groups_is_checked_by_the_config():
 def test_flat_and_nested_construction_agree():
     """Flat names are routed to their groups: the same config either way, and flat reads are the groups' fields."""
     flat = TrainConfig(model="10m", seq_len=128, lr=2e-3, min_lr=2e-4, preset="fp8-delayed", keep_blocks="0,1",
-                       optimizer_state="e4m3,bf16", nan_steps=[3], nproc=2, parallel="ddp", out="runs/x")
+                       optimizer_state="e4m3,bf16", nan_steps=(3,), nproc=2, parallel="ddp", out="runs/x")
     nested = TrainConfig(model_data=ModelData(model="10m", seq_len=128),
                          optimizer=OptimizerSettings(lr=2e-3, min_lr=2e-4, optimizer_state=("e4m3", "bf16")),
                          precision=Precision(preset="fp8-delayed", keep_blocks=(0, 1)),
@@ -225,8 +225,8 @@ def test_flat_and_nested_construction_agree():
 
 
 def test_typed_keep_blocks_and_state_formats():
-    """The groups hold tuples; the flag spellings (and a checkpoint's JSON lists) are parsed to them."""
-    config = TrainConfig(preset="nvfp4", keep_blocks="0,0.15", optimizer_state=["e4m3", "bf16"])
+    """The groups hold tuples; the flag spellings are parsed to them."""
+    config = TrainConfig(preset="nvfp4", keep_blocks="0,0.15", optimizer_state="e4m3,bf16")
     assert config.precision.keep_blocks == (0, 0.15) and config.optimizer.optimizer_state == ("e4m3", "bf16")
     assert config.precision.blocks_kept == (0, 0.15) and Precision(preset="nvfp4").blocks_kept == (0, 1)
     assert config.policy().keep_blocks == (0, 0.15)

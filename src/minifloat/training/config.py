@@ -24,13 +24,13 @@ SPELLINGS = {"keep_blocks": (keep_blocks_from, keep_blocks_spelled), "optimizer_
 
 
 def typed(name: str, value):
-    """A setting's value as its group holds it: a flag spelling ("0,1", "e4m3,bf16") parsed, a JSON list (a
-    checkpoint's record) made a tuple."""
-    if isinstance(value, list):
-        return tuple(value)
-    if name in SPELLINGS and isinstance(value, str):
-        return SPELLINGS[name][0](value)
-    return value
+    """A setting's value as its group holds it: a flag spelling ("0,1", "e4m3,bf16") parsed."""
+    return SPELLINGS[name][0](value) if name in SPELLINGS and isinstance(value, str) else value
+
+
+def recorded(name: str, value):
+    """A setting's value from a checkpoint's record (JSON): lists made tuples, flag spellings parsed."""
+    return typed(name, tuple(value) if isinstance(value, list) else value)
 
 
 def spelled(name: str, value):
@@ -167,7 +167,7 @@ class TrainConfig:
             if field == "grad_accum" and saved_ranks != ranks:
                 continue  # checked above, as micro-batches per step
             # absent: not checkable; a checkpoint spells "A,B" settings as their flags do (typed compares them)
-            was = typed(field, saved.get(field, RESUME_ABSENT.get(field, getattr(self, field))))
+            was = recorded(field, saved.get(field, RESUME_ABSENT.get(field, getattr(self, field))))
             if was != getattr(self, field):
                 flag, was = "--" + field.replace("_", "-"), spelled(field, was)
                 raise ValueError(f"the checkpoint at {where} was trained with {flag} {was}, this run asks for "
@@ -208,9 +208,8 @@ def config_from(given: dict, saved: dict | None = None) -> TrainConfig:
     if "lr" in fields and "min_lr" not in fields:
         fields["min_lr"] = fields["lr"] / 10
     if saved:
-        # a checkpoint's record is flat (TrainConfig.flat; JSON lists for tuples, "A,B" spellings): TrainConfig
-        # types the values
-        inherited = {k: v for k, v in saved.items() if k in SETTINGS and k not in NOT_INHERITED}
+        # a checkpoint's record is flat (TrainConfig.flat): JSON lists for tuples, "A,B" spellings
+        inherited = {k: recorded(k, v) for k, v in saved.items() if k in SETTINGS and k not in NOT_INHERITED}
         if "nproc" in given and "parallel" not in given:
             inherited.pop("parallel", None)
         fields = {**inherited, **fields}
