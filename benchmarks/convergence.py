@@ -136,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     text = "\n".join(rows)
     print(text)
     meta = {"command": "python benchmarks/convergence.py " + shlex.join(argv if argv is not None else sys.argv[1:]),
-            "config": {k: v for k, v in dataclasses.asdict(base).items() if k not in ("preset", "out", "seed")},
+            "config": {k: v for k, v in base.flat().items() if k not in ("preset", "out", "seed")},
             "seeds": seeds, "machine": {"processor": platform.processor() or platform.machine(),
                                         "threads": torch.get_num_threads(), "torch": torch.__version__,
                                         "python": platform.python_version()},

@@ -72,7 +72,7 @@ def finished(cfg: TrainConfig) -> dict | None:
             log = [r for r in csv.DictReader(f)]
     except (OSError, ValueError):
         return None
-    want = {k: v for k, v in json.loads(json.dumps(dataclasses.asdict(cfg))).items() if k not in ("overwrite",)}
+    want = {k: v for k, v in json.loads(json.dumps(cfg.flat())).items() if k not in ("overwrite",)}
     got = saved.get("config", {})
     if any(got.get(k) != v for k, v in want.items()) or not val or int(val[-1]["step"]) != cfg.steps:
         return None

@@ -11,9 +11,12 @@ import pytest
 
 from minifloat.cli import build_parser
 from minifloat.cli.train import train_config
-from minifloat.training.config import (GROUPS, NOT_INHERITED, RESUME_ABSENT, RESUME_FIXED, RESUMES, SETTINGS,
-                                       TrainConfig, config_from)
-from minifloat.training.loop import train
+from minifloat.training.config import (GROUP_CLASSES, GROUPS, NOT_INHERITED, RESUME_ABSENT, RESUME_FIXED, RESUMES,
+                                       SETTINGS, TrainConfig, config_from)
+from minifloat.training.loop import CHECKPOINT_DIR, train
+from minifloat.training.precision import Precision
+from minifloat.training.settings import ModelData, OptimizerSettings, Parallelism, RunSettings, SafetyNets
+from minifloat.training.sharded import read_extra
 
 TINY = dict(model="tiny", batch_size=4, seq_len=32, warmup=2, eval_every=3, eval_batches=1, max_bytes=100_000)
 
@@ -37,6 +40,12 @@ def test_every_setting_has_one_definition_and_one_flag():
                 flags[option] = action.dest
     assert sorted(flags.values()) == sorted(SETTINGS), "a flag without a setting, or a setting without a flag"
     assert len(set(flags.values())) == len(flags)  # one flag each
+    walked = {(attr, f.name): f for attr, cls in GROUP_CLASSES.items() for f in dataclasses.fields(cls)}
+    assert [name for _, name in walked] == list(SETTINGS), "a setting defined twice, or outside the groups"
+    assert [cls.GROUP for cls in GROUP_CLASSES.values()] == list(GROUPS)
+    assert not set(GROUP_CLASSES) & set(SETTINGS)  # `config.precision` and `config.lr` never clash
+    for (attr, name), field in walked.items():  # a setting's group is its class's
+        assert field.metadata["group"] == GROUP_CLASSES[attr].GROUP, name
     for name, field in SETTINGS.items():
         meta = field.metadata
         assert meta["help"] and meta["group"] in GROUPS and meta["resume"] in RESUMES, name
@@ -126,3 +135,145 @@ def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch):
     assert config.compile_mode == "reduce-overhead"
     train(config, progress=False)
     assert seen == [{"mode": "reduce-overhead"}]
+
+
+# ---- the groups ---------------------------------------------------------------------------------------------------
+
+# (name, group, fields, words of the error): each group checks its own fields when built, naming the field
+BAD_GROUPS = [
+    ("unknown model", ModelData, dict(model="huge"), ["model", "'huge'"]),
+    ("seq_len past the context", ModelData, dict(model="tiny", seq_len=10**6), ["seq_len must be <=", "tiny"]),
+    ("no batch", ModelData, dict(batch_size=0), ["batch_size", "0"]),
+    ("empty data path", ModelData, dict(data=""), ["data", "''"]),
+    ("floor above the peak", OptimizerSettings, dict(lr=1e-3, min_lr=1e-2), ["min_lr", "0.01"]),
+    ("no steps", OptimizerSettings, dict(steps=0), ["steps", "0"]),
+    ("one state format", OptimizerSettings, dict(optimizer_state=("e4m3",)), ["optimizer_state", "'e4m3'"]),
+    ("unknown preset", Precision, dict(preset="fp7"), ["preset", "'fp7'"]),
+    ("keep_blocks out of range", Precision, dict(preset="fp8-delayed", keep_blocks=(0, 1.5)), ["keep_blocks"]),
+    ("keep_blocks without a recipe", Precision, dict(keep_blocks=(0, 1)), ["keep_blocks '0,1'", "'bf16'"]),
+    ("fp8 override without fp8-delayed", Precision, dict(fp8_margin=1), ["fp8_margin", "fp8-delayed"]),
+    ("bf16 master on fp16", Precision, dict(preset="fp16", master="bf16-sr"), ["master bf16-sr", "'fp16'"]),
+    ("negative nan step", SafetyNets, dict(nan_steps=(3, -1)), ["nan_steps", "-1"]),
+    ("alpha above 1", SafetyNets, dict(embedding_grad_alpha=2.0), ["embedding_grad_alpha", "2.0"]),
+    ("ranks without a layout", Parallelism, dict(nproc=2), ["nproc=2", "parallel"]),
+    ("unknown device", Parallelism, dict(device="tpu"), ["device", "'tpu'"]),
+    ("tp size not dividing nproc", Parallelism, dict(nproc=3, parallel="fsdp+tp"), ["--tp-size 2", "nproc is 3"]),
+    ("resume and overwrite", RunSettings, dict(resume=True, overwrite=True), ["resume", "overwrite"]),
+    ("empty out", RunSettings, dict(out=""), ["out", "''"]),
+]
+
+
+@pytest.mark.parametrize("name, group, fields, words", BAD_GROUPS, ids=[case[0] for case in BAD_GROUPS])
+def test_each_group_checks_its_own_fields(name, group, fields, words):
+    """A bad value is refused by its group, naming the field; built from flat names, TrainConfig says the same."""
+    for build in (group, TrainConfig):
+        with pytest.raises(ValueError) as err:
+            build(**fields)
+        assert all(w in str(err.value) for w in words), str(err.value)
+
+
+def test_the_groups_take_typed_values_only():
+    """The flag spellings are parsed by TrainConfig (and the CLI); a group holds the tuples."""
+    with pytest.raises(ValueError, match="optimizer_state must be two formats M,V.*'e4m3,bf16'"):
+        OptimizerSettings(optimizer_state="e4m3,bf16")
+    with pytest.raises(ValueError, match="keep_blocks must be a tuple.*'0,1'"):
+        Precision(preset="fp8-delayed", keep_blocks="0,1")
+
+
+@pytest.mark.parametrize("group", [TrainConfig, *GROUP_CLASSES.values()], ids=lambda c: c.__name__)
+def test_the_config_and_its_groups_are_frozen(group):
+    value = group()
+    name = dataclasses.fields(value)[0].name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        setattr(value, name, getattr(value, name))
+    with pytest.raises(AttributeError):
+        TrainConfig().lr = 1.0  # a flat read has no setter
+
+
+def test_what_spans_groups_is_checked_by_the_config():
+    with pytest.raises(ValueError, match="fsdp\\+tp splits seq_len .* seq_len is 9"):
+        TrainConfig(seq_len=9, nproc=2, parallel="fsdp+tp")
+    with pytest.raises(ValueError, match="master bf16-sr trains in one process"):
+        TrainConfig(master="bf16-sr", nproc=2, parallel="ddp")
+    with pytest.raises(ValueError, match="shadow_every checks FP8 against BF16"):
+        TrainConfig(shadow_every=5)
+
+
+def test_flat_and_nested_construction_agree():
+    """Flat names are routed to their groups: the same config either way, and flat reads are the groups' fields."""
+    flat = TrainConfig(model="10m", seq_len=128, lr=2e-3, min_lr=2e-4, preset="fp8-delayed", keep_blocks="0,1",
+                       optimizer_state="e4m3,bf16", nan_steps=(3,), nproc=2, parallel="ddp", out="runs/x")
+    nested = TrainConfig(model_data=ModelData(model="10m", seq_len=128),
+                         optimizer=OptimizerSettings(lr=2e-3, min_lr=2e-4, optimizer_state=("e4m3", "bf16")),
+                         precision=Precision(preset="fp8-delayed", keep_blocks=(0, 1)),
+                         safety=SafetyNets(nan_steps=(3,)), parallelism=Parallelism(nproc=2, parallel="ddp"),
+                         run=RunSettings(out="runs/x"))
+    assert flat == nested and hash(flat) == hash(nested)
+    for attr, cls in GROUP_CLASSES.items():
+        group = getattr(flat, attr)
+        assert isinstance(group, cls)
+        for f in dataclasses.fields(cls):
+            assert getattr(flat, f.name) == getattr(group, f.name), f.name
+    # names on top of a group; dataclasses.replace passes the groups whole with the names on top
+    assert TrainConfig(precision=nested.precision, preset="fp8-current").precision.keep_blocks == (0, 1)
+    assert dataclasses.replace(flat, lr=4e-3).optimizer == dataclasses.replace(nested.optimizer, lr=4e-3)
+    assert dataclasses.replace(flat, keep_blocks="1,1") == dataclasses.replace(flat, keep_blocks=(1, 1))
+    with pytest.raises(TypeError, match="unknown settings \\['batchsize'\\]"):
+        TrainConfig(batchsize=4)
+    with pytest.raises(ValueError, match="precision must be a Precision"):
+        TrainConfig(precision="fp8-delayed")
+
+
+def test_typed_keep_blocks_and_state_formats():
+    """The groups hold tuples; the flag spellings are parsed to them."""
+    config = TrainConfig(preset="nvfp4", keep_blocks="0,0.15", optimizer_state="e4m3,bf16")
+    assert config.precision.keep_blocks == (0, 0.15) and config.optimizer.optimizer_state == ("e4m3", "bf16")
+    assert config.precision.blocks_kept == (0, 0.15) and Precision(preset="nvfp4").blocks_kept == (0, 1)
+    assert config.policy().keep_blocks == (0, 0.15)
+    with pytest.raises(ValueError, match="keep_blocks must be 'FIRST,LAST'.*'0,x'"):
+        TrainConfig(preset="fp8-delayed", keep_blocks="0,x")
+    # the recipe itself, its overrides applied
+    precision = Precision(preset="fp8-delayed", fp8_margin=2, fp8_format="e4m3")
+    assert precision.recipe.margin == 2 and precision.recipe.format == "e4m3"
+    assert Precision().recipe is None
+
+
+# the config a checkpoint written before the groups records (tests/data/llama_tiny_bf16_losses.json's, with out and
+# preset): flat, keep_blocks and optimizer_state in their flag spelling
+OLD_RECORD = {
+    "model": "tiny", "steps": 400, "batch_size": 16, "seq_len": 64, "lr": 0.001, "min_lr": 0.0001, "warmup": 20,
+    "lr_decay_steps": None, "weight_decay": 0.1, "grad_clip": 1.0, "eval_every": 100, "eval_batches": 16, "seed": 0,
+    "out": "runs/old", "data": None, "max_bytes": 2000000, "tokenizer": None, "attention": "auto",
+    "checkpoint_every": 100, "resume": False, "fp8_format": None, "fp8_amax_history_len": None, "fp8_margin": None,
+    "nan_steps": [], "shadow_every": 0, "shadow_threshold": 0.05, "rollback_after": 0, "snapshot_every": 50,
+    "embedding_grad_alpha": 1.0, "compile": False, "compile_mode": "default", "grad_accum": 1, "overwrite": False,
+    "device": "auto", "nproc": 1, "parallel": None, "tp_size": 2, "optimizer_state": "e4m3,bf16", "master": "fp32",
+    "bf16_tail": 0.0, "nvfp4_weight_2d": None, "nvfp4_rht": None, "nvfp4_stochastic_rounding": None,
+    "keep_blocks": "0,1", "preset": "fp8-delayed"}
+
+
+def test_checkpoints_keep_the_flat_record_of_earlier_releases():
+    """flat() writes what earlier releases wrote (dataclasses.asdict of the flat config), so either reads the
+    other's checkpoints; a resume reads the record's spellings and lists, and names a change in flag spelling."""
+    config = config_from({"out": "runs/old"}, OLD_RECORD)  # as a resume inherits it (out is fresh)
+    assert config.precision.keep_blocks == (0, 1) and config.optimizer_state == ("e4m3", "bf16")
+    assert {**config.flat(), "nan_steps": []} == OLD_RECORD
+    config.check_resume(OLD_RECORD, 3, where="ckpt")
+    with pytest.raises(ValueError, match="--keep-blocks 0,1, this run asks for 0,2"):
+        dataclasses.replace(config, keep_blocks=(0, 2)).check_resume(OLD_RECORD, 3, where="ckpt")
+    with pytest.raises(ValueError, match="--optimizer-state e4m3,bf16, this run asks for fp32,fp32"):
+        dataclasses.replace(config, optimizer_state="fp32,fp32").check_resume(OLD_RECORD, 3, where="ckpt")
+
+
+def test_a_run_with_typed_settings_resumes_from_its_flat_record(tmp_path):
+    """train() records the flat config in the checkpoint; the library and the CLI resume it alike."""
+    out = str(tmp_path / "run")
+    first = TrainConfig(**TINY, preset="fp8-delayed", keep_blocks=(0, 1), optimizer_state=("e4m3", "bf16"), steps=2,
+                        checkpoint_every=2, device="cpu", out=out)
+    train(first, progress=False)
+    record = read_extra(tmp_path / "run" / CHECKPOINT_DIR)["config"]
+    assert record["keep_blocks"] == "0,1" and record["optimizer_state"] == "e4m3,bf16" and "precision" not in record
+    resumed = TrainConfig.resuming(out, steps=3)
+    assert resumed == dataclasses.replace(first, steps=3, resume=True, device="auto")
+    assert resumed == _parse(["--out", out, "--resume", "--steps", "3"])
+    assert train(resumed, progress=False).last_step == 3

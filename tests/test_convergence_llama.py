@@ -47,7 +47,7 @@ def config(out: pathlib.Path, preset: str) -> TrainConfig:
 
 def reference_config() -> dict:
     """The fields the reference file was made with (the output folder and preset left out)."""
-    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in dataclasses.asdict(DEFAULT_CONFIG).items()
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in DEFAULT_CONFIG.flat().items()
             if k not in ("out", "preset")}
 
 

@@ -85,7 +85,7 @@ def test_changing_master_on_resume_is_refused(half_run, capsys):
 
 def test_a_checkpoint_without_master_counts_as_fp32():
     """Checkpoints written before TrainConfig.master existed ran with fp32 weights."""
-    saved = dataclasses.asdict(_config(out="unused"))
+    saved = _config(out="unused").flat()
     del saved["master"]
     _config(out="unused", steps=9).check_resume(saved, 3, where="ckpt")
     with pytest.raises(ValueError, match="--master fp32"):

@@ -40,7 +40,7 @@ def _flagged() -> dict:
 def train_config(args: argparse.Namespace):
     """The TrainConfig the flags ask for (minifloat.training.config.config_from: with --resume, flags not given take
     the checkpoint's values, so `minifloat train --out DIR --resume --steps 800` continues the run as it was set up)."""
-    from minifloat.training.config import TrainConfig, config_from
+    from minifloat.training.config import SETTINGS, config_from
     from minifloat.training.loop import CHECKPOINT_DIR
     from minifloat.training.parallel import launched_by_torchrun
     from minifloat.training.sharded import read_extra
@@ -57,7 +57,7 @@ def train_config(args: argparse.Namespace):
         fields["nproc"] = int(os.environ["WORLD_SIZE"])
     saved = None
     if args.resume:
-        ckpt = pathlib.Path(fields.get("out", TrainConfig.out)) / CHECKPOINT_DIR
+        ckpt = pathlib.Path(fields.get("out", SETTINGS["out"].default)) / CHECKPOINT_DIR
         if ckpt.is_dir():  # else train() says there is no checkpoint
             saved = read_extra(ckpt).get("config") or {}
     config = config_from(fields, saved)
@@ -154,14 +154,14 @@ def add_settings(parser, names, *, defaults=None, extra_help: dict | None = None
     """A flag for each TrainConfig setting in `names`, made from the settings' metadata (help, group, metavar,
     choices), in argument groups by the settings' group. Every flag defaults to None (not given). The help shows the
     default of `defaults` (a TrainConfig; the config's own field defaults when None) and `extra_help[name]`."""
-    from minifloat.training.config import GROUPS
+    from minifloat.training.config import GROUPS, spelled
 
     flagged = _flagged()
     groups = {group: parser.add_argument_group(group) for group in GROUPS}
     for name in names:
         f = flagged[name]
         meta, kind = f.metadata, str(f.type)
-        default_value = f.default if defaults is None else getattr(defaults, name)
+        default_value = spelled(name, f.default if defaults is None else getattr(defaults, name))
         unset = default_value is None or default_value is False or default_value == ()
         default = "" if unset or "(default" in meta["help"] else f" (default {default_value})"
         text = meta["help"] + default + ((extra_help or {}).get(name) or "")

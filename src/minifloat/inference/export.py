@@ -62,7 +62,7 @@ from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
 from minifloat.core.files import fsync_path, write_json
 from minifloat.training.checkpoint import load_checkpoint, move_into_place
-from minifloat.training.config import TrainConfig
+from minifloat.training.config import SETTINGS, TrainConfig, recorded
 from minifloat.training.data import load_corpus, val_batches
 from minifloat.training.loop import build
 from minifloat.training.model import Llama
@@ -116,8 +116,7 @@ def load_run(run: str | os.PathLike, *, checkpoint: str = "latest") -> Llama:
     if not isinstance(saved, dict):
         raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
     vocab_size = (extra.get("data") or {}).get("vocab_size", 256)  # the data manifest's; bytes before it was kept
-    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in saved.items()
-              if k in TrainConfig.__dataclass_fields__}
+    fields = {k: recorded(k, v) for k, v in saved.items() if k in SETTINGS}
     config = dataclasses.replace(TrainConfig(**fields), nproc=1, parallel=None, resume=False, device="cpu")
     with restoring_rng():  # build seeds torch's generator; loading a model leaves it alone
         # the run's own objects: the checkpoint's keys and dtypes fit

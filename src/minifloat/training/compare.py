@@ -122,7 +122,7 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     if not (manifest.exists() and (out / "log.csv").exists() and (out / "val.csv").exists()):
         return None
     extra = checkpoint_extra(out / CHECKPOINT_DIR)
-    if extra.get("step") != config.steps or extra.get("config") != dataclasses.asdict(config):
+    if extra.get("step") != config.steps or extra.get("config") != config.flat():
         return None
     with open(out / "log.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -222,7 +222,7 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
     device = torch.device(results[BASELINE].device)
     summary = {"command": _command(presets, base, out),
                "device": torch.cuda.get_device_name(device) if device.type == "cuda" else device.type,
-               "config": {k: v for k, v in dataclasses.asdict(base).items() if k not in ("preset", "out", "resume")},
+               "config": {k: v for k, v in base.flat().items() if k not in ("preset", "out", "resume")},
                "presets": metrics, "files": {k: str(v) for k, v in files.items()}}
     text = json.dumps(summary, indent=1)
     files["summary"].write_text(text)

@@ -158,7 +158,7 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
 
 def _write_run_file(out: pathlib.Path, config: TrainConfig, run: Run) -> None:
     """out/run.json: the config and where it ran, rewritten (atomically) by every call that trains the run."""
-    info = {"config": dataclasses.asdict(config), "device": str(run.device), "torch": torch.__version__,
+    info = {"config": config.flat(), "device": str(run.device), "torch": torch.__version__,
             "minifloat": __version__}
     write_json(out / RUN_FILE, info, atomic=True)
 
@@ -263,7 +263,7 @@ class _Loop:
     def save(self, done: int) -> None:
         """A checkpoint of the run after `done` steps in out/ckpt (sharded across ranks where the run is)."""
         run, config, ckpt_dir = self.run, self.config, self.out / CHECKPOINT_DIR
-        extra = {"step": done, "config": dataclasses.asdict(config), "data": self.corpus.manifest.to_dict(),
+        extra = {"step": done, "config": config.flat(), "data": self.corpus.manifest.to_dict(),
                  "shadow": run.shadow.state_dict(), "schedule": dataclasses.asdict(self.schedule)}
         state = dict(model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard, loader=self.loader,
                      extra=extra)

@@ -103,7 +103,7 @@ class MemoryReport:
 
     def to_dict(self) -> dict:
         """JSON-ready: the config, parameter count, optimizer, and every footprint's bytes."""
-        return {"config": dataclasses.asdict(self.config), "params": self.params, "optimizer": self.optimizer,
+        return {"config": self.config.flat(), "params": self.params, "optimizer": self.optimizer,
                 "measured": self.measured.to_dict(),
                 "baselines": {name: f.to_dict() for name, f in self.baselines.items()}}
 
