@@ -42,6 +42,7 @@ def rows(result: dict, section: str, mode: str = "eager") -> list[dict]:
     return [r for r in result["sections"][section] if r["mode"] == mode]
 
 
+@pytest.mark.slow  # the smoke run: ~25 s of the default suite's 10-minute budget
 @pytest.mark.parametrize("section", SECTIONS)
 def test_every_variant_of_every_section_has_a_finite_step_time(smoke, section):
     expected = {"bf16", *(GEMM_VARIANTS if section == "gemm" else MINIFLOAT)}
@@ -56,6 +57,7 @@ def test_every_variant_of_every_section_has_a_finite_step_time(smoke, section):
             assert r["tokens_per_s"] > 0 and math.isfinite(r["speedup_vs_bf16"]), (shape, name)
 
 
+@pytest.mark.slow  # the smoke run: ~25 s of the default suite's 10-minute budget
 @pytest.mark.parametrize("section", SECTIONS)
 def test_every_low_precision_variant_changed_the_numbers_but_not_by_much(smoke, section):
     for r in rows(smoke, section):
@@ -67,6 +69,7 @@ def test_every_low_precision_variant_changed_the_numbers_but_not_by_much(smoke, 
         assert math.isfinite(r["sqnr_db"]) and r["sqnr_db"] > floor, (r["shape"], r["variant"], r["sqnr_db"])
 
 
+@pytest.mark.slow  # the smoke run: ~25 s of the default suite's 10-minute budget
 def test_the_compiled_runs_report_their_graphs(smoke):
     compiled = {r["variant"]: r for r in rows(smoke, "linear", "compiled")}
     assert set(compiled) == {"bf16", "current"}
@@ -76,6 +79,7 @@ def test_the_compiled_runs_report_their_graphs(smoke):
     assert compiled["current"]["sqnr_db"] > FP8_SQNR_FLOOR_DB
 
 
+@pytest.mark.slow  # the smoke run: ~25 s of the default suite's 10-minute budget
 def test_the_json_records_the_machine_and_skips_with_reasons(smoke):
     assert smoke["machine"]["torch"] == torch.__version__ and smoke["machine"]["device"] == "cpu"
     assert set(smoke["notes"]) == set(SECTIONS)
