@@ -285,6 +285,13 @@ def test_a_run_builds_and_steps_on_the_meta_device(preset):
     assert {p.grad.device.type for p in run.model.parameters()} == {"meta"}
 
 
+def test_training_on_the_meta_device_is_refused_before_anything_is_written(tmp_path):
+    out = tmp_path / "run"
+    with pytest.raises(ValueError, match="--device meta builds a run with shapes only and cannot train"):
+        train(_config(steps=1, out=str(out), device="meta"), progress=False)
+    assert not out.exists()
+
+
 def test_cpu_run_records_its_device(tmp_path):
     result = train(_config(steps=3, out=str(tmp_path), device="cpu"), progress=False)
     assert result.device == "cpu" and result.mfu is None

@@ -298,6 +298,9 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     """
     out = pathlib.Path(config.out)
     device = rank_device(resolve_device(config.device))
+    if device.type == "meta":  # build() takes it (shape checks); a step cannot: meta tensors hold no numbers
+        raise ValueError("--device meta builds a run with shapes only and cannot train it; use --device cpu, cuda or "
+                         "auto")
     corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)  # bad input fails first
     require_windows(corpus, seq_len=config.seq_len)  # both splits: not at the first evaluation, steps later
     world = join_world(config.parallel, nproc=config.nproc, device=device, tp=config.tp_size)
