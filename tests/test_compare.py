@@ -373,10 +373,10 @@ def compare_args(argv: list[str]):
 
 def test_compare_flags_are_trains_settings():
     """Every setting compare takes is a TrainConfig setting with train's flag, help and type (one source of truth)."""
-    from minifloat.cli.compare import SETTINGS
+    from minifloat.cli.compare import settings
     from minifloat.cli.train import _flagged
 
-    assert set(SETTINGS) <= set(_flagged())
+    assert set(settings()) <= set(_flagged()) and "device" in settings()
     args = compare_args(["--tokenizer", "tok.json", "--attention", "sdpa", "--lr", "3e-3", "--grad-accum", "2",
                          "--compile", "--compile-mode", "max-autotune", "--device", "cpu"])
     from minifloat.cli.compare import base_config

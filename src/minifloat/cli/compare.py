@@ -12,11 +12,13 @@ from minifloat.cli import common
 # headers in two lines where one would widen the table past 80 columns (table_note spells them out)
 COLUMNS = ("preset", "train\nloss", "val\nloss", "Δ vs\nbf16", "skipped\nsteps", "fallbacks")
 SPEED_COLUMNS = ("preset", "tok/s", "speed-up\nvs bf16", "MFU", "peak\nmemory")
-# the TrainConfig settings compare takes as flags (the same flags as `minifloat train`'s); --presets, --out and
-# --overwrite are its own
-SETTINGS = ("model", "steps", "batch_size", "seq_len", "seed", "data", "max_bytes", "tokenizer", "attention", "lr",
-            "min_lr", "warmup", "grad_accum", "eval_every", "eval_batches", "shadow_every", "shadow_threshold",
-            "device", "compile", "compile_mode")
+def settings() -> tuple[str, ...]:
+    """The TrainConfig settings compare takes as flags (the same flags as `minifloat train`'s): those its reproducing
+    command line restates (minifloat.training.compare.COMMAND_SETTINGS), and --device; --presets, --out and
+    --overwrite are its own."""
+    from minifloat.training.compare import COMMAND_SETTINGS
+
+    return (*COMMAND_SETTINGS, "device")
 
 
 def base_config(args: argparse.Namespace):
@@ -28,7 +30,7 @@ def base_config(args: argparse.Namespace):
     from minifloat.training.model import SIZES
 
     base = default_config(args.device or "auto")
-    fields = {name: getattr(args, name) for name in SETTINGS if getattr(args, name) is not None}
+    fields = {name: getattr(args, name) for name in settings() if getattr(args, name) is not None}
     if args.overwrite:
         fields["overwrite"] = True
     if args.shadow_every:
@@ -132,5 +134,5 @@ def add_parser(sub) -> None:
     c.add_argument("--overwrite", action="store_true",
                    help="replace an earlier comparison in OUT (only the files the comparison and its runs wrote)")
     on_gpu = {name: f"; on CUDA {'none' if value is None else value}" for name, value in GPU_SETTINGS.items()}
-    add_settings(c, SETTINGS, defaults=DEFAULT_CONFIG, extra_help=on_gpu)
+    add_settings(c, settings(), defaults=DEFAULT_CONFIG, extra_help=on_gpu)
     c.set_defaults(func=cmd_compare)
