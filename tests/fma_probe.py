@@ -25,7 +25,8 @@ import minifloat as mf
 from minifloat.numerics.compiling import EAGER_BELOW, compile_enabled
 from minifloat.numerics.fp4 import quantize_nvfp4, quantize_nvfp4_t
 from minifloat.numerics.granularity import GRANULARITIES
-from minifloat.numerics.quantize import quantize, quantize_t
+from minifloat.numerics.other_axis import quantize_t
+from minifloat.numerics.quantize import quantize
 from minifloat.numerics.rounding import counter_uniform
 
 SEED = 20

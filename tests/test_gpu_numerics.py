@@ -27,7 +27,8 @@ from minifloat.numerics.fp4 import quantize_nvfp4, quantize_nvfp4_t
 from minifloat.numerics.granularity import GRANULARITIES
 from minifloat.numerics import triton_cast
 from minifloat.numerics.hadamard import rht_signs
-from minifloat.numerics.quantize import quantize, quantize_t
+from minifloat.numerics.other_axis import quantize_t
+from minifloat.numerics.quantize import quantize
 from minifloat.training.model import LlamaConfig
 
 pytestmark = pytest.mark.gpu

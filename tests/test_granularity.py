@@ -31,7 +31,8 @@ from minifloat.numerics.granularity import (
     scale_shape,
     to_blocks,
 )
-from minifloat.numerics.quantize import Quantized, quantize, quantize_t
+from minifloat.numerics.other_axis import quantize_t
+from minifloat.numerics.quantize import Quantized, quantize
 
 T, R, TL, B, MX = Granularity.TENSOR, Granularity.ROW, Granularity.TILE, Granularity.BLOCK, Granularity.MX
 

@@ -16,7 +16,8 @@ import torch
 
 import minifloat as mf
 from minifloat.numerics import triton_cast
-from minifloat.numerics.quantize import quantize, quantize_t
+from minifloat.numerics.other_axis import quantize_t
+from minifloat.numerics.quantize import quantize
 
 pytest.importorskip("triton", reason="the Triton interpreter needs `pip install triton` (in the dev extras)")
 
@@ -127,10 +128,11 @@ def test_column_scales_written_transposed(monkeypatch, calls, fmt):
 
 
 def test_other_casts_stay_on_the_torch_path(monkeypatch, calls):
-    """Block scales, bfloat16 operands and tensors other than 2-D are not the kernel's."""
+    """Block scales (tiles and 128×128 blocks are triton_blocks' kernel's), bfloat16 operands and tensors other
+    than 2-D are not this kernel's."""
     x = awkward(128, 256, torch.bfloat16)
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    quantize(x, mf.E4M3, granularity="tile")
+    quantize(x, mf.E4M3, granularity="mx")
     quantize(x, mf.E4M3, operand_dtype=torch.bfloat16)
     quantize(x.reshape(2, 64, 256), mf.E4M3)
     assert calls == []

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from minifloat.fp8.caster import LayerCaster
-from minifloat.fp8.gemm import operand, scaled_mm
+from minifloat.fp8.gemm import scaled_mm
 from minifloat.fp8.recipes import Role
 from minifloat.numerics.granularity import Granularity, granularity_info
 from minifloat.numerics.quantize import Quantized
@@ -32,16 +32,6 @@ from minifloat.numerics.quantize import Quantized
 # The GEMMs a native tensor-wise or row-wise kernel runs with fast accumulation: Transformer Engine's choice, fprop
 # fast, dgrad and wgrad (sums over the token axis, long and with gradients of mixed size) with fp32 promotion.
 FAST_ACCUM = frozenset({"fprop"})
-
-
-def _transposed(q: Quantized, caster: LayerCaster, role: Role, source: torch.Tensor | None) -> Quantized:
-    """q scaled along its other axis: exact transpose when possible, else re-quantized (from `source` if given,
-    else from q's own values: a bfloat16 operand for power-of-two scales, which holds them exactly)."""
-    if granularity_info(q.granularity).transposes_exactly:
-        return q.t()
-    if source is None:
-        source = operand(q) if q.scale_folded else q.dequantize()
-    return caster.cast(role, source, record=False, transposed=True)
 
 
 def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Granularity,
@@ -53,8 +43,10 @@ def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Gran
     if caster.weights is None:
         return _requantize_weight_t(caster, weight, granularity, scale)
     forward = caster.weights.peek("fprop", weight, caster.state.generation)
-    if forward is not None and granularity_info(granularity).per_tensor:
-        return forward.t()  # the forward's own FP8 weight: what re-quantizing with its scale would give
+    if forward is not None and (granularity_info(granularity).per_tensor or forward.data_t is not None):
+        # the forward's own FP8 weight: what re-quantizing (per tensor: with its scale) would give; 128×128 blocks
+        # on the native path, cast with their transposed copy, too
+        return forward.t()
     options = (caster.recipe, caster.backend, granularity, caster.state.generation)
     return caster.weights.get("dgrad", weight, options,
                               lambda: _requantize_weight_t(caster, weight, granularity, scale))[0]
@@ -113,15 +105,14 @@ class Fp8LinearFunction(torch.autograd.Function):
               else Quantized(xd, xs, xf, xg, scale_folded=xfold))
         caster, out_dtype = ctx.caster, ctx.compute_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
-        qdy = caster.cast(Role.GRAD_OUTPUT, dy2, with_t=True)
+        qdy, qdyt = caster.cast_both(Role.GRAD_OUTPUT, dy2)  # scaled along N for dgrad, along M for wgrad
 
         # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
         qwt = _weight_along_n(caster, weight, wg, ws)
         dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype)
 
         # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
-        qdyt = _transposed(qdy, caster, Role.GRAD_OUTPUT, dy2)
-        qxt = _transposed(qx, caster, Role.INPUT, None)
+        qxt = caster.cast_t_of(Role.INPUT, qx)
         dw = _gemm(caster, "wgrad", qdyt, qxt, out_dtype)
 
         # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)

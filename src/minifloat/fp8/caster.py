@@ -27,12 +27,13 @@ import torch
 
 from minifloat.fp8 import telemetry
 from minifloat.fp8.fourbit.cast import cast_nvfp4
-from minifloat.fp8.gemm import native_granularity
+from minifloat.fp8.gemm import native_granularity, operand
 from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role
 from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
 from minifloat.numerics.fp4 import NVFP4Quantized
 from minifloat.numerics.granularity import Granularity, granularity_info
-from minifloat.numerics.quantize import Quantized, abs_max, quantize, quantize_t
+from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_t
+from minifloat.numerics.quantize import Quantized, abs_max, quantize
 
 _OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
 
@@ -127,7 +128,7 @@ class LayerCaster:
         native = native_granularity(t.device, Granularity.TENSOR if scale is not None else spec.granularity,
                                     self.backend)
         out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
-        if with_t and native and not transposed and granularity_info(spec.granularity).per_tensor:
+        if with_t and native and not transposed and granularity_info(spec.granularity).transposes_exactly:
             out["with_t"] = True
         if transposed:
             return quantize_t(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
@@ -148,6 +149,40 @@ class LayerCaster:
         if record:
             self._observe(role, t, q)
         return q
+
+    def _tiles_in_one_pass(self, role: Role, t: torch.Tensor) -> bool:
+        """Whether `role`'s casts are 1×128 tiles of current scaling for the native backend: a GPU then makes the
+        cast along the other axis in the same pass (`quantize_both`) or from the FP8 bytes (`requantize_t`)."""
+        spec = self.recipe.spec(role)
+        return (getattr(spec, "granularity", None) == Granularity.TILE and not spec.delayed
+                and self.amax_reduce is None and native_granularity(t.device, Granularity.TILE, self.backend))
+
+    def cast_both(self, role: Role, t: torch.Tensor) -> tuple[Quantized, Quantized]:
+        """(cast(role, t, with_t=True), t cast along its other axis): a 2-D tensor's casts for both GEMMs it feeds
+        (the output gradient's, for dgrad and wgrad). The second is the first transposed where the scales transpose
+        exactly, else a new cast (recording nothing), made in the first one's pass for 1×128 tiles on a GPU."""
+        if self._tiles_in_one_pass(role, t):
+            spec = self.recipe.spec(role)
+            q, q_t = quantize_both(t, spec.fmt, granularity=Granularity.TILE, margin=spec.margin,
+                                   power_of_two=spec.power_of_two)
+            self._observe(role, t, q)
+            return q, q_t
+        q = self.cast(role, t, with_t=True)
+        if granularity_info(q.granularity).transposes_exactly:
+            return q, q.t()
+        return q, self.cast(role, t, record=False, transposed=True)
+
+    def cast_t_of(self, role: Role, q: Quantized) -> Quantized:
+        """`q` (a cast of this layer's for `role`, FP8 data kept) along its other axis: exactly transposed where its
+        scales allow, else re-quantized from its own values (recording nothing): from the FP8 bytes in one pass for
+        1×128 tiles on a GPU, else from a bfloat16 (folded power-of-two scales) or float32 dequantization."""
+        if granularity_info(q.granularity).transposes_exactly:
+            return q.t()
+        if q.data is not None and self._tiles_in_one_pass(role, q.data):
+            spec = self.recipe.spec(role)
+            return requantize_t(q, margin=spec.margin, power_of_two=spec.power_of_two)
+        source = operand(q) if q.scale_folded else q.dequantize()
+        return self.cast(role, source, record=False, transposed=True)
 
     def _observe(self, role: Role, t: torch.Tensor, q: Quantized | NVFP4Quantized) -> None:
         if self.recording:

@@ -15,7 +15,7 @@ import math
 import torch
 
 from minifloat.core.validate import check_choice
-from minifloat.numerics.compiling import maybe_compile, transposed_copy
+from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.formats import E8M0, FORMATS, NumberFormat, Special, get_format
 from minifloat.numerics.granularity import (
     Granularity,
@@ -24,12 +24,11 @@ from minifloat.numerics.granularity import (
     expand_scale,
     from_blocks,
     granularity_info,
-    pad_to_multiple,
     scale_shape,
     to_blocks,
 )
 from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, round_stochastic, round_to_grid
-from minifloat.numerics import triton_cast
+from minifloat.numerics import triton_blocks, triton_cast
 
 MX_RULES = ("up", "floor")
 
@@ -121,6 +120,7 @@ def _cast_kernel(x: torch.Tensor, qscale: torch.Tensor, fmt_name: str, storage: 
     xf = x.float()
     y = (xf * qscale).clamp(-fmt.max, fmt.max)
     r = round_to_grid(y, fmt)
+    r = torch.where(r.isnan(), float("nan"), r)  # one NaN (positive), whatever sign the device's arithmetic gave it
     data = r.to(storage) if storage is not None else None
     operand = None if operand_dtype is None else (r if fold is None else r * fold).to(operand_dtype)
     # delayed scaling needs this step's amax too: computed in the same pass (NaN propagates through max)
@@ -290,11 +290,18 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
     storage = (fmt.torch_dtype if fmt.torch_dtype is not None else torch.float32) if keep_data else None
 
-    xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
     if amax is not None and not info.per_tensor:
         raise ValueError(f"a given amax goes with a per-tensor cast, not '{granularity}'")
     if with_t and x.dim() != 2:
         raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if scale is None and triton_blocks.takes(x, storage, operand_dtype, granularity):  # tiles, blocks: GPU, one pass
+        block = granularity == Granularity.BLOCK
+        out = triton_blocks.block_cast(x.detach(), fmt, rows=True, block=block, write_t=with_t and block,
+                                       margin=margin, power_of_two=power_of_two)
+        data_t = out.get("data_t", out["data"].t().contiguous() if with_t else None)
+        return Quantized(out["data"], out["scale"], fmt, granularity, out["amax"],
+                         scale_folded=info.folds(power_of_two), data_t=data_t)
+    xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
     # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
     fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
     qscale = None
@@ -354,60 +361,6 @@ def _scales(amax: torch.Tensor, fmt: NumberFormat, info: GranularityInfo, margin
             mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantization multipliers, dequantization scales) from block amaxes."""
     return _scales_compiled(amax, fmt.name, info.scale_fmt == E8M0, margin, power_of_two, mx_rule)
-
-
-def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
-               power_of_two: bool = False, mx_rule: str = "up", operand_dtype: torch.dtype | None = None,
-               keep_data: bool = True) -> Quantized:
-    """quantize(x.t(), ...) for a 2-D x, computed on x as it lies in memory: no transposed copy is made.
-
-    Scales that transpose exactly (tensor, 128×128 blocks) are computed on x and transposed with it. Row, tile and MX
-    blocks of xᵀ run down the columns of x; the returned data and operand are transposed views and the scales follow
-    xᵀ's conventions. The backward GEMMs need their operands scaled along the token axis (DeepSeek-V3's 128×1
-    tiles), which is this.
-    """
-    fmt = get_format(fmt)
-    if x.dim() != 2:
-        raise ValueError(f"quantize_t needs a 2-D tensor, got shape {tuple(x.shape)}")
-    granularity = Granularity.parse(granularity)
-    info = granularity_info(granularity)
-    options = dict(granularity=granularity, margin=margin, power_of_two=power_of_two, mx_rule=mx_rule,
-                   operand_dtype=operand_dtype, keep_data=keep_data)
-    if info.transposes_exactly:
-        return quantize(x, fmt, **options).t()
-    if info.block is not None and info.block[0] != 1:  # 2-D blocks that do not transpose exactly: copy xᵀ
-        return quantize(x.t(), fmt, **options)
-    if torch.compiler.is_compiling():
-        # the same blocks, amaxes and casts on a materialised xᵀ (see transposed_copy for why)
-        return quantize(transposed_copy(x.detach()), fmt, **options)
-    if not keep_data and operand_dtype is None:
-        raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
-    m, k = x.shape
-    x = x.detach()
-    if info.block is None:  # one scale per row of xᵀ, i.e. per column of x
-        view = x
-    else:
-        size = info.block[1]
-        view = pad_to_multiple(x, size, dim=-2)
-        view = view.reshape(view.shape[0] // size, size, k)  # (MB, size, K): blocks down the columns
-    amax = abs_max(view, -2) if m else torch.zeros(view.shape[:-2] + (1, k), device=x.device)
-    storage = (fmt.torch_dtype or torch.float32) if keep_data else None
-    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # scaled per column, written as xᵀ (GPU)
-        _, data_t, _, dscale = triton_cast.fused_cast(x, fmt, None, along="column", write=False, write_t=True,
-                                                      amax=amax, margin=margin, power_of_two=power_of_two)
-        return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
-    qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
-    folded = info.folds(power_of_two)
-    fold = dscale if (folded and operand_dtype is not None) else None
-    data, operand, _ = _cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
-
-    def back(y):
-        return None if y is None else y.reshape(-1, k)[:m].t()
-
-    def to_t(a):  # scales in xᵀ's convention: (K, 1) per row, (K, MB) per block
-        return a.reshape(k, 1) if info.block is None else a.reshape(-1, k).t()
-
-    return Quantized(back(data), to_t(dscale), fmt, granularity, to_t(amax), back(operand), scale_folded=folded)
 
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:

@@ -80,33 +80,24 @@ _CHECKED: dict[str, bool] = {}  # per device: did the kernels give the torch pat
 
 
 def self_check(device: torch.device) -> bool:
-    """Run the kernels once on `device` against the torch path (a small tensor of ties, subnormals, saturating and
-    non-finite values; both formats; scales given and from amaxes; a recorded amax). If any fails to compile (a
-    Triton without an op this module uses), raises, or differs by a bit, they are not used on that device and
-    one warning says why: the torch path gives the same results, more slowly."""
+    """Run the kernels once on `device` against the torch path (ties, subnormals, saturating and non-finite values;
+    both formats; scales given and from amaxes; rows, columns, 1×128 tiles both ways and from FP8, 128×128 blocks;
+    a recorded amax). If any fails to compile (a Triton without an op used), raises, or differs by a bit, they are
+    not used on that device and one warning says why: the torch path gives the same results, more slowly."""
     key = str(device)
     if key not in _CHECKED:
-        from minifloat.numerics.formats import E4M3, E5M2
-        from minifloat.numerics.quantize import quantize
-
-        x = torch.linspace(-600.0, 600.0, 3 * 70, dtype=torch.float32).reshape(3, 70)
-        x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, 2.0**-10, 3 * 2.0**-11, 1.0625, float("inf"), float("nan")])
-        x = x.to(device)
-        casts = [dict(granularity="row"), dict(scale=torch.tensor(2.0, device=device), with_t=True),
-                 dict(with_t=True)]
         problem = None
         _CHECKED[key] = True  # the check's own casts take the kernels
         try:
-            for fmt, options in ((fmt, options) for fmt in (E4M3, E5M2) for options in casts):
+            for name, cast in _checks(device):
                 _CHECKING.append(1)
                 try:
-                    expected = quantize(x, fmt, **options)
+                    expected = cast()
                 finally:
                     _CHECKING.pop()
-                got = quantize(x, fmt, **options)
-                if not (torch.equal(expected.data.view(torch.uint8), got.data.view(torch.uint8))
-                        and torch.equal(expected.scale, got.scale)):
-                    problem = f"a {fmt.name} cast with {sorted(options)} differs from the torch path's"
+                if not _same(expected, cast()):
+                    problem = f"{name} differs from the torch path's"
+                    break
         except Exception as err:  # noqa: BLE001 - any failure: the torch path instead
             problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         _CHECKED[key] = problem is None
@@ -114,6 +105,38 @@ def self_check(device: torch.device) -> bool:
             log.warning("minifloat: the one-pass Triton casts are off on %s (%s); casts run as compiled torch ops",
                         key, problem)
     return _CHECKED[key]
+
+
+def _checks(device: torch.device):
+    """(name, cast) pairs for `self_check`: each cast returns Quantized results, on the kernels unless _CHECKING."""
+    from minifloat.numerics.formats import E4M3, E5M2
+    from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_t
+    from minifloat.numerics.quantize import quantize
+
+    x = torch.linspace(-600.0, 600.0, 130 * 140, dtype=torch.float32).reshape(130, 140)
+    x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, 2.0**-10, 3 * 2.0**-11, 1.0625, float("inf"), float("nan")])
+    x[129, 99] = 2.0**-20  # a last ragged row of one tiny value
+    x = x.to(device)
+    tiles = x[:, :100]  # two 128×128 programs per cast (each is ~0.5 s in Triton's interpreter)
+    for fmt in (E4M3, E5M2):
+        for options in (dict(granularity="row"), dict(scale=torch.tensor(2.0, device=device), with_t=True),
+                        dict(with_t=True)):
+            yield f"a {fmt.name} cast with {sorted(options)}", lambda f=fmt, o=options: quantize(x, f, **o)
+        for options in (dict(granularity="tile"), dict(granularity="block", with_t=True),
+                        dict(granularity="block", power_of_two=True, margin=1)):
+            yield f"a {fmt.name} cast with {options}", lambda f=fmt, o=options: quantize(tiles, f, **o)
+        yield f"a {fmt.name} cast of tiles down the columns", lambda f=fmt: quantize_t(tiles, f, granularity="tile")
+        yield f"a {fmt.name} cast of tiles both ways", lambda f=fmt: quantize_both(tiles, f, granularity="tile")
+    saved = quantize(tiles, E4M3, granularity="tile", power_of_two=True)
+    yield "a re-quantization of FP8 tiles", lambda: requantize_t(saved, power_of_two=True)
+
+
+def _same(a, b) -> bool:
+    """Whether Quantized results (or tuples of them) hold the same data bytes and scales."""
+    if isinstance(a, tuple):
+        return all(_same(p, q) for p, q in zip(a, b))
+    return (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
+            and (a.data_t is None or torch.equal(a.data_t.view(torch.uint8), b.data_t.view(torch.uint8))))
 
 
 def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dtype | None, unblocked: bool) -> bool:
@@ -124,7 +147,7 @@ def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dty
 
 
 tl = None  # triton.language, bound by _kernel() where the kernels are built
-_larger = _scale = None  # _larger_fn and _scale_fn once compiled by triton.jit
+_larger = _scale = _code = None  # _larger_fn, _scale_fn and _code_fn once compiled by triton.jit
 
 
 @functools.cache
@@ -132,11 +155,12 @@ def _kernel():
     """The Triton kernel, built on first use, so TRITON_INTERPRET is read then, not at import. Its helpers are module
     globals (the kernel's source resolves names there; the interpreter runs tl's own library functions such as tl.max
     only when TRITON_INTERPRET was set before triton's import, hence the combine function of our own)."""
-    global tl, _larger, _scale
+    global tl, _larger, _scale, _code
     triton = _triton()
     tl = triton.language
     _larger = triton.jit(_larger_fn)
     _scale = triton.jit(_scale_fn)
+    _code = triton.jit(_code_fn)
     return triton.jit(_cast_kernel_fn)
 
 
@@ -160,6 +184,28 @@ def _scale_fn(a, FMT_MAX: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr
     return tl.where(good, s, 1.0)
 
 
+def _code_fn(y, FMT_MAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr):
+    """The FP8 code (an int32 in 0..255) of y saturated to ±FMT_MAX and rounded to the grid (ties to even), by
+    exact arithmetic on y's bits (see the module docstring)."""
+    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))  # saturate; NaN stays NaN
+    bits = y.to(tl.int32, bitcast=True)
+    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
+    # |y| · 2^(mbits - e), an exact power-of-two scaling, rounded to an integer (ties to even), scaled back
+    inv_ulp = ((MBITS - exponent + 127) << 23).to(tl.float32, bitcast=True)
+    ulp = ((exponent - MBITS + 127) << 23).to(tl.float32, bitcast=True)
+    units = tl.abs(y) * inv_ulp
+    rounded = ((units + 12582912.0) - 12582912.0) * ulp
+    # the FP8 code, built from the exact value's bits (no conversion instruction rounds anything)
+    rb = rounded.to(tl.int32, bitcast=True)
+    e = ((rb >> 23) & 0xFF) - 127
+    normal = ((e + 1 - EMIN) << MBITS) | ((rb & 0x7FFFFF) >> (23 - MBITS))
+    small = tl.where((e < EMIN) & (y == y), rounded, 0.0)  # a subnormal's code is the exact integer |y| / 2^(emin-m)
+    subnormal = (small * (1 << (MBITS - EMIN))).to(tl.int32)
+    code = tl.where(e >= EMIN, normal, subnormal)
+    code = tl.where(y != y, 0x7F, code | ((bits >> 24) & 0x80))  # the sign bit for bit; NaN as quantize writes it
+    return code
+
+
 def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, dscale_ptr, M, K, stride_xm, stride_xk,
                     ALONG: tl.constexpr, FMT_MAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                     WRITE: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr,
@@ -180,24 +226,7 @@ def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, dscale_ptr, M, K
         first_k = (cols[None, :] * 0 + pid_k) == 0
         first = first_k if ALONG == 1 else (first_m if ALONG == 2 else first_m & first_k)
         tl.store(dscale_ptr + q_offsets, tl.div_rn(1.0 + 0.0 * q, q), mask=mask & first)
-    y = x * q
-    y = tl.where(y != y, y, tl.minimum(tl.maximum(y, -FMT_MAX), FMT_MAX))  # saturate; NaN stays NaN
-    bits = y.to(tl.int32, bitcast=True)
-    exponent = tl.maximum(((bits >> 23) & 0xFF) - 127, EMIN)
-    # |y| · 2^(mbits - e), an exact power-of-two scaling, rounded to an integer (ties to even), scaled back
-    inv_ulp = ((MBITS - exponent + 127) << 23).to(tl.float32, bitcast=True)
-    ulp = ((exponent - MBITS + 127) << 23).to(tl.float32, bitcast=True)
-    units = tl.abs(y) * inv_ulp
-    rounded = ((units + 12582912.0) - 12582912.0) * ulp
-    # the FP8 code, built from the exact value's bits (no conversion instruction rounds anything)
-    rb = rounded.to(tl.int32, bitcast=True)
-    e = ((rb >> 23) & 0xFF) - 127
-    normal = ((e + 1 - EMIN) << MBITS) | ((rb & 0x7FFFFF) >> (23 - MBITS))
-    small = tl.where((e < EMIN) & (y == y), rounded, 0.0)  # a subnormal's code is the exact integer |y| / 2^(emin-m)
-    subnormal = (small * (1 << (MBITS - EMIN))).to(tl.int32)
-    code = tl.where(e >= EMIN, normal, subnormal)
-    code = tl.where(y != y, 0x7F, code) | ((bits >> 24) & 0x80)  # NaN as torch writes it; the sign bit for bit
-    r8 = code.to(tl.uint8)
+    r8 = _code(x * q, FMT_MAX, EMIN, MBITS).to(tl.uint8)
     if WRITE:
         tl.store(out_ptr + rows[:, None] * K + cols[None, :], r8, mask=mask)
     if WRITE_T:

@@ -1,0 +1,126 @@
+"""A 2-D tensor quantized along its other axis: the backward GEMMs' operands.
+
+The weight gradient sums over the token axis, so its operands, dyᵀ and xᵀ, must be scaled along it: per column of
+x for row scaling, in 128×1 tiles for DeepSeek-V3's recipe (1×128 tiles of xᵀ). Scales that transpose exactly
+(per tensor, 128×128 blocks) are x's own, transposed; the others are new casts:
+
+  * `quantize_t(x)`: quantize(xᵀ) computed on x as it lies in memory;
+  * `quantize_both(x)`: quantize(x) and quantize_t(x) — the output gradient's two casts, dgrad's and wgrad's; on a
+    GPU one Triton pass for tiles (minifloat.numerics.triton_blocks);
+  * `requantize_t(q)`: quantize_t of a quantized tensor's values — the forward's saved FP8 input, re-quantized for
+    wgrad; on a GPU straight from the FP8 bytes, without writing its bfloat16 values.
+
+On the torch path (every CPU) each is exactly the composition of `quantize` calls it names, bit for bit, and so are
+the Triton kernels' results (tests/test_triton_blocks.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minifloat.numerics import triton_blocks, triton_cast
+from minifloat.numerics.compiling import transposed_copy
+from minifloat.numerics.formats import NumberFormat, get_format
+from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
+from minifloat.numerics import quantize as kernels  # its cast kernels by attribute: tests swap them in place
+from minifloat.numerics.quantize import Quantized, abs_max, quantize
+
+
+def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
+               power_of_two: bool = False, mx_rule: str = "up", operand_dtype: torch.dtype | None = None,
+               keep_data: bool = True) -> Quantized:
+    """quantize(x.t(), ...) for a 2-D x, computed on x as it lies in memory: no transposed copy is made.
+
+    Scales that transpose exactly (tensor, 128×128 blocks) are computed on x and transposed with it. Row, tile and MX
+    blocks of xᵀ run down the columns of x; the returned data and operand are transposed views and the scales follow
+    xᵀ's conventions. The backward GEMMs need their operands scaled along the token axis (DeepSeek-V3's 128×1
+    tiles), which is this.
+    """
+    fmt = get_format(fmt)
+    if x.dim() != 2:
+        raise ValueError(f"quantize_t needs a 2-D tensor, got shape {tuple(x.shape)}")
+    granularity = Granularity.parse(granularity)
+    info = granularity_info(granularity)
+    options = dict(granularity=granularity, margin=margin, power_of_two=power_of_two, mx_rule=mx_rule,
+                   operand_dtype=operand_dtype, keep_data=keep_data)
+    if info.transposes_exactly:  # on the native path the cast writes xᵀ's row-major data too: .t() hands it over
+        with_t = keep_data and operand_dtype is None and fmt.torch_dtype is not None
+        return quantize(x, fmt, **options, with_t=with_t).t()
+    if info.block is not None and info.block[0] != 1:  # 2-D blocks that do not transpose exactly: copy xᵀ
+        return quantize(x.t(), fmt, **options)
+    if torch.compiler.is_compiling():
+        # the same blocks, amaxes and casts on a materialised xᵀ (see transposed_copy for why)
+        return quantize(transposed_copy(x.detach()), fmt, **options)
+    if not keep_data and operand_dtype is None:
+        raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
+    m, k = x.shape
+    x = x.detach()
+    storage = (fmt.torch_dtype or torch.float32) if keep_data else None
+    if triton_blocks.takes(x, storage, operand_dtype, granularity):  # tiles down the columns, written as xᵀ (GPU)
+        out = triton_blocks.block_cast(x, fmt, cols=True, margin=margin, power_of_two=power_of_two)
+        return Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"],
+                         scale_folded=info.folds(power_of_two))
+    if info.block is None:  # one scale per row of xᵀ, i.e. per column of x
+        view = x
+    else:
+        size = info.block[1]
+        view = pad_to_multiple(x, size, dim=-2)
+        view = view.reshape(view.shape[0] // size, size, k)  # (MB, size, K): blocks down the columns
+    amax = abs_max(view, -2) if m else torch.zeros(view.shape[:-2] + (1, k), device=x.device)
+    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # scaled per column, written as xᵀ (GPU)
+        _, data_t, _, dscale = triton_cast.fused_cast(x, fmt, None, along="column", write=False, write_t=True,
+                                                      amax=amax, margin=margin, power_of_two=power_of_two)
+        return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
+    qscale, dscale = kernels._scales(amax, fmt, info, margin, power_of_two, mx_rule)
+    folded = info.folds(power_of_two)
+    fold = dscale if (folded and operand_dtype is not None) else None
+    data, operand, _ = kernels._cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
+
+    def back(y):
+        return None if y is None else y.reshape(-1, k)[:m].t()
+
+    def to_t(a):  # scales in xᵀ's convention: (K, 1) per row, (K, MB) per block
+        return a.reshape(k, 1) if info.block is None else a.reshape(-1, k).t()
+
+    return Quantized(back(data), to_t(dscale), fmt, granularity, to_t(amax), back(operand), scale_folded=folded)
+
+
+def quantize_both(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
+                  power_of_two: bool = False, mx_rule: str = "up", operand_dtype: torch.dtype | None = None,
+                  keep_data: bool = True) -> tuple[Quantized, Quantized]:
+    """(quantize(x, ...), quantize_t(x, ...)) of a 2-D x: its casts along each axis, from one read of x on a GPU
+    (1×128 tiles: one Triton pass writes both, each with its own scales and amaxes)."""
+    fmt = get_format(fmt)
+    granularity = Granularity.parse(granularity)
+    storage = fmt.torch_dtype if keep_data else None
+    if (granularity == Granularity.TILE and x.dim() == 2
+            and triton_blocks.takes(x, storage, operand_dtype, granularity)):
+        out = triton_blocks.block_cast(x.detach(), fmt, rows=True, cols=True, margin=margin,
+                                       power_of_two=power_of_two)
+        folded = granularity_info(granularity).folds(power_of_two)
+        return (Quantized(out["data"], out["scale"], fmt, granularity, out["amax"], scale_folded=folded),
+                Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"], scale_folded=folded))
+    options = dict(granularity=granularity, margin=margin, power_of_two=power_of_two, mx_rule=mx_rule,
+                   operand_dtype=operand_dtype, keep_data=keep_data)
+    return quantize(x, fmt, **options), quantize_t(x, fmt, **options)
+
+
+def requantize_t(q: Quantized, *, margin: int = 0, power_of_two: bool = False, mx_rule: str = "up",
+                 operand_dtype: torch.dtype | None = None, keep_data: bool = True) -> Quantized:
+    """quantize_t of the values `q` holds (its FP8 data times its scales; as bfloat16 where the scales are folded
+    powers of two, else float32), at q's format and granularity: a saved FP8 input re-quantized along the token axis.
+
+    On a GPU, 1×128 tiles are read from the FP8 bytes and re-quantized in one Triton pass; elsewhere this is
+    quantize_t(q.dequantize(...)), the same bits."""
+    if q.data is None:
+        raise ValueError("requantize_t needs the quantized data (keep_data=True)")
+    storage = q.fmt.torch_dtype if keep_data else None
+    if (q.granularity == Granularity.TILE and q.data.dtype == q.fmt.torch_dtype
+            and triton_blocks.takes(q.data, storage, operand_dtype, q.granularity)):
+        out = triton_blocks.block_cast(q.data, q.fmt, cols=True, margin=margin, power_of_two=power_of_two,
+                                       row_scales=q.scale, fold_bf16=q.scale_folded)
+        return Quantized(out["data_t"], out["scale_t"], q.fmt, q.granularity, out["amax_t"],
+                         scale_folded=granularity_info(q.granularity).folds(power_of_two))
+    source = q.dequantize(torch.bfloat16 if q.scale_folded else torch.float32)
+    return quantize_t(source, q.fmt, granularity=q.granularity, margin=margin, power_of_two=power_of_two,
+                      mx_rule=mx_rule, operand_dtype=operand_dtype, keep_data=keep_data)
