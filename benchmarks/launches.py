@@ -5,7 +5,7 @@ one bias-free Fp8Linear (--tokens x --dim, bfloat16 autocast) under each recipe,
 of the FP8 step's end, as the native (GPU) path issues them:
   * the GEMM backend is made "native" on this machine (the casts keep FP8 data, the GEMM is a stand-in);
   * torch ops are counted by a dispatch mode (views, allocations and aliasing excluded: they launch nothing);
-  * minifloat's Triton kernels (minifloat.numerics.triton_cast) count one launch each; with --triton they run in
+  * minifloat's Triton kernels (minifloat.numerics.triton_cast, triton_blocks) count one launch each; with --triton they run in
     Triton's interpreter (TRITON_INTERPRET=1, on the CPU), without it the torch path runs instead: the counts before
     the one-pass kernels.
 minifloat's small kernels run eagerly here (eager_kernels): on a GPU, tensors above EAGER_BELOW elements run a
@@ -29,12 +29,12 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minifloat as mf
 from minifloat.fp8 import caster, gemm
 from minifloat.fp8.step import fp8_step
-from minifloat.numerics import triton_cast
+from minifloat.numerics import triton_blocks, triton_cast
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.granularity import Granularity
 
 RECIPES = {"delayed": mf.DelayedScaling(), "current": mf.CurrentScaling(),
-           "row": mf.CurrentScaling(granularity="row")}
+           "row": mf.CurrentScaling(granularity="row"), "block": mf.BlockScaling()}
 NO_LAUNCH = {"aten.view.default", "aten.detach.default", "aten.select.int", "aten.t.default", "aten.view.dtype",
              "aten._reshape_alias.default", "aten.expand.default", "aten.alias.default", "aten.as_strided.default",
              "aten.unsqueeze.default", "aten.squeeze.dim", "aten.reshape.default", "aten.transpose.int",
@@ -58,8 +58,8 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_triton(name: str) -> None:
-    real = getattr(triton_cast, name)
+def _count_triton(name: str, module=triton_cast) -> None:
+    real = getattr(module, name)
 
     def counted(*args, **kwargs):
         _launches[name] += 1
@@ -69,18 +69,19 @@ def _count_triton(name: str) -> None:
         finally:
             _inside[0] -= 1
 
-    setattr(triton_cast, name, counted)
+    setattr(module, name, counted)
 
 
 def native_everywhere() -> None:
     """The native path's decisions on this machine, with a stand-in for torch._scaled_mm."""
-    per_tensor_or_row = (Granularity.TENSOR, Granularity.ROW)
-    caster.native_granularity = lambda device, g, backend=None: Granularity.parse(g) in per_tensor_or_row
+    native = (Granularity.TENSOR, Granularity.ROW, Granularity.TILE, Granularity.BLOCK)  # Hopper's pairings
+    caster.native_granularity = lambda device, g, backend=None: Granularity.parse(g) in native
     gemm.native_support = lambda a, b, out_dtype=None, **kw: None
     gemm.native_mm = lambda a, b, out_dtype, bias=None, fast_accum=False: torch.zeros(
         a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
     for name in ("fused_cast", "tensor_amax", "fold_amax"):
         _count_triton(name)
+    _count_triton("block_cast", triton_blocks)
 
 
 def count(recipe, tokens: int, dim: int) -> dict:

@@ -27,7 +27,7 @@ from minifloat.numerics.fp4 import quantize_nvfp4, quantize_nvfp4_t
 from minifloat.numerics.granularity import GRANULARITIES
 from minifloat.numerics import triton_cast
 from minifloat.numerics.hadamard import rht_signs
-from minifloat.numerics.other_axis import quantize_t
+from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_t
 from minifloat.numerics.quantize import quantize
 from minifloat.training.model import LlamaConfig
 
@@ -143,6 +143,42 @@ def test_one_pass_cast_is_the_cpu_cast_bit_for_bit(device, fmt, case, transposed
     if case.startswith("tensor"):
         assert_same_bits(got.data_t, expected.data_t, "transposed copy")
         assert got.data_t.is_contiguous()
+
+
+# The block recipe's one-pass casts (minifloat.numerics.triton_blocks: 1×128 tiles along either axis or both from one
+# read, 128×128 blocks in both layouts, and tiles re-quantized from saved FP8 bytes): on CUDA the Triton kernel, on the
+# CPU the torch path; the same bits.
+BLOCK_CASES = ["tile", "tile-t", "tile-both", "block", "from-fp8"]
+
+
+@pytest.mark.parametrize("power_of_two", [False, True], ids=["float", "pow2"])
+@pytest.mark.parametrize("fmt", [mf.E4M3, mf.E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("case", BLOCK_CASES)
+def test_one_pass_block_cast_is_the_cpu_cast_bit_for_bit(device, fmt, case, power_of_two):
+    if device == "cuda":
+        assert triton_cast.self_check(torch.device(device)), "the one-pass Triton casts are off on this GPU"
+    x = wide_range().to(torch.bfloat16)
+    options = dict(granularity="tile", power_of_two=power_of_two)
+
+    def cast(t):
+        if case == "tile":
+            return (quantize(t, fmt, **options),)
+        if case == "tile-t":
+            return (quantize_t(t, fmt, **options),)
+        if case == "tile-both":
+            return quantize_both(t, fmt, **options)
+        if case == "block":
+            return (quantize(t, fmt, granularity="block", power_of_two=power_of_two, with_t=True),)
+        return (requantize_t(quantize(t, fmt, **options), power_of_two=power_of_two),)
+
+    with eager_kernels():
+        expected = cast(x)
+    got = cast(x.to(device))
+    for g, e in zip(got, expected):
+        assert_same_quantized(g, e, case)
+        assert g.data.is_contiguous() or device != "cuda"  # written row-major by the kernel: no copy for the GEMM
+        if e.data_t is not None:
+            assert_same_bits(g.data_t, e.data_t, "transposed copy")
 
 
 # (layout, with the RHT): 1×16 blocks (activations, gradients), 16×16 tiles (weights), and blocks down the columns
