@@ -38,7 +38,13 @@ from minifloat.numerics.granularity import TILE, Granularity
 MODES = ("rows", "cols", "block")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 tl = None  # triton.language, bound by _kernel()
-_larger = _scale = _code = _amax_bits = None  # jitted helpers, bound by _kernel()
+_larger = _scale = _code = _load = None  # jitted helpers, bound by _kernel()
+# Rows of a tile a program holds in registers at once, and its warps. Compiled for SM 9.0 (Triton 3.9, ptxas 13.4, on
+# a CPU: tests/test_triton_aot.py) these use 78-115 registers per thread, no spills; a whole 128×128 tile in registers
+# took all 255 and spilled. Not yet timed on a GPU.
+SUB = 16
+SUB_INTERPRETED = 64  # in Triton's interpreter (tests on the CPU): two slices per tile, the same code, 4x fewer steps
+NUM_WARPS = 8
 
 
 def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dtype | None,
@@ -51,72 +57,80 @@ def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dty
 @functools.cache
 def _kernel():
     """The kernel, built on first use (TRITON_INTERPRET is read then); its helpers are triton_cast's."""
-    global tl, _larger, _scale, _code, _amax_bits
+    global tl, _larger, _scale, _code, _load
     triton_cast._kernel()
     tl = triton_cast.tl
     _larger, _scale, _code = triton_cast._larger, triton_cast._scale, triton_cast._code
-    _amax_bits = triton_cast._triton().jit(_amax_bits_fn)
+    _load = triton_cast._triton().jit(_load_fn)
     return triton_cast._triton().jit(_block_kernel_fn)
 
 
-def _amax_bits_fn(a, AXIS: tl.constexpr):
-    """The maximum of non-negative float bit patterns `a` along AXIS (0, 1, or -1 for all), as float32."""
-    if AXIS == -1:
-        m = tl.reduce(tl.reduce(a, 1, _larger), 0, _larger)
+def _load_fn(x_ptr, lut_ptr, xs_ptr, rows, cols, M, K, stride_xm, stride_xk, N_KB, pid_k,
+             FROM_FP8: tl.constexpr, FOLD_BF16: tl.constexpr):
+    """x[rows, cols] as float32 (zeros outside the tensor), decoded from FP8 codes times their row tiles' scales
+    where FROM_FP8, rounded to bfloat16 on the bits (ties to even, exactly) where FOLD_BF16."""
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offsets = rows[:, None] * stride_xm + cols[None, :] * stride_xk
+    if FROM_FP8:
+        codes = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
+        x = tl.load(lut_ptr + codes, mask=mask, other=0.0)
+        x = x * tl.load(xs_ptr + rows * N_KB + pid_k, mask=rows < M, other=1.0)[:, None]
+        if FOLD_BF16:
+            b = x.to(tl.int32, bitcast=True)
+            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
+            x = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
     else:
-        m = tl.reduce(a, AXIS, _larger)
-    return m.to(tl.float32, bitcast=True)
+        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+    return x
 
 
 def _block_kernel_fn(x_ptr, lut_ptr, xs_ptr, out_ptr, out_t_ptr, ds_ptr, ds_t_ptr, am_ptr, am_t_ptr,
                      M, K, stride_xm, stride_xk, N_KB, N_MB,
                      FROM_FP8: tl.constexpr, FOLD_BF16: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                      BLOCK: tl.constexpr, WRITE_T: tl.constexpr, FMT_MAX: tl.constexpr, EMIN: tl.constexpr,
-                     MBITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr, T: tl.constexpr):
+                     MBITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr, T: tl.constexpr,
+                     SUB: tl.constexpr):
+    # One program per 128×128 tile, walked in (SUB, 128) slices so that few values live in registers at once: the
+    # first walk casts the row pieces (each slice holds whole rows) and takes the column (or tile) amaxes; the
+    # second, where columns or the whole tile set the scales, reads the slices again (from cache) and casts them.
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
-    rows = pid_m * T + tl.arange(0, T)
     cols = pid_k * T + tl.arange(0, T)
-    in_rows = rows < M
-    in_cols = cols < K
-    mask = in_rows[:, None] & in_cols[None, :]
-    offsets = rows[:, None] * stride_xm + cols[None, :] * stride_xk
-    if FROM_FP8:  # saved FP8 codes → exact values (the table), times their row tiles' scales
-        codes = tl.load(x_ptr + offsets, mask=mask, other=0).to(tl.int32)
-        x = tl.load(lut_ptr + codes, mask=mask, other=0.0)
-        x = x * tl.load(xs_ptr + rows * N_KB + pid_k, mask=in_rows, other=1.0)[:, None]
-        if FOLD_BF16:  # to bfloat16, ties to even, on the bits (exact and the same on every device)
-            b = x.to(tl.int32, bitcast=True)
-            b = (b + 0x7FFF + ((b >> 16) & 1)) & -65536
-            x = tl.where(x != x, x, b.to(tl.float32, bitcast=True))
-    else:
-        x = tl.load(x_ptr + offsets, mask=mask, other=0.0).to(tl.float32)
-    a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    if BLOCK:
-        amax = _amax_bits(a, -1)
-        q = _scale(amax, FMT_MAX, MARGIN, POW2)
-        tl.store(ds_ptr + pid_m * N_KB + pid_k, tl.div_rn(1.0 + 0.0 * q, q))
-        tl.store(am_ptr + pid_m * N_KB + pid_k, amax)
-        r8 = _code(x * q, FMT_MAX, EMIN, MBITS).to(tl.uint8)
-        if ROWS:
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], r8, mask=mask)
-        if WRITE_T:
-            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(r8), mask=tl.trans(mask))
-    else:
-        if ROWS:  # one scale per row piece: 1×128 tiles along K
-            amax_r = _amax_bits(a, 1)
+    col_bits = cols * 0  # (not tl.zeros: a library function the interpreter runs only if set before the import)
+    for i in range(0, T, SUB):
+        rows = pid_m * T + i + tl.arange(0, SUB)
+        x = _load(x_ptr, lut_ptr, xs_ptr, rows, cols, M, K, stride_xm, stride_xk, N_KB, pid_k, FROM_FP8, FOLD_BF16)
+        a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+        if COLS or BLOCK:
+            col_bits = tl.maximum(col_bits, tl.reduce(a, 0, _larger))
+        if ROWS and not BLOCK:  # one scale per row piece: 1×128 tiles along K
+            amax_r = tl.reduce(a, 1, _larger).to(tl.float32, bitcast=True)
             q_r = _scale(amax_r, FMT_MAX, MARGIN, POW2)
-            tl.store(ds_ptr + rows * N_KB + pid_k, tl.div_rn(1.0 + 0.0 * q_r, q_r), mask=in_rows)
-            tl.store(am_ptr + rows * N_KB + pid_k, amax_r, mask=in_rows)
+            tl.store(ds_ptr + rows * N_KB + pid_k, tl.div_rn(1.0 + 0.0 * q_r, q_r), mask=rows < M)
+            tl.store(am_ptr + rows * N_KB + pid_k, amax_r, mask=rows < M)
             r8 = _code(x * q_r[:, None], FMT_MAX, EMIN, MBITS).to(tl.uint8)
-            tl.store(out_ptr + rows[:, None] * K + cols[None, :], r8, mask=mask)
-        if COLS:  # one scale per column piece: 1×128 tiles of xᵀ, written as xᵀ
-            amax_c = _amax_bits(a, 0)
-            q_c = _scale(amax_c, FMT_MAX, MARGIN, POW2)
-            tl.store(ds_t_ptr + cols * N_MB + pid_m, tl.div_rn(1.0 + 0.0 * q_c, q_c), mask=in_cols)
-            tl.store(am_t_ptr + cols * N_MB + pid_m, amax_c, mask=in_cols)
-            c8 = _code(x * q_c[None, :], FMT_MAX, EMIN, MBITS).to(tl.uint8)
-            tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(c8), mask=tl.trans(mask))
+            tl.store(out_ptr + rows[:, None] * K + cols[None, :], r8, mask=(rows[:, None] < M) & (cols[None, :] < K))
+    if COLS or BLOCK:
+        if BLOCK:  # one scale for the tile
+            amax = tl.reduce(col_bits, 0, _larger).to(tl.float32, bitcast=True)
+            q = _scale(amax, FMT_MAX, MARGIN, POW2)
+            tl.store(ds_ptr + pid_m * N_KB + pid_k, tl.div_rn(1.0 + 0.0 * q, q))
+            tl.store(am_ptr + pid_m * N_KB + pid_k, amax)
+        else:  # one scale per column piece: 1×128 tiles of xᵀ, written as xᵀ
+            amax_c = col_bits.to(tl.float32, bitcast=True)
+            q = _scale(amax_c, FMT_MAX, MARGIN, POW2)
+            tl.store(ds_t_ptr + cols * N_MB + pid_m, tl.div_rn(1.0 + 0.0 * q, q), mask=cols < K)
+            tl.store(am_t_ptr + cols * N_MB + pid_m, amax_c, mask=cols < K)
+        for i in range(0, T, SUB):
+            rows = pid_m * T + i + tl.arange(0, SUB)
+            mask = (rows[:, None] < M) & (cols[None, :] < K)
+            x = _load(x_ptr, lut_ptr, xs_ptr, rows, cols, M, K, stride_xm, stride_xk, N_KB, pid_k, FROM_FP8,
+                      FOLD_BF16)
+            c8 = _code(x * (q if BLOCK else q[None, :]), FMT_MAX, EMIN, MBITS).to(tl.uint8)
+            if BLOCK and ROWS:
+                tl.store(out_ptr + rows[:, None] * K + cols[None, :], c8, mask=mask)
+            if COLS or WRITE_T:
+                tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(c8), mask=tl.trans(mask))
 
 
 @functools.cache
@@ -179,5 +193,5 @@ def block_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = False, cols: 
         arg("scale"), arg("scale_t"), arg("amax"), arg("amax_t"), m, k, x.stride(0), x.stride(1), n_kb, n_mb,
         FROM_FP8=from_fp8, FOLD_BF16=fold_bf16, ROWS=rows, COLS=cols, BLOCK=block,
         WRITE_T=write_t, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, MARGIN=margin,
-        POW2=power_of_two, T=TILE, num_warps=8)
+        POW2=power_of_two, T=TILE, SUB=SUB_INTERPRETED if triton_cast.interpreted() else SUB, num_warps=NUM_WARPS)
     return out
