@@ -67,7 +67,7 @@ class ByteTokenizer:
 @dataclasses.dataclass(frozen=True)
 class TextTokenizer:
     """A Hugging Face tokenizer.json, encoding without special tokens as training did
-    (minifloat.training.tokenizer.encode_texts)."""
+    (minifloat.training.tokenizer.encode_batches)."""
 
     loaded: LoadedTokenizer
 

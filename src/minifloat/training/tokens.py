@@ -25,7 +25,7 @@ from minifloat.training.batches import TokenStream
 from minifloat.training.data import ByteCorpus, DataConfig, FileEntry, Manifest, Split, split_files
 from minifloat.training.shards import (HASH_RULE, META_FILE, META_FORMAT, SHARD_FIX, Shard, file_sha256, max_id,
                                        read_meta, read_shard)
-from minifloat.training.tokenizer import LoadedTokenizer, encode_texts, load_tokenizer
+from minifloat.training.tokenizer import LoadedTokenizer, encode_batches, load_tokenizer
 
 log = logging.getLogger("minifloat")
 
@@ -209,7 +209,8 @@ def load_text_tokens(data: str | None, *, max_bytes: int | None, tokenizer: str)
     """
     loaded = load_tokenizer(tokenizer)
     corpus = ByteCorpus.load(DataConfig(path=data, max_bytes=max_bytes))
-    streams = {split: encode_texts(loaded, split_texts(corpus, split)).to(torch.int32) for split in Split}
+    streams = {split: torch.cat(list(encode_batches(loaded, split_texts(corpus, split)))).to(torch.int32)
+               for split in Split}
     source = {"kind": "text", "tokenizer": loaded.sha256}
     digest = hashlib.sha256(f"{corpus.manifest.digest}\n{loaded.sha256}\n{loaded.eot_id}".encode()).hexdigest()
     manifest = dataclasses.replace(corpus.manifest, digest=digest, vocab_size=loaded.vocab_size, source=source)
