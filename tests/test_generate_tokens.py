@@ -178,7 +178,30 @@ def test_export_copies_the_runs_tokenizer_for_transformers(runs, tmp_path):
     ids = run_tokenizer(runs["shards"]).encode(PROMPT)
     assert PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")).encode(PROMPT) == ids
     auto = AutoTokenizer.from_pretrained(str(out))
-    assert auto.encode(PROMPT) == ids and auto.decode(ids) == PROMPT
+    assert auto.encode(PROMPT) == ids and auto.decode(ids) == PROMPT  # no BOS added, though bos_token is set
+
+
+def test_export_of_a_token_run_names_its_end_of_text_as_eos_and_bos(runs, tmp_path):
+    """The id training put after every file stops generation (eos) and starts it (bos), in both json files, as
+    transformers reads them; a byte run has none."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    eot = load_tokenizer(runs["tok"] / "tokenizer.json").eot_id
+    assert eot is not None
+    for kind in ("shards", "text"):
+        out = export_hf(runs[kind], tmp_path / kind)
+        for name in ("config.json", "generation_config.json"):
+            written = json.loads((out / name).read_text())
+            assert (written["eos_token_id"], written["bos_token_id"], written["pad_token_id"]) == (eot, eot, None)
+        generation = GenerationConfig.from_pretrained(str(out))
+        assert generation.eos_token_id == generation.bos_token_id == eot
+        auto = AutoTokenizer.from_pretrained(str(out))
+        assert auto.eos_token == auto.bos_token == "<|endoftext|>" and auto.eos_token_id == eot
+    out = export_hf(runs["bytes"], tmp_path / "bytes")
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((out / name).read_text())
+        assert written["eos_token_id"] is written["bos_token_id"] is written["pad_token_id"] is None
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id is None
 
 
 def test_export_of_a_byte_run_or_shards_without_a_tokenizer_has_no_tokenizer_file(runs, tmp_path, caplog):
