@@ -169,6 +169,11 @@ class ByteCorpus:
         """Token ids are bytes: 256."""
         return 256
 
+    @property
+    def tokenizer_json(self) -> None:
+        """Bytes need no tokenizer (a TokenCorpus carries the tokenizer.json its ids were made with)."""
+        return None
+
 
 def split_header(split: Split, nbytes: int) -> bytes:
     """What the manifest digest hashes before a split's `nbytes` bytes: its name and length."""

@@ -30,6 +30,7 @@ class LoadedTokenizer:
     tokenizer: Tokenizer
     path: pathlib.Path
     sha256: str
+    data: bytes = dataclasses.field(repr=False)  # the file as read: what a run's checkpoints keep a copy of
 
     @property
     def vocab_size(self) -> int:
@@ -64,7 +65,7 @@ def load_tokenizer(path: str | pathlib.Path) -> LoadedTokenizer:
         reason = " ".join(str(err).split())[:120]
         raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizers file ({reason}); "
                          f"{TOKENIZER_FIX}") from None
-    return LoadedTokenizer(tokenizer, path, hashlib.sha256(raw).hexdigest())
+    return LoadedTokenizer(tokenizer, path, hashlib.sha256(raw).hexdigest(), raw)
 
 
 def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:

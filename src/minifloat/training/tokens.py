@@ -50,6 +50,9 @@ class TokenCorpus:
     vocab_size: int
     manifest: Manifest
     config: DataConfig
+    # the tokenizer.json the ids were made with, as read when the corpus loaded (None when none is known): the run's
+    # checkpoints keep a copy, so the run finds its tokenizer wherever it is read from
+    tokenizer_json: bytes | None = dataclasses.field(default=None, repr=False)
 
     def tokens(self, split: Split | str) -> torch.Tensor | TokenStream:
         """The stream of one split ("train" or "val")."""
@@ -140,7 +143,22 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
     files = tuple(FileEntry(name, split, t.numel() * shard.itemsize, hashes[shard.rel])
                   for split in Split for shard, name, t in pieces[split])
     manifest = Manifest(str(folder), files, (), _digest(files, vocab_size, source), vocab_size, source)
-    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], vocab_size, manifest, config)
+    kept = loaded.data if loaded is not None else _meta_tokenizer(folder, meta)
+    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], vocab_size, manifest, config, kept)
+
+
+def _meta_tokenizer(folder: pathlib.Path, meta: dict | None) -> bytes | None:
+    """The bytes of the tokenizer.json meta.json names, when it is in the folder with the SHA-256 meta.json records
+    (None otherwise: training does not need it)."""
+    named = (meta or {}).get("tokenizer") or {}
+    name = named.get("file")
+    if not isinstance(name, str) or pathlib.PurePath(name).name != name or not name:
+        return None
+    try:
+        data = (folder / name).read_bytes()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == named.get("sha256") else None
 
 
 def _split_by_name(names: list[str], val_fraction: float) -> dict[str, Split]:
@@ -226,7 +244,8 @@ def load_text_tokens(data: str | None, *, max_bytes: int | None, tokenizer: str)
     source = {"kind": "text", "tokenizer": loaded.sha256}
     digest = hashlib.sha256(f"{text_digest.hexdigest()}\n{loaded.sha256}\n{loaded.eot_id}".encode()).hexdigest()
     manifest = dataclasses.replace(files.manifest(digest), vocab_size=loaded.vocab_size, source=source)
-    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], loaded.vocab_size, manifest, files.config)
+    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], loaded.vocab_size, manifest, files.config,
+                       loaded.data)
 
 
 def spill_ids(batches: Iterable[torch.Tensor]) -> torch.Tensor:
