@@ -5,19 +5,19 @@ Without a tokenizer, a byte-level BPE is trained offline on the training split's
 unseen). Each split's files are encoded, joined by the end-of-text id, and cut into shards of at most `shard_tokens`
 ids (uint16 when the vocabulary fits, else uint32; little-endian, no header):
 
-The work streams, so memory does not grow with the corpus: the files are listed and checked first, keeping none of
-their bytes (minifloat.training.textfiles), then read again a file at a time, by the BPE trainer and by the encoder,
-which encodes a batch of at most `batch_chars` characters at a time and appends its ids to the open shard
-(`ShardWriter`). A file longer than a batch is encoded whole, alone: a BPE's ids near a cut would depend on the cut
-(a pre-tokenizer looks across it), so memory is bounded by the larger of a batch and the largest file. The shards are
-the same bytes as encoding each split whole and cutting it (tested).
-
-
     OUT/tokenizer.json  OUT/train_000000.bin …  OUT/val_000000.bin …  OUT/meta.json
 
 meta.json (minifloat.training.shards.read_meta) names the dtype, vocabulary, tokenizer (file, SHA-256) and every
 shard with its split and token count. Everything is written into a temporary folder beside OUT and moved in when
 complete, meta.json last, so an interrupted run leaves no folder that looks finished.
+
+The work streams, so memory does not grow with the corpus: the files are listed and checked first, keeping none of
+their bytes (minifloat.training.textfiles), then read again a file at a time, by the BPE trainer and by the encoder,
+which encodes a batch of at most `batch_chars` characters at a time and appends its ids to the open shard
+(`ShardWriter`). A file longer than a batch is encoded whole, alone: a BPE's ids near a cut would depend on the cut
+(a pre-tokenizer looks across it), so memory is bounded by the larger of a batch and the largest file (tokenizers
+holds some 100-250 bytes a token while encoding: tokenizer.ENCODE_CHARS). The shards are the same bytes as encoding
+each split whole and cutting it (tested).
 """
 
 from __future__ import annotations
