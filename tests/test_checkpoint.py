@@ -436,6 +436,30 @@ def test_save_refuses_to_replace_other_folders(tmp_path):
     assert (tmp_path / "notes" / "todo.txt").read_text() == "keep me"
 
 
+@pytest.mark.parametrize("sharded", [False, True], ids=["single", "sharded"])
+def test_files_travel_with_the_checkpoint_and_bad_names_are_refused(tmp_path, sharded):
+    """`files` (a token run's tokenizer.json) are written into the checkpoint as they are, by either writer; a name
+    that is not a plain one, or one of the checkpoint's own files, is refused and nothing is left behind."""
+    from minifloat.training.parallel import World
+    from minifloat.training.sharded import read_extra, save_sharded
+
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.AdamW(model.parameters())
+
+    def save(path, files):
+        if sharded:
+            return save_sharded(path, model=model, optimizer=optimizer, world=World(), extra={"step": 1}, files=files)
+        return save_checkpoint(path, model=model, optimizer=optimizer, extra={"step": 1}, files=files)
+
+    path = save(tmp_path / "c", {"tokenizer.json": b'{"model": 1}'})
+    assert (path / "tokenizer.json").read_bytes() == b'{"model": 1}' and read_extra(path) == {"step": 1}
+    own = "state.json" if sharded else MANIFEST_FILE
+    for name in ("../escape.json", "sub/tokenizer.json", "", own):
+        with pytest.raises(ValueError, match="plain name of its own"):
+            save(tmp_path / "d", {name: b"x"})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["c"]  # no temporary folder, nothing escaped
+
+
 def test_unstorable_value_raises_before_writing(tmp_path):
     with pytest.raises(ValueError, match=r"extra/config/callback: a function cannot be stored"):
         save_checkpoint(tmp_path / "c", model=fp8_llama(SEED), extra={"config": {"callback": lambda: None}})

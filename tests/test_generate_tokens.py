@@ -1,6 +1,7 @@
 """A run's tokenizer at inference (minifloat.inference.tokenizer; `minifloat generate` and `minifloat export` on runs
-trained on token data): found from a `minifloat tokenize` folder or train --tokenizer, bytes for a byte run, supplied
-by --tokenizer for .bin shards without one, refused with one line when missing, changed or of another vocabulary."""
+trained on token data): the copy its checkpoint keeps of a `minifloat tokenize` folder's or train --tokenizer's
+(found from any folder), bytes for a byte run, supplied by --tokenizer for .bin shards without one, refused with one
+line when missing, changed or of another vocabulary; and the end-of-text id an export names as eos / bos."""
 
 from __future__ import annotations
 
@@ -78,15 +79,36 @@ def _one_error_line(status: int, out: str, err: str, words: list[str]) -> None:
 # ---- finding the tokenizer ------------------------------------------------------------------------------------------
 
 
-def test_a_tokenize_folder_run_finds_the_tokenizer_its_meta_json_names(runs):
+def test_a_tokenize_folder_run_keeps_the_tokenizer_its_meta_json_names(runs):
     tok = run_tokenizer(runs["shards"])
-    assert isinstance(tok, TextTokenizer) and tok.path == runs["tok"] / "tokenizer.json" and tok.vocab_size == VOCAB
+    kept = runs["shards"] / "ckpt" / "tokenizer.json"  # the checkpoint's copy
+    assert isinstance(tok, TextTokenizer) and tok.path == kept and tok.vocab_size == VOCAB
+    assert kept.read_bytes() == (runs["tok"] / "tokenizer.json").read_bytes()
     assert tok.decode(tok.encode(PROMPT + " éàü ✓")) == PROMPT + " éàü ✓"
 
 
-def test_a_text_run_finds_its_train_tokenizer(runs):
+def test_a_text_run_keeps_its_train_tokenizer(runs):
     tok = run_tokenizer(runs["text"], "ckpt")
-    assert isinstance(tok, TextTokenizer) and tok.path == runs["copy"]
+    assert isinstance(tok, TextTokenizer) and tok.path == runs["text"] / "ckpt" / "tokenizer.json"
+    assert tok.path.read_bytes() == runs["copy"].read_bytes()
+
+
+def test_a_run_given_a_relative_tokenizer_generates_from_any_folder(runs, tmp_path, monkeypatch, capsys):
+    """train --tokenizer with a relative path, then generate from another folder: the checkpoint's copy is found. A
+    run from before the copy was kept (its copy removed here) is one line naming --tokenizer from elsewhere, and
+    still finds the relative path from the folder it trained in."""
+    root = runs["files"]
+    monkeypatch.chdir(root)
+    run = _train(tmp_path / "run", data="text", tokenizer="copy/tokenizer.json")
+    monkeypatch.chdir(tmp_path)
+    status, out, err = _cli(capsys, "generate", "--run", str(run), "--prompt", PROMPT, "--max-new-tokens", "3",
+                            "--device", "cpu")
+    assert status == 0 and out and err.count("\n") == 1, err
+    (run / "ckpt" / "tokenizer.json").unlink()  # as a checkpoint written before minifloat kept the copy
+    _one_error_line(*_cli(capsys, "generate", "--run", str(run), "--prompt", PROMPT),
+                    [str(run), "copy/tokenizer.json", "missing from", "relative", "--tokenizer FILE"])
+    monkeypatch.chdir(root)
+    assert run_tokenizer(run).path == pathlib.Path("copy/tokenizer.json")
 
 
 def test_a_byte_run_reads_bytes_and_refuses_a_tokenizer(runs):
@@ -146,11 +168,20 @@ def test_a_tokenizer_of_another_vocabulary_is_refused(runs, capsys):
                         [str(other), f"vocabulary of {size} ids", f"trained on {VOCAB}"])
 
 
-def test_a_missing_or_changed_tokenizer_is_one_line_and_an_explicit_one_is_used_with_a_warning(runs, capsys):
-    copy, run = runs["copy"], str(runs["text"])
+def test_a_missing_or_changed_tokenizer_is_one_line_and_an_explicit_one_is_used_with_a_warning(runs, capsys,
+                                                                                                 tmp_path):
+    """A run whose checkpoint keeps a copy needs its --tokenizer file no more; one from before (the copy removed
+    here) reads the file it recorded, refused with one line when that is missing or changed."""
+    copy, old = runs["copy"], tmp_path / "old-run"
+    shutil.copytree(runs["text"], old)
+    (old / "ckpt" / "tokenizer.json").unlink()
+    run = str(old)
     moved = copy.with_name("moved.json")
     copy.rename(moved)
     try:
+        status, out, err = _cli(capsys, "generate", "--run", str(runs["text"]), "--prompt", PROMPT,
+                                "--max-new-tokens", "3", "--device", "cpu")
+        assert status == 0 and out and err.count("\n") == 1, err  # its checkpoint's copy
         _one_error_line(*_cli(capsys, "generate", "--run", run, "--prompt", PROMPT),
                         [run, str(copy), "missing", "--tokenizer FILE"])
         # the same tokenizer saved with other bytes: another SHA-256, the same ids
@@ -178,7 +209,30 @@ def test_export_copies_the_runs_tokenizer_for_transformers(runs, tmp_path):
     ids = run_tokenizer(runs["shards"]).encode(PROMPT)
     assert PreTrainedTokenizerFast(tokenizer_file=str(out / "tokenizer.json")).encode(PROMPT) == ids
     auto = AutoTokenizer.from_pretrained(str(out))
-    assert auto.encode(PROMPT) == ids and auto.decode(ids) == PROMPT
+    assert auto.encode(PROMPT) == ids and auto.decode(ids) == PROMPT  # no BOS added, though bos_token is set
+
+
+def test_export_of_a_token_run_names_its_end_of_text_as_eos_and_bos(runs, tmp_path):
+    """The id training put after every file stops generation (eos) and starts it (bos), in both json files, as
+    transformers reads them; a byte run has none."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    eot = load_tokenizer(runs["tok"] / "tokenizer.json").eot_id
+    assert eot is not None
+    for kind in ("shards", "text"):
+        out = export_hf(runs[kind], tmp_path / kind)
+        for name in ("config.json", "generation_config.json"):
+            written = json.loads((out / name).read_text())
+            assert (written["eos_token_id"], written["bos_token_id"], written["pad_token_id"]) == (eot, eot, None)
+        generation = GenerationConfig.from_pretrained(str(out))
+        assert generation.eos_token_id == generation.bos_token_id == eot
+        auto = AutoTokenizer.from_pretrained(str(out))
+        assert auto.eos_token == auto.bos_token == "<|endoftext|>" and auto.eos_token_id == eot
+    out = export_hf(runs["bytes"], tmp_path / "bytes")
+    for name in ("config.json", "generation_config.json"):
+        written = json.loads((out / name).read_text())
+        assert written["eos_token_id"] is written["bos_token_id"] is written["pad_token_id"] is None
+    assert GenerationConfig.from_pretrained(str(out)).eos_token_id is None
 
 
 def test_export_of_a_byte_run_or_shards_without_a_tokenizer_has_no_tokenizer_file(runs, tmp_path, caplog):

@@ -1,19 +1,21 @@
 """`minifloat tokenize` (minifloat.cli.tokenize, minifloat.training.tokenize): a round trip from text to shards and
-back, the files and meta.json it writes, a deterministic BPE, its refusal to write over files, its one-line errors,
-and `minifloat train --data OUT` on the result."""
+back, the files and meta.json it writes, a deterministic BPE, streaming in bounded memory with the same bytes as
+encoding each split whole, its refusal to write over files, its one-line errors, and `minifloat train --data OUT` on
+the result."""
 
 from __future__ import annotations
 
 import json
 import pathlib
 
+import numpy as np
 import pytest
 import torch
 
 from minifloat.cli import main
 from minifloat.cli import tokenize as cli_tokenize
 from minifloat.training import tokenize as lib_tokenize
-from minifloat.training.data import load_corpus
+from minifloat.training.data import ByteCorpus, DataConfig, load_corpus
 from minifloat.training.sharded import read_extra
 from minifloat.training.tokenizer import load_tokenizer
 
@@ -93,6 +95,71 @@ def test_given_tokenizer_is_used_and_copied(tmp_path, capsys, text):
         given.read_bytes()
     assert (tmp_path / "second" / "train_000000.bin").read_bytes() == \
         (tmp_path / "first" / "train_000000.bin").read_bytes()
+
+
+def _reference_shards(text: pathlib.Path, tokenizer: pathlib.Path, *, max_bytes: int | None,
+                      shard_tokens: int) -> tuple[dict[str, bytes], str]:
+    """The shards as tokenize wrote them before it streamed: the whole corpus in memory (ByteCorpus), each split's
+    files encoded by the tokenizer itself with the end-of-text id after each, the split cut every shard_tokens ids;
+    and the corpus digest."""
+    corpus, tok = ByteCorpus.load(DataConfig(path=str(text), max_bytes=max_bytes)), load_tokenizer(tokenizer)
+    shards = {}
+    for split in ("train", "val"):
+        data, ids, at = corpus.tokens(split).numpy().tobytes(), [], 0
+        for entry in (f for f in corpus.manifest.files if f.split.value == split):
+            piece = data[at:at + entry.nbytes].decode("utf-8", errors="ignore")
+            ids += [*tok.tokenizer.encode(piece, add_special_tokens=False).ids, tok.eot_id]
+            at += entry.nbytes
+        for index, first in enumerate(range(0, len(ids), shard_tokens)):
+            shards[f"{split}_{index:06d}.bin"] = np.array(ids[first:first + shard_tokens], dtype="<u2").tobytes()
+    return shards, corpus.manifest.digest
+
+
+@pytest.mark.parametrize("batch_chars, max_bytes, shard_tokens", [
+    (1, None, 700),  # one file a batch, shards cut inside batches and batches across shards
+    (10**9, None, 10**6),  # the whole split one batch, one shard a split
+    (2000, 20_001, 333),  # a cap that cuts the last file read
+])
+def test_streamed_shards_are_the_splits_encoded_whole_and_cut(tmp_path, text, batch_chars, max_bytes, shard_tokens):
+    lib_tokenize.tokenize_folder(str(text), str(tmp_path / "bpe"), vocab_size=VOCAB)
+    tokenizer = tmp_path / "bpe" / "tokenizer.json"
+    out = tmp_path / "tok"
+    meta = lib_tokenize.tokenize_folder(str(text), str(out), tokenizer=str(tokenizer), max_bytes=max_bytes,
+                                        shard_tokens=shard_tokens, batch_chars=batch_chars)
+    expected, digest = _reference_shards(text, tokenizer, max_bytes=max_bytes, shard_tokens=shard_tokens)
+    assert {p.name: p.read_bytes() for p in out.glob("*.bin")} == expected
+    assert [s["file"] for s in meta["shards"]] == list(expected)  # in order, train first
+    assert meta["source"]["digest"] == digest  # the manifest digest of the corpus read whole
+
+
+def test_the_corpus_is_never_held_whole(tmp_path, text, monkeypatch):
+    """With one file a batch, the shard writer gets one chunk of ids per file, each a small part of the split; the
+    BPE trainer gets an iterator, not a list of texts; and the whole-corpus reader (ByteCorpus) is never called."""
+    def whole(*args, **kwargs):
+        raise AssertionError("tokenize read the whole corpus into memory")
+
+    chunks, trained_on = [], []
+    write, train_bpe = lib_tokenize.ShardWriter.write, lib_tokenize.train_bpe
+
+    def spy_write(self, ids):
+        chunks.append((self.split.value, ids.numel()))
+        write(self, ids)
+
+    def spy_train(texts, **kwargs):
+        trained_on.append(type(texts))
+        assert not isinstance(texts, (list, tuple)), "the BPE trainer got every text at once"
+        return train_bpe(texts, **kwargs)
+
+    monkeypatch.setattr(ByteCorpus, "load", whole)
+    monkeypatch.setattr(lib_tokenize.ShardWriter, "write", spy_write)
+    monkeypatch.setattr(lib_tokenize, "train_bpe", spy_train)
+    meta = lib_tokenize.tokenize_folder(str(text), str(tmp_path / "tok"), vocab_size=VOCAB, shard_tokens=10**6,
+                                        batch_chars=1)
+    assert trained_on and len(chunks) == meta["source"]["files"] == len(list(text.iterdir()))
+    for split in ("train", "val"):
+        sizes = [n for s, n in chunks if s == split]
+        total = sum(s["tokens"] for s in meta["shards"] if s["split"] == split)
+        assert sum(sizes) == total and (len(sizes) == 1 or max(sizes) < total)
 
 
 def test_refuses_a_folder_holding_files_and_overwrite_keeps_the_users(tmp_path, capsys, text):

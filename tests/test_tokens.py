@@ -6,6 +6,7 @@ bad input is one ValueError line naming the file."""
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
@@ -16,10 +17,11 @@ import torch
 
 from minifloat.cli import main
 from minifloat.training.batches import BatchLoader, TokenStream, val_batches
-from minifloat.training.data import load_corpus, require_windows
+from minifloat.training import tokens as tokens_module
+from minifloat.training.data import ByteCorpus, DataConfig, load_corpus, require_windows
 from minifloat.training.loop import TrainConfig, train
 from minifloat.training.shards import LLMC_HEADER_BYTES, LLMC_MAGIC, MEGATRON_MAGIC, META_FILE
-from minifloat.training.tokenizer import train_bpe
+from minifloat.training.tokenizer import encode_batches, load_tokenizer, train_bpe
 
 SEED = 0
 USER_ERROR = 2  # main()'s exit status for a bad input
@@ -178,6 +180,45 @@ def test_text_with_tokenizer(tmp_path, tokenizer_file):
     expected = [t for p in val_files for t in tok.encode((text / p).read_text(encoding="utf-8")).ids + [eot]]
     assert corpus.val.tolist() == expected  # each file encoded alone, end-of-text after each
     assert len(corpus.train) < bytes_corpus.train.numel()  # BPE merges: fewer tokens than bytes
+
+
+def test_text_with_tokenizer_is_encoded_in_batches_into_a_mapped_file(tmp_path, tokenizer_file, monkeypatch):
+    """Training through a tokenizer holds neither the text (ByteCorpus is never called) nor the ids (spilled a batch
+    at a time to a temporary file that the stream maps), and gets the ids, batches and manifest digest of the whole
+    corpus encoded in memory, as before it streamed."""
+    text = text_folder(tmp_path / "text")
+    whole, tok = ByteCorpus.load(DataConfig(path=str(text), max_bytes=20_001)), load_tokenizer(tokenizer_file)
+    expected = {}
+    for split in ("train", "val"):  # the in-memory reference: each file's text cut from its split's bytes
+        data, ids, at = whole.tokens(split).numpy().tobytes(), [], 0
+        for entry in (f for f in whole.manifest.files if f.split.value == split):
+            ids += [*tok.tokenizer.encode(data[at:at + entry.nbytes].decode("utf-8", errors="ignore")).ids, tok.eot_id]
+            at += entry.nbytes
+        expected[split] = torch.tensor(ids, dtype=torch.int32)
+    batches = []
+
+    def one_file_a_batch(loaded, texts):
+        for ids in encode_batches(loaded, texts, batch_chars=1):
+            batches.append(ids.numel())
+            yield ids
+
+    def whole_corpus(*args, **kwargs):
+        raise AssertionError("the text was read into memory whole")
+
+    monkeypatch.setattr(tokens_module, "encode_batches", one_file_a_batch)
+    monkeypatch.setattr(ByteCorpus, "load", whole_corpus)
+    corpus = load_corpus(str(text), max_bytes=20_001, tokenizer=str(tokenizer_file))
+    assert len(batches) == len(whole.manifest.files) > 2 and max(batches) < corpus.train.numel()
+    assert corpus.train.dtype == corpus.val.dtype == torch.int32
+    assert torch.equal(corpus.train, expected["train"]) and torch.equal(corpus.val, expected["val"])
+    assert corpus.manifest.digest == hashlib.sha256(f"{whole.manifest.digest}\n{tok.sha256}\n{tok.eot_id}".encode()
+                                                    ).hexdigest()  # the digest before streaming: old runs resume
+    a = BatchLoader(corpus.train, batch_size=4, seq_len=32, seed=SEED)
+    b = BatchLoader(expected["train"], batch_size=4, seq_len=32, seed=SEED)
+    assert all(torch.equal(a.batch(k)[0], b.batch(k)[0]) for k in (0, 3, 77))
+    maps = pathlib.Path("/proc/self/maps")
+    if maps.is_file():  # Linux: the ids are a mapping of the removed temporary file, not the heap
+        assert "minifloat-ids-" in maps.read_text()
 
 
 def test_vocabulary_comes_from_tokenizer_when_shards_name_none(tmp_path, tokenizer_file):

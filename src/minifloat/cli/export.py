@@ -31,7 +31,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     sizes are multiples of 128 (or at most 128), right, but loads hf-fp8's weights unscaled without an error: for
     transformers export hf or hf-fp8-block; the command prints one warning line on stderr for each such case. A
     run trained with a tokenizer gets its tokenizer.json (as minifloat generate finds it, or --tokenizer) and a
-    tokenizer_config.json, which AutoTokenizer reads (a warning line when a token run's tokenizer is not found). An
+    tokenizer_config.json, which AutoTokenizer reads (a warning line when a token run's tokenizer is not found),
+    and its end-of-text id as eos_token_id and bos_token_id in both configs (null for a byte run). An
     --out that exists and is not empty is refused unless --overwrite. Exits with status 2 on a bad option, run
     folder or checkpoint."""
     from minifloat.inference.export import export_hf, run_calibration

@@ -18,9 +18,10 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     --tokenizer that tokenizer.json encodes the text and is copied into OUT. Writes OUT/train_000000.bin …,
     OUT/val_000000.bin … (at most --shard-tokens ids each: uint16 when the vocabulary has at most 65,536 ids, else
     uint32, little-endian) and OUT/meta.json (dtype, vocabulary, tokenizer hash, each shard's split and token
-    count), written into a temporary folder and moved in when complete. An --out that holds files is refused unless
-    --overwrite, which replaces only the files a previous tokenize wrote. Exits with status 2 on a bad option, text
-    folder or tokenizer."""
+    count), written into a temporary folder and moved in when complete. The text is read a file at a time and the
+    ids are written to the shards as each batch of files is encoded, so memory does not grow with the corpus (a
+    progress bar on a terminal). An --out that holds files is refused unless --overwrite, which replaces only the
+    files a previous tokenize wrote. Exits with status 2 on a bad option, text folder or tokenizer."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from minifloat.training.tokenize import tokenize_folder

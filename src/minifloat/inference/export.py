@@ -7,8 +7,9 @@
 An export is a folder: config.json (transformers' LlamaConfig fields, or Qwen3's for a QK-norm model: see
 minifloat.inference.hf), generation_config.json and model.safetensors with Hugging Face's tensor names; for a run
 that trained with a tokenizer (minifloat.inference.tokenizer.run_tokenizer) also its tokenizer.json and a
-tokenizer_config.json naming PreTrainedTokenizerFast, so that AutoTokenizer reads the folder (a byte run has no
-tokenizer file: its ids are UTF-8 bytes). In the FP8 formats each quantized linear layer stores
+tokenizer_config.json naming PreTrainedTokenizerFast, so that AutoTokenizer reads the folder, and the tokenizer's
+end-of-text id as eos_token_id / bos_token_id in both configs (hf.special_ids; a byte run has no tokenizer file and no
+such id: its ids are UTF-8 bytes). In the FP8 formats each quantized linear layer stores
 
     format          tensors of <layer>                                      quantization_config
     hf              weight (bf16)                                           -
@@ -68,6 +69,7 @@ from minifloat.training.loop import build
 from minifloat.training.model import Llama
 from minifloat.training.rundir import CHECKPOINT_DIR
 from minifloat.training.sharded import is_sharded, load_sharded, read_extra
+from minifloat.training.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger("minifloat")
 
@@ -258,8 +260,9 @@ def hf_tensors(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: l
     return out
 
 
-def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str], static: bool) -> dict:
-    config = hf.hf_config(model.config, dtype=str(dtype).removeprefix("torch."))
+def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str], static: bool,
+                 eot_id: int | None) -> dict:
+    config = hf.hf_config(model.config, dtype=str(dtype).removeprefix("torch."), eot_id=eot_id)
     if fmt.granularity is not None:
         kept = [hf.hf_name(name) for name, m in model.named_modules()
                 if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers]
@@ -291,13 +294,12 @@ def _check_out(out: Path, overwrite: bool) -> None:
                               f"(overwrite=True) to replace it")
 
 
-def _tokenizer_file(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.PathLike | None,
-                    warnings: list[str]) -> Path | None:
+def _tokenizer(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.PathLike | None,
+               warnings: list[str]) -> LoadedTokenizer | None:
     """The tokenizer.json an export copies: `tokenizer` (checked against the model's vocabulary), else a run's own;
     None for a byte run, or (a line in `warnings`) a token run whose tokenizer cannot be found."""
     # imported here: minifloat.inference.tokenizer finds a run's checkpoint with this module's run_checkpoint
-    from minifloat.inference.tokenizer import run_tokenizer
-    from minifloat.training.tokenizer import load_tokenizer
+    from minifloat.inference.tokenizer import TextTokenizer, run_tokenizer
 
     if isinstance(model_or_run, nn.Module):
         if tokenizer is None:
@@ -306,9 +308,10 @@ def _tokenizer_file(model_or_run, model: Llama, checkpoint: str, tokenizer: str 
         if loaded.vocab_size != model.config.vocab_size:
             raise ValueError(f"the tokenizer {loaded.path} has a vocabulary of {loaded.vocab_size} ids, but the "
                              f"model has {model.config.vocab_size}; pass the tokenizer it trained with")
-        return loaded.path
+        return loaded
     try:
-        return run_tokenizer(model_or_run, checkpoint, tokenizer=tokenizer).path
+        found = run_tokenizer(model_or_run, checkpoint, tokenizer=tokenizer)
+        return found.loaded if isinstance(found, TextTokenizer) else None
     except ValueError as err:
         if tokenizer is not None:
             raise
@@ -356,9 +359,10 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
     warnings = _transformers_warnings(out, fmt, layers, tensors)
-    tokenizer_file = _tokenizer_file(model_or_run, model, checkpoint, tokenizer, warnings)
-    files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None),
-             hf.GENERATION_FILE: hf.generation_config(model.config)}
+    loaded = _tokenizer(model_or_run, model, checkpoint, tokenizer, warnings)
+    eot_id = loaded.eot_id if loaded is not None else None  # bos / eos: hf.special_ids
+    files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None, eot_id),
+             hf.GENERATION_FILE: hf.generation_config(model.config, eot_id=eot_id)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
@@ -366,9 +370,10 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
         for name, content in files.items():
             write_json(tmp / name, content, indent=2)
-        if tokenizer_file is not None:
-            shutil.copyfile(tokenizer_file, tmp / hf.TOKENIZER_FILE)
-            write_json(tmp / hf.TOKENIZER_CONFIG_FILE, hf.tokenizer_config(), indent=2)
+        if loaded is not None:
+            shutil.copyfile(loaded.path, tmp / hf.TOKENIZER_FILE)
+            eot = loaded.tokenizer.id_to_token(eot_id) if eot_id is not None else None
+            write_json(tmp / hf.TOKENIZER_CONFIG_FILE, hf.tokenizer_config(eot), indent=2)
         for path in (*tmp.iterdir(), tmp):
             fsync_path(path)
         _check_out(out, overwrite)  # nothing appeared there meanwhile

@@ -152,12 +152,21 @@ def architecture(config: LlamaConfig) -> tuple[str, str]:
     return QWEN3 if config.qk_norm else LLAMA
 
 
-def hf_config(config: LlamaConfig, *, dtype: str) -> dict:
+def special_ids(eot_id: int | None) -> dict:
+    """The bos / eos / pad ids of config.json and generation_config.json. A run's tokenizer puts its end-of-text id
+    after every file (minifloat.training.tokenizer), so that id is eos (where the model learnt a text ends) and bos
+    too (what the model saw before every file but the first: a new text's context, as GPT-2's config has it; training
+    never adds another begin token). Bytes (eot_id None) have no such token: a byte corpus joins its files with
+    nothing between them, so all three are null. pad stays null (transformers' generate pads with eos)."""
+    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "pad_token_id": None}
+
+
+def hf_config(config: LlamaConfig, *, dtype: str, eot_id: int | None = None) -> dict:
     """config.json of the Hugging Face model equal to Llama(config), its tensors stored in `dtype` ("bfloat16").
 
     rope_theta is written both at the top level (transformers 4.x, vLLM) and in `rope_parameters` (transformers 5);
-    the dtype both as `dtype` (transformers 5) and `torch_dtype` (earlier readers). The vocabulary is bytes: no
-    token is special, so bos / eos / pad are null.
+    the dtype both as `dtype` (transformers 5) and `torch_dtype` (earlier readers). bos / eos / pad: `special_ids`
+    of the tokenizer's end-of-text id `eot_id` (None: bytes, all null).
     """
     arch, model_type = architecture(config)
     out = {
@@ -169,7 +178,7 @@ def hf_config(config: LlamaConfig, *, dtype: str) -> dict:
         "rope_theta": config.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": config.rope_theta},
         "rope_scaling": None, "tie_word_embeddings": config.tie_embeddings,
         **_FIXED, "attention_dropout": 0.0, "initializer_range": 0.02,
-        "bos_token_id": None, "eos_token_id": None, "pad_token_id": None, "use_cache": True,
+        **special_ids(eot_id), "use_cache": True,
         "dtype": dtype, "torch_dtype": dtype,
     }
     if config.qk_norm:  # Qwen3's sliding window off: every layer attends to all earlier positions, as ours
@@ -178,16 +187,19 @@ def hf_config(config: LlamaConfig, *, dtype: str) -> dict:
     return out
 
 
-def generation_config(config: LlamaConfig) -> dict:
-    """generation_config.json: generate up to the context length; the byte vocabulary has no end token."""
-    return {"max_length": config.max_seq_len, "bos_token_id": None, "eos_token_id": None, "pad_token_id": None}
+def generation_config(config: LlamaConfig, *, eot_id: int | None = None) -> dict:
+    """generation_config.json: generate up to the context length, stopping at the end-of-text id `eot_id` (bos / eos
+    / pad as `special_ids`; None: bytes, no end token)."""
+    return {"max_length": config.max_seq_len, **special_ids(eot_id)}
 
 
-def tokenizer_config() -> dict:
+def tokenizer_config(eot_token: str | None = None) -> dict:
     """tokenizer_config.json beside a copied tokenizer.json: it names the class, PreTrainedTokenizerFast (the
     tokenizer.json as it is, no BOS token added), so that AutoTokenizer need not guess one from config.json's
-    model_type. transformers 5.24 reads the folder the same without it (measured); older versions guess."""
-    return {"tokenizer_class": "PreTrainedTokenizerFast"}
+    model_type (transformers 5.24 reads the folder the same without it, measured; older versions guess), and the
+    end-of-text token as bos_token and eos_token (`special_ids`; transformers 5.24 still adds no BOS, tested)."""
+    tokens = {"bos_token": eot_token, "eos_token": eot_token} if eot_token is not None else {}
+    return {"tokenizer_class": "PreTrainedTokenizerFast", **tokens}
 
 
 def llama_config(hf: dict) -> LlamaConfig:

@@ -8,9 +8,14 @@ Where the tokenizer comes from (the checkpoint's config and data manifest, as `m
 
     run trained on                        tokenizer
     text, no --tokenizer                  bytes (256 ids, UTF-8; invalid sequences decode to U+FFFD)
-    text with --tokenizer FILE            FILE (TrainConfig.tokenizer, as the run named it)
-    a `minifloat tokenize` folder         the tokenizer.json its meta.json names, in that folder
+    text with --tokenizer FILE            the checkpoint's copy of FILE (CHECKPOINT_TOKENIZER)
+    a `minifloat tokenize` folder         the checkpoint's copy of the tokenizer.json its meta.json names
+    .bin shards with --tokenizer FILE     the checkpoint's copy of FILE
     .bin shards without meta.json         none: pass one (`tokenizer=FILE`, `minifloat generate --tokenizer FILE`)
+
+A checkpoint written before minifloat kept the copy is read as the run recorded it: FILE at the path the run was
+given (a relative path is looked up from the current folder, so from elsewhere it is missing: one line naming
+--tokenizer says so), or the tokenize folder's meta.json.
 
 A tokenizer found this way must be the one the run trained with: its vocabulary size is the run's and its SHA-256
 the one the run's data manifest recorded, else ValueError (the file was replaced). A tokenizer passed explicitly must
@@ -34,6 +39,7 @@ from collections.abc import Sequence
 import torch
 
 from minifloat.inference.export import run_checkpoint
+from minifloat.training.rundir import CHECKPOINT_TOKENIZER
 from minifloat.training.sharded import read_extra
 from minifloat.training.shards import META_FILE
 from minifloat.training.tokenizer import LoadedTokenizer, load_tokenizer
@@ -67,7 +73,7 @@ class ByteTokenizer:
 @dataclasses.dataclass(frozen=True)
 class TextTokenizer:
     """A Hugging Face tokenizer.json, encoding without special tokens as training did
-    (minifloat.training.tokenizer.encode_texts)."""
+    (minifloat.training.tokenizer.encode_batches)."""
 
     loaded: LoadedTokenizer
 
@@ -89,24 +95,29 @@ class TextTokenizer:
 RunTokenizer = ByteTokenizer | TextTokenizer
 
 
-def _recorded(run: pathlib.Path, checkpoint: str) -> tuple[dict, dict]:
-    """The checkpoint's training config and data manifest ({} for a checkpoint from before the manifest was kept)."""
+def _recorded(run: pathlib.Path, checkpoint: str) -> tuple[pathlib.Path, dict, dict]:
+    """The checkpoint folder, its training config and data manifest ({} for a checkpoint from before the manifest
+    was kept)."""
     ckpt = run_checkpoint(run, checkpoint)
     extra = read_extra(ckpt)
     config = extra.get("config")
     if not isinstance(config, dict):
         raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
     data = extra.get("data")
-    return config, data if isinstance(data, dict) else {}
+    return ckpt, config, data if isinstance(data, dict) else {}
 
 
-def _recorded_file(config: dict) -> tuple[pathlib.Path | None, str]:
-    """The tokenizer.json the run trained with, as its config names it, and where that name comes from; (None, why
-    not) when it names none."""
+def _recorded_file(ckpt: pathlib.Path, config: dict) -> tuple[pathlib.Path | None, str]:
+    """The tokenizer.json the run trained with and where it was found: the checkpoint's copy, else (a checkpoint
+    from before minifloat kept one) the file its config names; (None, why not) when it names none."""
+    if (ckpt / CHECKPOINT_TOKENIZER).is_file():
+        return ckpt / CHECKPOINT_TOKENIZER, "the copy in its checkpoint"
     if config.get("tokenizer"):
         return pathlib.Path(config["tokenizer"]).expanduser(), "its --tokenizer"
     data = config.get("data")
     folder = pathlib.Path(data).expanduser() if data else None
+    if folder is not None and not folder.is_absolute() and not folder.exists():
+        return None, f"its --data {data} is not found from {os.getcwd()} (a path relative to the folder it trained in)"
     if folder is None or not (folder / META_FILE).is_file():
         where = f"--data {data}" if data else "its data"
         return None, f"{where} has no {META_FILE} naming one (.bin shards without a tokenizer)"
@@ -135,7 +146,7 @@ def run_tokenizer(run_dir: str | os.PathLike, checkpoint: str = "latest", *,
             trained with; `tokenizer` is unreadable, has another vocabulary size, or is given for a byte run.
     """
     run = pathlib.Path(run_dir)
-    config, data = _recorded(run, checkpoint)
+    ckpt, config, data = _recorded(run, checkpoint)
     vocab_size = data.get("vocab_size", BYTE_VOCAB)
     recorded_sha = data.get("tokenizer") if isinstance(data.get("tokenizer"), str) else None
     if "kind" not in data:  # minifloat.training.data's byte corpus records no source kind (shards, text)
@@ -150,12 +161,14 @@ def run_tokenizer(run_dir: str | os.PathLike, checkpoint: str = "latest", *,
             log.warning("minifloat: --tokenizer %s is not the file run %s trained with (SHA-256 %s…, recorded "
                         "%s…); its ids are used as they are", loaded.path, run, loaded.sha256[:12], recorded_sha[:12])
         return TextTokenizer(loaded)
-    path, source = _recorded_file(config)
+    path, source = _recorded_file(ckpt, config)
     if path is None:
         raise ValueError(f"run {run} trained on {vocab_size} token ids, but its tokenizer is not recorded: {source}; "
                          f"{FIX}")
     if not path.is_file():
-        raise ValueError(f"run {run} trained with the tokenizer {path} ({source}), which is missing; {FIX}")
+        relative = "" if path.is_absolute() else (f" from {os.getcwd()} (the run recorded a path relative to the "
+                                                  f"folder it trained in, and its checkpoint keeps no copy)")
+        raise ValueError(f"run {run} trained with the tokenizer {path} ({source}), which is missing{relative}; {FIX}")
     loaded = load_tokenizer(path)
     _check_vocabulary(run, loaded, vocab_size, source)
     if recorded_sha is not None and loaded.sha256 != recorded_sha:

@@ -8,6 +8,7 @@ A checkpoint is a directory:
         manifest.json         format and library versions, the sha256 of tensors.safetensors, each tensor's
                               dtype/shape, and every non-tensor value (optimizer param_groups, loss scaler, guard,
                               loader position, python/numpy RNG, the caller's `extra`)
+        tokenizer.json        (a run on token ids) the caller's `files`: the tokenizer the ids were made with
 
 Nothing is pickled, so a checkpoint received from someone else cannot run code when loaded: tensors are raw bytes
 in safetensors, everything else is JSON. Non-tensor structure is written as JSON with four tagged forms for what JSON
@@ -108,7 +109,8 @@ def _sha256(path: Path) -> str:
 
 
 def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
-                    scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None) -> Path:
+                    scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None,
+                    files: Mapping[str, bytes] | None = None) -> Path:
     """Write the training state to `directory` (created, or an earlier checkpoint there replaced) atomically.
 
     Args:
@@ -118,13 +120,16 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             and generator states); its tensors go to safetensors, everything else to the manifest.
         scaler, guard, loader: a LossScaler, StepGuard and BatchLoader (anything with a plain-data state_dict()).
         extra: JSON-able metadata (step, config, data manifest, ...), returned by `load_checkpoint`.
+        files: more files to write into the checkpoint as they are, name -> bytes (`check_carried`).
     Returns:
         The checkpoint directory.
     Raises:
-        ValueError: a value cannot be stored without pickle (the message names where it is).
+        ValueError: a value cannot be stored without pickle (the message names where it is); a name in `files`
+            that is not a new plain file name.
         FileExistsError: `directory` exists and is neither a checkpoint nor empty.
     """
     directory = Path(directory)
+    files = check_carried(files, (TENSORS_FILE, MANIFEST_FILE))
     table = TensorTable()
     model_keys = {key: table.add(f"model/{key}", t) for key, t in model.state_dict().items()}
     sections = {
@@ -153,6 +158,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             **sections,
         }
         write_json(tmp / MANIFEST_FILE, manifest)
+        add_files(tmp, files)
         fsync_path(tmp)
         move_into_place(tmp, directory)
     except BaseException:
@@ -161,6 +167,26 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     fsync_path(directory.parent)
     log.info("minifloat: saved checkpoint %s (%d tensors)", directory, len(table.tensors))
     return directory
+
+
+def check_carried(files: Mapping[str, bytes] | None, own: tuple[str, ...]) -> dict[str, bytes]:
+    """The files a checkpoint carries for its readers (a token run's tokenizer.json), checked before anything is
+    written: plain names, none of them one of the checkpoint's `own` files or a .safetensors file.
+
+    Raises:
+        ValueError naming the bad name.
+    """
+    for name in files or {}:
+        if Path(name).name != name or name in ("", ".", "..", *own) or name.endswith(".safetensors"):
+            raise ValueError(f"a file carried by a checkpoint needs a plain name of its own, got {name!r}")
+    return dict(files or {})
+
+
+def add_files(directory: Path, files: Mapping[str, bytes]) -> None:
+    """Write `files` (name -> bytes, from `check_carried`) into a checkpoint directory being written, each synced."""
+    for name, data in files.items():
+        (directory / name).write_bytes(data)
+        fsync_path(directory / name)
 
 
 def move_into_place(tmp: Path, directory: Path) -> None:

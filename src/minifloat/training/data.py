@@ -151,38 +151,11 @@ class ByteCorpus:
             ValueError: fewer than two non-empty text files (a split by file needs two).
         """
         config = config or DataConfig()
-        if config.path is None:
-            root = pathlib.Path(sysconfig.get_paths()["stdlib"])
-            patterns, excluded = config.patterns or STDLIB_PATTERNS, STDLIB_EXCLUDED
-        else:
-            root = pathlib.Path(config.path).expanduser()
-            patterns, excluded = config.patterns or TEXT_PATTERNS, ALWAYS_EXCLUDED
-        if not root.exists():
-            raise FileNotFoundError(f"data folder {str(root)!r} does not exist; {DATA_FIX}")
-        if not root.is_dir():
-            raise NotADirectoryError(f"data path {str(root)!r} is a file, not a folder; {DATA_FIX}")
-        skipped: dict[str, str] = {}  # relative path -> reason
-        paths, others = _find_files(root, patterns, excluded, skipped)
-        if not paths and not others:
-            raise FileNotFoundError(f"data folder {str(root)!r} holds no files; {DATA_FIX}")
-        if not paths:
-            raise FileNotFoundError(f"none of the {others} file(s) under data folder {str(root)!r} matches the "
-                                    f"patterns {list(patterns)}; {DATA_FIX}")
-        streams, files = _read_splits(root, paths, config, skipped)
-        if not streams:  # a split drew only binary, unreadable or empty files: split the non-empty text files alone
-            text = [rel for rel in paths if _read_text(root / rel, rel, skipped)]
-            if len(text) < 2:
-                raise ValueError(_too_few_text_files(root, text, skipped))
-            streams, files = _read_splits(root, text, config, skipped)  # both splits non-empty: see split_files
-        if skipped:
-            rel, reason = next(iter(skipped.items()))
-            log.warning("data: skipped %d binary, non-UTF-8 or unreadable file(s) under %s (e.g. %s: %s)",
-                        len(skipped), root, rel, reason)
-
+        root, streams, files, skipped = select_files(config, keep=True)
         # The digest covers both splits with their lengths, so moving a file between splits changes it too.
         digest = hashlib.sha256()
         for split in Split:
-            digest.update(f"{split.value}:{len(streams[split])}\n".encode())
+            digest.update(split_header(split, len(streams[split])))  # minifloat.training.textfiles hashes the same
             digest.update(streams[split])
         manifest = Manifest(str(root), tuple(files), tuple(skipped.items()), digest.hexdigest())
         return cls(_tokens(streams[Split.TRAIN]), _tokens(streams[Split.VAL]), manifest, config)
@@ -195,6 +168,16 @@ class ByteCorpus:
     def vocab_size(self) -> int:
         """Token ids are bytes: 256."""
         return 256
+
+    @property
+    def tokenizer_json(self) -> None:
+        """Bytes need no tokenizer (a TokenCorpus carries the tokenizer.json its ids were made with)."""
+        return None
+
+
+def split_header(split: Split, nbytes: int) -> bytes:
+    """What the manifest digest hashes before a split's `nbytes` bytes: its name and length."""
+    return f"{split.value}:{nbytes}\n".encode()
 
 
 def load_corpus(data: str | None = None, *, max_bytes: int | None = None, tokenizer: str | None = None):
@@ -264,11 +247,53 @@ def split_files(paths: list[str], val_fraction: float) -> dict[str, Split]:
     return splits
 
 
-def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig,
-                 skipped: dict[str, str]) -> tuple[dict[Split, bytes], list[FileEntry]]:
-    """The bytes of each split and the files they came from: `paths` split by `split_files`, each split's files
-    read in path order until its share of `config.max_bytes` is taken. Unreadable and binary files go to `skipped`.
-    Returns ({}, []) when a split gets no bytes (all its files skipped or empty)."""
+def select_files(config: DataConfig, *, keep: bool) -> tuple[pathlib.Path, dict[Split, bytes], list[FileEntry],
+                                                             dict[str, str]]:
+    """The files `config` describes, found, split and checked by ByteCorpus.load's rules (and with its errors).
+
+    Args:
+        config: the corpus.
+        keep: hold the bytes read; False reads, checks and hashes each file and lets its bytes go
+            (minifloat.training.textfiles reads them again, one file at a time).
+    Returns:
+        (root, each split's bytes joined (b"" unless keep), the files taken, {skipped file: reason}).
+    """
+    if config.path is None:
+        root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+        patterns, excluded = config.patterns or STDLIB_PATTERNS, STDLIB_EXCLUDED
+    else:
+        root = pathlib.Path(config.path).expanduser()
+        patterns, excluded = config.patterns or TEXT_PATTERNS, ALWAYS_EXCLUDED
+    if not root.exists():
+        raise FileNotFoundError(f"data folder {str(root)!r} does not exist; {DATA_FIX}")
+    if not root.is_dir():
+        raise NotADirectoryError(f"data path {str(root)!r} is a file, not a folder; {DATA_FIX}")
+    skipped: dict[str, str] = {}  # relative path -> reason
+    paths, others = _find_files(root, patterns, excluded, skipped)
+    if not paths and not others:
+        raise FileNotFoundError(f"data folder {str(root)!r} holds no files; {DATA_FIX}")
+    if not paths:
+        raise FileNotFoundError(f"none of the {others} file(s) under data folder {str(root)!r} matches the "
+                                f"patterns {list(patterns)}; {DATA_FIX}")
+    streams, files = _read_splits(root, paths, config, skipped, keep=keep)
+    if not streams:  # a split drew only binary, unreadable or empty files: split the non-empty text files alone
+        text = [rel for rel in paths if _read_text(root / rel, rel, skipped)]
+        if len(text) < 2:
+            raise ValueError(_too_few_text_files(root, text, skipped))
+        streams, files = _read_splits(root, text, config, skipped, keep=keep)  # both non-empty: see split_files
+    if skipped:
+        rel, reason = next(iter(skipped.items()))
+        log.warning("data: skipped %d binary, non-UTF-8 or unreadable file(s) under %s (e.g. %s: %s)",
+                    len(skipped), root, rel, reason)
+    return root, streams, files, skipped
+
+
+def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig, skipped: dict[str, str], *,
+                 keep: bool) -> tuple[dict[Split, bytes], list[FileEntry]]:
+    """The bytes of each split (b"" unless `keep`: each file is then read, checked, hashed and let go) and the files
+    they came from: `paths` split by `split_files`, each split's files read in path order until its share of
+    `config.max_bytes` is taken. Unreadable and binary files go to `skipped`. Returns ({}, []) when a split gets no
+    bytes (all its files skipped or empty)."""
     splits = split_files(paths, config.val_fraction)
     budget: dict[Split, int | None] = {Split.TRAIN: None, Split.VAL: None}
     if config.max_bytes is not None:  # validation's ceil share, but one byte left for train (max_bytes >= 2)
@@ -285,7 +310,8 @@ def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig,
                 continue
             if budget[split] is not None:
                 data = data[:budget[split] - total]
-            chunks.append(data)
+            if keep:
+                chunks.append(data)
             total += len(data)
             files.append(FileEntry(rel, split, len(data), hashlib.sha256(data).hexdigest()))
         if total == 0:

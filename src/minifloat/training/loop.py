@@ -48,8 +48,8 @@ from minifloat.training.optimizer import grad_param_groups
 from minifloat.distributed.fsdp import precompute_fp8_scales
 from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
                                          rank_device)
-from minifloat.training.rundir import (CHECKPOINT_DIR, RUN_FILE, TENSORBOARD_DIR, CsvLog, GracefulStop,
-                                       prepare_run_dir)
+from minifloat.training.rundir import (CHECKPOINT_DIR, CHECKPOINT_TOKENIZER, RUN_FILE, TENSORBOARD_DIR, CsvLog,
+                                       GracefulStop, prepare_run_dir)
 from minifloat.training.run import Run, build, evaluate, forward_backward  # noqa: F401 - Run, re-exported
 from minifloat.training.schedule import Schedule
 from minifloat.training.sharded import is_sharded, load_sharded, read_extra, save_sharded
@@ -265,8 +265,9 @@ class _Loop:
         run, config, ckpt_dir = self.run, self.config, self.out / CHECKPOINT_DIR
         extra = {"step": done, "config": config.flat(), "data": self.corpus.manifest.to_dict(),
                  "shadow": run.shadow.state_dict(), "schedule": dataclasses.asdict(self.schedule)}
+        kept = self.corpus.tokenizer_json  # the tokenizer a token run's ids mean travels with each checkpoint
         state = dict(model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard, loader=self.loader,
-                     extra=extra)
+                     extra=extra, files={CHECKPOINT_TOKENIZER: kept} if kept is not None else None)
         if run.world.distributed or is_sharded(ckpt_dir):  # one process continuing a sharded run keeps its format
             save_sharded(ckpt_dir, world=run.world, **state)
         else:

@@ -21,6 +21,9 @@ import threading
 CHECKPOINT_DIR = "ckpt"
 TENSORBOARD_DIR = "tensorboard"
 RUN_FILE = "run.json"
+# in each checkpoint of a run on token ids: a copy of the tokenizer.json they were made with (minifloat generate and
+# export read it, so the run needs neither the path it was given nor the folder it was started from)
+CHECKPOINT_TOKENIZER = "tokenizer.json"
 # everything a run writes into its folder
 RUN_ITEMS = ("log.csv", "val.csv", CHECKPOINT_DIR, TENSORBOARD_DIR, RUN_FILE)
 

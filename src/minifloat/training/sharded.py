@@ -43,7 +43,7 @@ from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.version import __version__
 from minifloat.optim.blockwise import BlockwiseOptimizer
 from minifloat.core.files import fsync_path, write_json
-from minifloat.training.checkpoint import checkpoint_extra, move_into_place
+from minifloat.training.checkpoint import add_files, check_carried, checkpoint_extra, move_into_place
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
 from minifloat.training.parallel import World, barrier
 
@@ -141,7 +141,8 @@ def _json(obj: Any, path: str) -> Any:
 
 
 def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer, world: World,
-                 scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None) -> Path:
+                 scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None,
+                 files: Mapping[str, bytes] | None = None) -> Path:
     """Write the training state of every rank to `directory` (replacing a checkpoint there); a collective: every
     rank calls it with its own model and optimizer.
 
@@ -152,6 +153,7 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
         world: this run's World (rank 0 writes state.json and moves the directory into place).
         scaler, guard, loader: objects with a plain-data state_dict() (the same on every rank).
         extra: JSON-able metadata (step, config, ...), returned by `load_sharded`.
+        files: more files rank 0 writes into the checkpoint, name -> bytes (checkpoint.check_carried).
     Returns:
         The checkpoint directory.
     """
@@ -159,6 +161,7 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageWriter
 
     directory = Path(directory)
+    files = check_carried(files, (STATE_FILE,))
     tmp = directory.parent / f".{directory.name}.tmp-sharded"
     tensors, param_groups, aliases = _tensor_state(model, optimizer)
     state = {"format": FORMAT, "format_version": FORMAT_VERSION, "minifloat_version": __version__,
@@ -180,6 +183,7 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
     barrier(world)  # every rank's shard is on disk
     if world.is_main:
         write_json(tmp / STATE_FILE, state)
+        add_files(tmp, files)
         fsync_path(tmp)
         move_into_place(tmp, directory)
         fsync_path(directory.parent)

@@ -10,10 +10,19 @@ ids (uint16 when the vocabulary fits, else uint32; little-endian, no header):
 meta.json (minifloat.training.shards.read_meta) names the dtype, vocabulary, tokenizer (file, SHA-256) and every
 shard with its split and token count. Everything is written into a temporary folder beside OUT and moved in when
 complete, meta.json last, so an interrupted run leaves no folder that looks finished.
+
+The work streams, so memory does not grow with the corpus: the files are listed and checked first, keeping none of
+their bytes (minifloat.training.textfiles), then read again a file at a time, by the BPE trainer and by the encoder,
+which encodes a batch of at most `batch_chars` characters at a time and appends its ids to the open shard
+(`ShardWriter`). A file longer than a batch is encoded whole, alone: a BPE's ids near a cut would depend on the cut
+(a pre-tokenizer looks across it), so memory is bounded by the larger of a batch and the largest file (tokenizers
+holds some 100-250 bytes a token while encoding: tokenizer.ENCODE_CHARS). The shards are the same bytes as encoding
+each split whole and cutting it (tested).
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 import shutil
@@ -22,10 +31,11 @@ from collections.abc import Callable
 import torch
 
 from minifloat.core.files import fsync_path, write_json
-from minifloat.training.data import ByteCorpus, DataConfig, Split
+from minifloat.core.validate import check_int
+from minifloat.training.data import DataConfig, Split
 from minifloat.training.shards import META_FILE, META_FORMAT, META_VERSION, STORAGE
-from minifloat.training.tokenizer import encode_texts, load_tokenizer, train_bpe
-from minifloat.training.tokens import split_texts
+from minifloat.training.textfiles import TextFiles
+from minifloat.training.tokenizer import ENCODE_CHARS, encode_batches, load_tokenizer, train_bpe
 
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c's shard size: 200 MB of uint16
@@ -47,8 +57,8 @@ def is_output(name: str) -> bool:
 
 def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None, vocab_size: int = DEFAULT_VOCAB_SIZE,
                     max_bytes: int | None = None, shard_tokens: int = DEFAULT_SHARD_TOKENS, overwrite: bool = False,
-                    progress: Callable[[str, int, int], None] | None = None) -> dict:
-    """Write the token shards of a text folder (see the module docstring).
+                    batch_chars: int = ENCODE_CHARS, progress: Callable[[str, int, int], None] | None = None) -> dict:
+    """Write the token shards of a text folder (see the module docstring), in memory bounded by one batch of text.
 
     Args:
         data: the text folder (None: the Python standard library's sources).
@@ -58,55 +68,103 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
         max_bytes: cap on the text bytes read, train + val (as training's --max-bytes).
         shard_tokens: ids per shard at most.
         overwrite: replace the files a previous `tokenize` wrote in `out` (others are kept).
-        progress: called as progress(phase, done, total) while encoding (done, total in characters).
+        batch_chars: characters of text encoded at a time at most (a longer file is encoded alone, whole:
+            minifloat.training.tokenizer.encode_batches).
+        progress: called as progress(phase, done, total) while training the BPE and encoding (done, total in bytes
+            of text).
     Returns:
         the meta.json written.
     Raises:
         FileExistsError: `out` holds files and overwrite is False.
-        ValueError: a bad tokenizer, vocab_size or shard_tokens; ByteCorpus.load's errors for the text.
+        ValueError: a bad tokenizer, vocab_size, shard_tokens or batch_chars; ByteCorpus.load's errors for the text;
+            a text file that changed while it was read.
     """
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ValueError(f"shard_tokens must be an int >= 1, got {shard_tokens!r}")
+    check_int("batch_chars", batch_chars, low=1)
     out_path = pathlib.Path(out).expanduser()
     _check_out(out_path, overwrite)
     loaded = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad tokenizer fails before the reading
-    corpus = ByteCorpus.load(DataConfig(path=data, max_bytes=max_bytes))
-    texts = {split: split_texts(corpus, split) for split in Split}
+    files = TextFiles.scan(DataConfig(path=data, max_bytes=max_bytes))
     tmp = out_path.parent / f".{out_path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    try:
-        if loaded is None:
+
+    def reporter(phase: str, total: int) -> Callable[[int], None]:
+        done = 0
+
+        def advance(n: int) -> None:
+            nonlocal done
+            done += n
             if progress is not None:
-                progress("training BPE", 0, 1)
-            train_bpe(texts[Split.TRAIN], vocab_size=vocab_size).save(str(tmp / TOKENIZER_FILE))
+                progress(phase, done, total)
+        advance(0)
+        return advance
+
+    try:
+        if loaded is None:  # one pass over the training files, read as the trainer asks for them
+            texts = files.texts(Split.TRAIN, progress=reporter("training BPE", files.nbytes(Split.TRAIN)))
+            train_bpe(texts, vocab_size=vocab_size).save(str(tmp / TOKENIZER_FILE))
         else:
             shutil.copyfile(loaded.path, tmp / TOKENIZER_FILE)
         loaded = load_tokenizer(tmp / TOKENIZER_FILE)
         dtype = "uint16" if loaded.vocab_size <= UINT16_VOCAB else "uint32"
-        total, done = sum(len(t) for split in Split for t in texts[split]), 0
-        shards = []
-        for split in Split:
-            def advance(n: int, split=split) -> None:
-                nonlocal done
-                done += n
-                if progress is not None:
-                    progress(f"encoding {split.value}", done, total)
-            ids = encode_texts(loaded, texts[split], progress=advance)
-            for index, first in enumerate(range(0, ids.numel(), shard_tokens)):
-                name = shard_name(split, index)
-                _write_ids(tmp / name, ids[first:first + shard_tokens], dtype)
-                shards.append({"file": name, "split": split.value, "tokens": min(shard_tokens, ids.numel() - first)})
+        digest, shards, advance = hashlib.sha256(), [], reporter("encoding", files.nbytes())
+        for split in Split:  # train, then val: the order the manifest digest hashes them in
+            texts = files.texts(split, hash_into=digest.update, progress=advance)
+            with ShardWriter(tmp, split, dtype=dtype, shard_tokens=shard_tokens) as writer:
+                for ids in encode_batches(loaded, texts, batch_chars=batch_chars):
+                    writer.write(ids)
+            shards += writer.shards
         meta = {"format": META_FORMAT, "version": META_VERSION, "dtype": dtype, "vocab_size": loaded.vocab_size,
                 "eot_id": loaded.eot_id, "tokenizer": {**loaded.describe(), "trained": tokenizer is None},
-                "source": {"data": str(corpus.manifest.root), "max_bytes": max_bytes, "digest": corpus.manifest.digest,
-                           "files": len(corpus.manifest.files)},
+                "source": {"data": str(files.root), "max_bytes": max_bytes, "digest": digest.hexdigest(),
+                           "files": len(files.files)},
                 "shards": shards}
         write_json(tmp / META_FILE, meta)
         _move_into(tmp, out_path)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return meta
+
+
+class ShardWriter:
+    """One split's ids written to its shard files as they come: shard i holds ids [i·shard_tokens, (i+1)·shard_tokens)
+    of the split's stream, whatever the chunks `write` is given (a shard file is opened at its first id and synced
+    to disk when full or closed)."""
+
+    def __init__(self, folder: pathlib.Path, split: Split, *, dtype: str, shard_tokens: int):
+        self.folder, self.split, self.dtype, self.shard_tokens = folder, split, dtype, shard_tokens
+        self.shards: list[dict] = []  # meta.json's entries of the shards begun
+        self._file = None
+
+    def write(self, ids: torch.Tensor) -> None:
+        """Append (n,) int64 ids (0 <= id < 2^bits of the dtype) to the split's stream."""
+        while ids.numel():
+            if self._file is None:
+                self.shards.append({"file": shard_name(self.split, len(self.shards)), "split": self.split.value,
+                                    "tokens": 0})
+                self._file = open(self.folder / self.shards[-1]["file"], "wb")
+            take = min(ids.numel(), self.shard_tokens - self.shards[-1]["tokens"])
+            self._file.write(_id_bytes(ids[:take], self.dtype))
+            self.shards[-1]["tokens"] += take
+            ids = ids[take:]
+            if self.shards[-1]["tokens"] == self.shard_tokens:
+                self._sync()
+
+    def __enter__(self) -> ShardWriter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        """Finish the last shard (`shards` then lists them all, in order)."""
+        self._sync()
+
+    def _sync(self) -> None:
+        if self._file is not None:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            self._file = None
 
 
 def _check_out(out: pathlib.Path, overwrite: bool) -> None:
@@ -118,14 +176,11 @@ def _check_out(out: pathlib.Path, overwrite: bool) -> None:
                               f"folder, or pass --overwrite to replace the files a previous minifloat tokenize wrote")
 
 
-def _write_ids(path: pathlib.Path, ids: torch.Tensor, dtype: str) -> None:
+def _id_bytes(ids: torch.Tensor, dtype: str) -> bytes:
     """ids (int64, 0 <= id < 2^bits) as little-endian unsigned `dtype`, via the same-width signed storage type."""
     bits = STORAGE[dtype].itemsize * 8
     stored = torch.where(ids >= 1 << (bits - 1), ids - (1 << bits), ids).to(STORAGE[dtype])
-    with open(path, "wb") as f:
-        f.write(stored.numpy().astype(f"<i{bits // 8}").tobytes())
-        f.flush()
-        os.fsync(f.fileno())
+    return stored.numpy().astype(f"<i{bits // 8}").tobytes()
 
 
 def _move_into(tmp: pathlib.Path, out: pathlib.Path) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import pathlib
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Iterable, Iterator
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -19,7 +19,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 BPE_SPECIAL = "<|endoftext|>"  # the one special token of the BPE `train_bpe` makes (id 0)
 TOKENIZER_FIX = "pass a tokenizer.json saved by Hugging Face tokenizers (Tokenizer.save) or by minifloat tokenize"
-ENCODE_BATCH = 64  # files per encode_batch call (the Rust side encodes them in parallel)
+ENCODE_BATCH = 64  # texts per encode_batch call at most (the Rust side encodes them in parallel)
+# characters per encode_batch call at most (a longer text is encoded alone): tokenizers holds about 100-250 bytes per
+# token while it encodes (each Encoding's tokens, offsets and masks; per-byte alignments), so 1 Mi characters peak at
+# a few hundred MB (measured with tokenizers 0.23), whatever the corpus
+ENCODE_CHARS = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +33,7 @@ class LoadedTokenizer:
     tokenizer: Tokenizer
     path: pathlib.Path
     sha256: str
+    data: bytes = dataclasses.field(repr=False)  # the file as read: what a run's checkpoints keep a copy of
 
     @property
     def vocab_size(self) -> int:
@@ -63,7 +68,7 @@ def load_tokenizer(path: str | pathlib.Path) -> LoadedTokenizer:
         reason = " ".join(str(err).split())[:120]
         raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizers file ({reason}); "
                          f"{TOKENIZER_FIX}") from None
-    return LoadedTokenizer(tokenizer, path, hashlib.sha256(raw).hexdigest())
+    return LoadedTokenizer(tokenizer, path, hashlib.sha256(raw).hexdigest(), raw)
 
 
 def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:
@@ -73,7 +78,8 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:
     ties broken by the pair, so the same input gives the same tokenizer.json (tested).
 
     Args:
-        texts: the training texts (minifloat tokenize passes the train split's files, in path order).
+        texts: the training texts (minifloat tokenize passes the train split's files, in path order); an iterator
+            is read as tokenizers' train_from_iterator asks for them, so they need not be in memory together.
         vocab_size: the largest vocabulary to learn, >= 257 (256 bytes and BPE_SPECIAL); a small corpus may stop
             short of it when no pair is left to merge.
     """
@@ -88,24 +94,37 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def encode_texts(tokenizer: LoadedTokenizer, texts: Sequence[str], *,
-                 progress: Callable[[int], None] | None = None) -> torch.Tensor:
-    """The texts' ids, concatenated, with the end-of-text id after each text when the tokenizer has one.
+def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str], *,
+                   batch_chars: int = ENCODE_CHARS) -> Iterator[torch.Tensor]:
+    """The texts' ids with the end-of-text id after each text (when the tokenizer has one), a batch of texts at a
+    time: ENCODE_BATCH texts or `batch_chars` characters, whichever comes first (a longer text is a batch alone). A
+    text's ids do not depend on its batch, so the batches concatenated are the ids of the texts encoded one by one;
+    only one batch is held, however many texts there are.
 
     Args:
         tokenizer: from load_tokenizer.
-        texts: in order.
-        progress: called with the characters encoded after each batch of texts.
+        texts: in order (an iterator is read as the batches are asked for).
+        batch_chars: characters per batch at most, >= 1.
     Returns:
-        (N,) int64 ids (uint32-safe, for shards of any vocabulary).
+        an iterator of (n,) int64 ids (uint32-safe, for shards of any vocabulary), one per batch.
     """
+    if not isinstance(batch_chars, int) or batch_chars < 1:
+        raise ValueError(f"batch_chars must be an int >= 1, got {batch_chars!r}")
+    batch, chars = [], 0
+    for text in texts:
+        batch.append(text)
+        chars += len(text)
+        if len(batch) == ENCODE_BATCH or chars >= batch_chars:
+            yield _encode(tokenizer, batch)
+            batch, chars = [], 0
+    if batch:
+        yield _encode(tokenizer, batch)
+
+
+def _encode(tokenizer: LoadedTokenizer, texts: list[str]) -> torch.Tensor:
     eot, parts = tokenizer.eot_id, []
-    for first in range(0, len(texts), ENCODE_BATCH):
-        batch = list(texts[first:first + ENCODE_BATCH])
-        for encoding in tokenizer.tokenizer.encode_batch(batch, add_special_tokens=False):
-            parts.append(torch.tensor(encoding.ids, dtype=torch.int64))
-            if eot is not None:
-                parts.append(torch.tensor([eot], dtype=torch.int64))
-        if progress is not None:
-            progress(sum(len(t) for t in batch))
-    return torch.cat(parts) if parts else torch.empty(0, dtype=torch.int64)
+    for encoding in tokenizer.tokenizer.encode_batch(texts, add_special_tokens=False):
+        parts.append(torch.tensor(encoding.ids, dtype=torch.int64))
+        if eot is not None:
+            parts.append(torch.tensor([eot], dtype=torch.int64))
+    return torch.cat(parts)

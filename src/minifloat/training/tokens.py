@@ -6,7 +6,9 @@ validation; several shards, none named so, are split by file with `split_files`'
 meta.json's, else the --tokenizer's, else one pass over the shards finds the largest id (vocabulary = that + 1).
 
 A text folder with a tokenizer is read exactly as the byte corpus reads it (the same files, split and --max-bytes
-cap), each file encoded on its own and the files of a split concatenated with the end-of-text id between them.
+cap), each file encoded on its own and the files of a split concatenated with the end-of-text id between them. It is
+read and encoded a batch of files at a time and its ids are spilled to a temporary file the stream maps, so memory
+does not grow with the corpus (`load_text_tokens`).
 """
 
 from __future__ import annotations
@@ -18,14 +20,17 @@ import logging
 import math
 import pathlib
 import re
+import tempfile
+from collections.abc import Iterable
 
 import torch
 
 from minifloat.training.batches import TokenStream
-from minifloat.training.data import ByteCorpus, DataConfig, FileEntry, Manifest, Split, split_files
+from minifloat.training.data import DataConfig, FileEntry, Manifest, Split, split_files
 from minifloat.training.shards import (HASH_RULE, META_FILE, META_FORMAT, SHARD_FIX, Shard, file_sha256, max_id,
                                        read_meta, read_shard)
-from minifloat.training.tokenizer import LoadedTokenizer, encode_texts, load_tokenizer
+from minifloat.training.textfiles import TextFiles
+from minifloat.training.tokenizer import LoadedTokenizer, encode_batches, load_tokenizer
 
 log = logging.getLogger("minifloat")
 
@@ -45,6 +50,9 @@ class TokenCorpus:
     vocab_size: int
     manifest: Manifest
     config: DataConfig
+    # the tokenizer.json the ids were made with, as read when the corpus loaded (None when none is known): the run's
+    # checkpoints keep a copy, so the run finds its tokenizer wherever it is read from
+    tokenizer_json: bytes | None = dataclasses.field(default=None, repr=False)
 
     def tokens(self, split: Split | str) -> torch.Tensor | TokenStream:
         """The stream of one split ("train" or "val")."""
@@ -135,7 +143,22 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
     files = tuple(FileEntry(name, split, t.numel() * shard.itemsize, hashes[shard.rel])
                   for split in Split for shard, name, t in pieces[split])
     manifest = Manifest(str(folder), files, (), _digest(files, vocab_size, source), vocab_size, source)
-    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], vocab_size, manifest, config)
+    kept = loaded.data if loaded is not None else _meta_tokenizer(folder, meta)
+    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], vocab_size, manifest, config, kept)
+
+
+def _meta_tokenizer(folder: pathlib.Path, meta: dict | None) -> bytes | None:
+    """The bytes of the tokenizer.json meta.json names, when it is in the folder with the SHA-256 meta.json records
+    (None otherwise: training does not need it)."""
+    named = (meta or {}).get("tokenizer") or {}
+    name = named.get("file")
+    if not isinstance(name, str) or pathlib.PurePath(name).name != name or not name:
+        return None
+    try:
+        data = (folder / name).read_bytes()
+    except OSError:
+        return None
+    return data if hashlib.sha256(data).hexdigest() == named.get("sha256") else None
 
 
 def _split_by_name(names: list[str], val_fraction: float) -> dict[str, Split]:
@@ -204,23 +227,38 @@ def load_text_tokens(data: str | None, *, max_bytes: int | None, tokenizer: str)
     """A text folder (the standard library's sources when None) read as ByteCorpus reads it, each file encoded by
     `tokenizer`, the files of a split concatenated with its end-of-text id after each.
 
+    The text is read and encoded a batch of files at a time (minifloat.training.textfiles, tokenizer.encode_batches)
+    and each split's ids are spilled to a temporary file that the returned int32 stream maps (`spill_ids`), so neither
+    the text nor the ids are held in memory; the ids, the batches drawn from them and the manifest are those of the
+    whole corpus encoded in memory (tested).
+
     Raises:
-        ValueError: a missing or unreadable tokenizer.json; and ByteCorpus.load's errors.
+        ValueError: a missing or unreadable tokenizer.json, a text file changed while it was read; and
+            ByteCorpus.load's errors.
     """
     loaded = load_tokenizer(tokenizer)
-    corpus = ByteCorpus.load(DataConfig(path=data, max_bytes=max_bytes))
-    streams = {split: encode_texts(loaded, split_texts(corpus, split)).to(torch.int32) for split in Split}
+    files = TextFiles.scan(DataConfig(path=data, max_bytes=max_bytes))
+    text_digest = hashlib.sha256()  # ByteCorpus's manifest digest, train then val
+    streams = {split: spill_ids(encode_batches(loaded, files.texts(split, hash_into=text_digest.update)))
+               for split in Split}
     source = {"kind": "text", "tokenizer": loaded.sha256}
-    digest = hashlib.sha256(f"{corpus.manifest.digest}\n{loaded.sha256}\n{loaded.eot_id}".encode()).hexdigest()
-    manifest = dataclasses.replace(corpus.manifest, digest=digest, vocab_size=loaded.vocab_size, source=source)
-    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], loaded.vocab_size, manifest, corpus.config)
+    digest = hashlib.sha256(f"{text_digest.hexdigest()}\n{loaded.sha256}\n{loaded.eot_id}".encode()).hexdigest()
+    manifest = dataclasses.replace(files.manifest(digest), vocab_size=loaded.vocab_size, source=source)
+    return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], loaded.vocab_size, manifest, files.config,
+                       loaded.data)
 
 
-def split_texts(corpus: ByteCorpus, split: Split) -> list[str]:
-    """The text of each file of one split, in order, cut from the split's byte stream by the manifest's sizes (a file
-    cut by --max-bytes may end inside a UTF-8 character: that character is dropped)."""
-    data, texts, at = corpus.tokens(split).numpy().tobytes(), [], 0
-    for entry in (f for f in corpus.manifest.files if f.split == split):
-        texts.append(data[at:at + entry.nbytes].decode("utf-8", errors="ignore"))
-        at += entry.nbytes
-    return texts
+def spill_ids(batches: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The batches' ids, concatenated, as one (N,) int32 tensor mapped from a temporary file (in TMPDIR, removed
+    once mapped: the mapping keeps it until the tensor is freed). The map is private (torch.from_file, shared=False,
+    as shards are mapped): pages are read as windows touch them and the kernel may drop them again, so a corpus of
+    more ids than memory trains; the disk holds 4 bytes a token meanwhile."""
+    with tempfile.NamedTemporaryFile(prefix="minifloat-ids-", suffix=".bin") as f:
+        n = 0
+        for ids in batches:
+            f.write(ids.to(torch.int32).numpy().tobytes())
+            n += ids.numel()
+        if n == 0:
+            return torch.empty(0, dtype=torch.int32)
+        f.flush()
+        return torch.from_file(f.name, shared=False, size=n, dtype=torch.int32)

@@ -1,0 +1,92 @@
+"""A folder of text read a file at a time: the files minifloat.training.data chooses and splits, without their bytes.
+
+    files = TextFiles.scan(DataConfig(path="text/"))       # each file read once: checked (UTF-8, no NUL), hashed
+    digest = hashlib.sha256()
+    for split in Split:                                     # TRAIN, then VAL: the order the manifest digest hashes
+        for text in files.texts(split, hash_into=digest.update): ...
+    files.manifest(digest.hexdigest())                      # == ByteCorpus.load(DataConfig(path="text/")).manifest
+
+Work on a corpus larger than memory (`minifloat tokenize`, training through a tokenizer) holds one file at a time
+instead of the whole corpus (ByteCorpus holds every byte). Each file is read twice, by the scan and by `texts`; the
+second reading is checked against the first's SHA-256, so a file changed in between is named, not mixed in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import pathlib
+from collections.abc import Callable, Iterator
+
+from minifloat.training.data import DATA_FIX, DataConfig, FileEntry, Manifest, Split, select_files, split_header
+
+
+@dataclasses.dataclass(frozen=True)
+class TextFiles:
+    """The files of a text corpus and their splits (ByteCorpus.load's choice), read again on demand."""
+
+    root: pathlib.Path
+    files: tuple[FileEntry, ...]  # as ByteCorpus's manifest lists them: nbytes and sha256 of the bytes taken
+    skipped: tuple[tuple[str, str], ...]
+    config: DataConfig
+
+    @classmethod
+    def scan(cls, config: DataConfig | None = None) -> TextFiles:
+        """Find, read, check and hash the files `config` describes, keeping none of their bytes.
+
+        Raises:
+            ByteCorpus.load's errors (no such folder, no text files, fewer than two).
+        """
+        config = config or DataConfig()
+        root, _, files, skipped = select_files(config, keep=False)
+        return cls(root, tuple(files), tuple(skipped.items()), config)
+
+    def entries(self, split: Split | str) -> list[FileEntry]:
+        """The files of one split, in order."""
+        return [f for f in self.files if f.split == Split(split)]
+
+    def nbytes(self, split: Split | str | None = None) -> int:
+        """The bytes taken from the files of one split (both when None)."""
+        return sum(f.nbytes for f in (self.files if split is None else self.entries(split)))
+
+    def read(self, split: Split | str, *, hash_into: Callable[[bytes], object] | None = None) -> Iterator[bytes]:
+        """The bytes of each file of one split, in order, as many as the scan took (a --max-bytes cap included).
+
+        Args:
+            split: "train" or "val".
+            hash_into: called with what the manifest digest hashes for this split (its header, then each file's
+                bytes): pass `digest.update` for TRAIN, then VAL, to rebuild the digest ByteCorpus.load computes.
+        Raises:
+            ValueError naming the file: it changed, vanished or became unreadable since the scan.
+        """
+        entries = self.entries(split)
+        if hash_into is not None:
+            hash_into(split_header(Split(split), sum(f.nbytes for f in entries)))
+        for entry in entries:
+            try:
+                with open(self.root / entry.path, "rb") as f:
+                    data = f.read(entry.nbytes)
+            except OSError as err:
+                raise ValueError(f"data file {entry.path} under {self.root} cannot be read any more "
+                                 f"({err.strerror or type(err).__name__}); leave the folder alone while it is "
+                                 f"read, or {DATA_FIX}") from None
+            if hashlib.sha256(data).hexdigest() != entry.sha256:
+                raise ValueError(f"data file {entry.path} under {self.root} changed while the folder was read; "
+                                 f"leave the folder alone while it is read, and run again")
+            if hash_into is not None:
+                hash_into(data)
+            yield data
+
+    def texts(self, split: Split | str, *, hash_into: Callable[[bytes], object] | None = None,
+              progress: Callable[[int], object] | None = None) -> Iterator[str]:
+        """Each file of one split as text (see `read`); a file cut by --max-bytes inside a UTF-8 character loses
+        that character. `progress` is called with a file's bytes once the next file is asked for (or the last is
+        done with)."""
+        for data in self.read(split, hash_into=hash_into):
+            yield data.decode("utf-8", errors="ignore")
+            if progress is not None:
+                progress(len(data))
+
+    def manifest(self, digest: str) -> Manifest:
+        """The manifest ByteCorpus.load would give, with `digest` (see the module docstring)."""
+        return Manifest(str(self.root), self.files, self.skipped, digest)
