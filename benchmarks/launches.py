@@ -5,7 +5,7 @@ one bias-free Fp8Linear (--tokens x --dim, bfloat16 autocast) under each recipe,
 of the FP8 step's end, as the native (GPU) path issues them:
   * the GEMM backend is made "native" on this machine (the casts keep FP8 data, the GEMM is a stand-in);
   * torch ops are counted by a dispatch mode (views, allocations and aliasing excluded: they launch nothing);
-  * minifloat's Triton kernels (minifloat.numerics.triton_cast, triton_blocks) count one launch each; with --triton they run in
+  * minifloat's Triton kernels (minifloat.numerics.triton_cast, triton_blocks, triton_rows) count a launch each; with --triton they run in
     Triton's interpreter (TRITON_INTERPRET=1, on the CPU), without it the torch path runs instead: the counts before
     the one-pass kernels.
 minifloat's small kernels run eagerly here (eager_kernels): on a GPU, tensors above EAGER_BELOW elements run a
@@ -29,7 +29,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import minifloat as mf
 from minifloat.fp8 import caster, gemm
 from minifloat.fp8.step import fp8_step
-from minifloat.numerics import triton_blocks, triton_cast
+from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.granularity import Granularity
 
@@ -58,11 +58,11 @@ class CountOps(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def _count_triton(name: str, module=triton_cast) -> None:
+def _count_triton(name: str, module=triton_cast, launches: int = 1) -> None:
     real = getattr(module, name)
 
     def counted(*args, **kwargs):
-        _launches[name] += 1
+        _launches[name] += launches
         _inside[0] += 1
         try:
             return real(*args, **kwargs)
@@ -82,6 +82,7 @@ def native_everywhere() -> None:
     for name in ("fused_cast", "tensor_amax", "fold_amax"):
         _count_triton(name)
     _count_triton("block_cast", triton_blocks)
+    _count_triton("row_col_cast", triton_rows, launches=2)  # an amax pass and a cast pass
 
 
 def count(recipe, tokens: int, dim: int) -> dict:

@@ -146,9 +146,9 @@ def test_one_pass_cast_is_the_cpu_cast_bit_for_bit(device, fmt, case, transposed
 
 
 # The block recipe's one-pass casts (minifloat.numerics.triton_blocks: 1×128 tiles along either axis or both from one
-# read, 128×128 blocks in both layouts, and tiles re-quantized from saved FP8 bytes): on CUDA the Triton kernel, on the
-# CPU the torch path; the same bits.
-BLOCK_CASES = ["tile", "tile-t", "tile-both", "block", "from-fp8"]
+# read, 128×128 blocks in both layouts, and tiles re-quantized from saved FP8 bytes) and row scaling's backward casts
+# (triton_rows): on CUDA the Triton kernels, on the CPU the torch path; the same bits.
+BLOCK_CASES = ["tile", "tile-t", "tile-both", "block", "from-fp8", "row-both", "row-from-fp8"]
 
 
 @pytest.mark.parametrize("power_of_two", [False, True], ids=["float", "pow2"])
@@ -169,6 +169,11 @@ def test_one_pass_block_cast_is_the_cpu_cast_bit_for_bit(device, fmt, case, powe
             return quantize_both(t, fmt, **options)
         if case == "block":
             return (quantize(t, fmt, granularity="block", power_of_two=power_of_two, with_t=True),)
+        if case == "row-both":  # (minifloat.numerics.triton_rows: per row and per column in two passes)
+            return quantize_both(t, fmt, granularity="row", power_of_two=power_of_two)
+        if case == "row-from-fp8":
+            return (requantize_t(quantize(t, fmt, granularity="row", power_of_two=power_of_two),
+                                 power_of_two=power_of_two),)
         return (requantize_t(quantize(t, fmt, **options), power_of_two=power_of_two),)
 
     with eager_kernels():

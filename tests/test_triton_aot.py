@@ -73,9 +73,22 @@ for name, from_amax in (("given-scale", False), ("from-amax", True)):
     constants = dict(ALONG=1 if from_amax else 0, WRITE=True, WRITE_T=True, AMAX=not from_amax,
                      FROM_AMAX=from_amax, BLOCK_M=triton_cast.BLOCK_M, BLOCK_K=triton_cast.BLOCK_K, **fp8)
     out["cast-" + name] = report(triton_cast._kernel(), cast, constants, triton_cast.NUM_WARPS)
+from minifloat.numerics import triton_rows
+amax_kernel, cast_kernel = triton_rows._kernels()
+sizes = dict(BLOCK_M=triton_rows.BLOCK_M, BLOCK_K=triton_rows.BLOCK_K)
+for name, from_fp8 in (("both-axes", False), ("from-fp8", True)):
+    x = "*u8" if from_fp8 else "*bf16"
+    common = {"x_ptr": x, "lut_ptr": "*fp32", "xs_ptr": "*fp32", "row_ptr": "*i32", "col_ptr": "*i32"}
+    shape = {"M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"}
+    flags = dict(FROM_FP8=from_fp8, ROWS=not from_fp8, COLS=True)
+    out["rows-amax-" + name] = report(amax_kernel, dict(common, **shape), dict(flags, **sizes), triton_rows.NUM_WARPS)
+    outputs = {"out_ptr": "*u8", "out_t_ptr": "*u8", "ds_ptr": "*fp32", "ds_t_ptr": "*fp32"}
+    out["rows-cast-" + name] = report(cast_kernel, dict(common, **outputs, **shape), dict(flags, **sizes, **fp8),
+                                      triton_rows.NUM_WARPS)
 print(json.dumps(out))
 """
-KERNELS = ["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "cast-given-scale", "cast-from-amax"]
+KERNELS = ["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "cast-given-scale", "cast-from-amax",
+           "rows-amax-both-axes", "rows-cast-both-axes", "rows-amax-from-fp8", "rows-cast-from-fp8"]
 
 
 @pytest.fixture(scope="module")

@@ -160,7 +160,8 @@ def native_on_cpu(monkeypatch):
 
     def native_mm(a, b, out_dtype, bias=None, fast_accum=False):
         seen.append((a.data.is_contiguous(), b.data.is_contiguous()))
-        path = gemm.GemmPath.FACTORED if a.scale_folded and b.scale_folded else gemm.GemmPath.K_BLOCKS
+        factored = all(gemm._factors_or_folds(q) for q in (a, b))  # the emulated backend's own choice
+        path = gemm.GemmPath.FACTORED if factored else gemm.GemmPath.K_BLOCKS
         return gemm._emulated(a, b, out_dtype, bias, path)
 
     monkeypatch.setattr(gemm, "native_mm", native_mm)

@@ -150,20 +150,22 @@ class LayerCaster:
             self._observe(role, t, q)
         return q
 
-    def _tiles_in_one_pass(self, role: Role, t: torch.Tensor) -> bool:
-        """Whether `role`'s casts are 1×128 tiles of current scaling for the native backend: a GPU then makes the
-        cast along the other axis in the same pass (`quantize_both`) or from the FP8 bytes (`requantize_t`)."""
+    def _both_axes_fused(self, role: Role, t: torch.Tensor) -> bool:
+        """Whether `role`'s casts are per row or in 1×128 tiles, current scaling, for the native backend: a GPU then
+        makes the cast along the other axis in the same passes (`quantize_both`) or from the FP8 bytes
+        (`requantize_t`)."""
         spec = self.recipe.spec(role)
-        return (getattr(spec, "granularity", None) == Granularity.TILE and not spec.delayed
-                and self.amax_reduce is None and native_granularity(t.device, Granularity.TILE, self.backend))
+        granularity = getattr(spec, "granularity", None)
+        return (granularity in (Granularity.TILE, Granularity.ROW) and not spec.delayed
+                and self.amax_reduce is None and native_granularity(t.device, granularity, self.backend))
 
     def cast_both(self, role: Role, t: torch.Tensor) -> tuple[Quantized, Quantized]:
         """(cast(role, t, with_t=True), t cast along its other axis): a 2-D tensor's casts for both GEMMs it feeds
         (the output gradient's, for dgrad and wgrad). The second is the first transposed where the scales transpose
-        exactly, else a new cast (recording nothing), made in the first one's pass for 1×128 tiles on a GPU."""
-        if self._tiles_in_one_pass(role, t):
+        exactly, else a new cast (recording nothing), made in the first one's passes for rows and tiles on a GPU."""
+        if self._both_axes_fused(role, t):
             spec = self.recipe.spec(role)
-            q, q_t = quantize_both(t, spec.fmt, granularity=Granularity.TILE, margin=spec.margin,
+            q, q_t = quantize_both(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                                    power_of_two=spec.power_of_two)
             self._observe(role, t, q)
             return q, q_t
@@ -174,11 +176,11 @@ class LayerCaster:
 
     def cast_t_of(self, role: Role, q: Quantized) -> Quantized:
         """`q` (a cast of this layer's for `role`, FP8 data kept) along its other axis: exactly transposed where its
-        scales allow, else re-quantized from its own values (recording nothing): from the FP8 bytes in one pass for
-        1×128 tiles on a GPU, else from a bfloat16 (folded power-of-two scales) or float32 dequantization."""
+        scales allow, else re-quantized from its own values (recording nothing): from the FP8 bytes for rows and 1×128
+        tiles on a GPU, else from a bfloat16 (folded power-of-two scales) or float32 dequantization."""
         if granularity_info(q.granularity).transposes_exactly:
             return q.t()
-        if q.data is not None and self._tiles_in_one_pass(role, q.data):
+        if q.data is not None and self._both_axes_fused(role, q.data):
             spec = self.recipe.spec(role)
             return requantize_t(q, margin=spec.margin, power_of_two=spec.power_of_two)
         source = operand(q) if q.scale_folded else q.dequantize()

@@ -6,7 +6,8 @@ x for row scaling, in 128×1 tiles for DeepSeek-V3's recipe (1×128 tiles of x�
 
   * `quantize_t(x)`: quantize(xᵀ) computed on x as it lies in memory;
   * `quantize_both(x)`: quantize(x) and quantize_t(x) — the output gradient's two casts, dgrad's and wgrad's; on a
-    GPU one Triton pass for tiles (minifloat.numerics.triton_blocks);
+    GPU one Triton pass for tiles (minifloat.numerics.triton_blocks), two for rows (triton_rows) where each cast
+    alone takes two;
   * `requantize_t(q)`: quantize_t of a quantized tensor's values — the forward's saved FP8 input, re-quantized for
     wgrad; on a GPU straight from the FP8 bytes, without writing its bfloat16 values.
 
@@ -18,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from minifloat.numerics import triton_blocks, triton_cast
+from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.compiling import transposed_copy
 from minifloat.numerics.formats import NumberFormat, get_format
 from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
@@ -93,6 +94,10 @@ def quantize_both(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Gran
     fmt = get_format(fmt)
     granularity = Granularity.parse(granularity)
     storage = fmt.torch_dtype if keep_data else None
+    if triton_rows.takes(x, storage, operand_dtype, granularity):  # per row and per column: two passes, not four
+        out = triton_rows.row_col_cast(x.detach(), fmt, margin=margin, power_of_two=power_of_two)
+        return (Quantized(out["data"], out["scale"], fmt, granularity, out["amax"]),
+                Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"]))
     if (granularity == Granularity.TILE and x.dim() == 2
             and triton_blocks.takes(x, storage, operand_dtype, granularity)):
         out = triton_blocks.block_cast(x.detach(), fmt, rows=True, cols=True, margin=margin,
@@ -115,6 +120,10 @@ def requantize_t(q: Quantized, *, margin: int = 0, power_of_two: bool = False, m
     if q.data is None:
         raise ValueError("requantize_t needs the quantized data (keep_data=True)")
     storage = q.fmt.torch_dtype if keep_data else None
+    if q.data.dtype == q.fmt.torch_dtype and triton_rows.takes(q.data, storage, operand_dtype, q.granularity):
+        out = triton_rows.row_col_cast(q.data, q.fmt, rows=False, margin=margin, power_of_two=power_of_two,
+                                       row_scales=q.scale)
+        return Quantized(out["data_t"], out["scale_t"], q.fmt, q.granularity, out["amax_t"])
     if (q.granularity == Granularity.TILE and q.data.dtype == q.fmt.torch_dtype
             and triton_blocks.takes(q.data, storage, operand_dtype, q.granularity)):
         out = triton_blocks.block_cast(q.data, q.fmt, cols=True, margin=margin, power_of_two=power_of_two,

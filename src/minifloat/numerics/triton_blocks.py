@@ -35,7 +35,6 @@ from minifloat.numerics import triton_cast
 from minifloat.numerics.formats import NumberFormat
 from minifloat.numerics.granularity import TILE, Granularity
 
-MODES = ("rows", "cols", "block")
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 tl = None  # triton.language, bound by _kernel()
 _larger = _scale = _code = _load = None  # jitted helpers, bound by _kernel()
