@@ -404,3 +404,43 @@ def test_on_cuda_the_defaults_are_the_gpu_experiment(monkeypatch):
     assert small.seq_len == SIZES["100m"].max_seq_len == 1024 and small.steps == GPU_SETTINGS["steps"]
     assert "--model 1b" in _command(["bf16"], base, pathlib.Path("runs/x"))
     assert "--max-bytes" not in _command(["bf16"], base, pathlib.Path("runs/x"))  # the GPU default: no cap
+
+
+def test_reuse_reads_back_what_the_run_measured(summary, monkeypatch):
+    """A reused run keeps the device, MFU and peak memory its training call recorded in run.json (a GPU's speed
+    table would otherwise lose them); a run.json from before they were recorded leaves them out."""
+    out, _ = summary
+    import minifloat.training.compare as compare_module
+
+    monkeypatch.setattr(compare_module, "train", lambda *a, **k: pytest.fail("reuse trained a finished run"))
+    run_file = out / "bf16" / "run.json"
+    original = run_file.read_text()
+    info = json.loads(original)
+    assert info["measured"] == {"device": "cpu", "mfu": None, "peak_memory": None, "last_step": TINY["steps"]}
+    try:
+        info["measured"].update(mfu=0.41, peak_memory=3 * 2**30)
+        run_file.write_text(json.dumps(info))
+        again = compare(["fp8-current"], base=TrainConfig(**TINY, seed=0), out=out, progress=False, reuse=True)
+        assert again["presets"]["bf16"]["mfu"] == 0.41 and again["presets"]["bf16"]["peak_memory_gib"] == 3.0
+        assert again["device"] == "cpu"
+        del info["measured"]
+        run_file.write_text(json.dumps(info))
+        older = compare(["fp8-current"], base=TrainConfig(**TINY, seed=0), out=out, progress=False, reuse=True)
+        assert older["presets"]["bf16"]["mfu"] is None and older["presets"]["bf16"]["peak_memory_gib"] is None
+    finally:
+        run_file.write_text(original)
+
+
+@pytest.mark.parametrize("flag", [[], ["--reuse"]], ids=["plain", "reuse"])
+def test_cli_reuse_flag_reaches_compare(tmp_path, monkeypatch, flag):
+    import minifloat.training.compare as compare_module
+
+    seen = {}
+
+    def fake(presets, *, base, out, reuse=False, progress=True):
+        seen["reuse"] = reuse
+        raise RunExistsError("stop here")
+
+    monkeypatch.setattr(compare_module, "compare", fake)
+    assert main(["compare", "--presets", "fp8-current", "--out", str(tmp_path), *flag]) == 2
+    assert seen == {"reuse": bool(flag)}

@@ -53,13 +53,15 @@ def cmd_compare(args: argparse.Namespace) -> int:
     cores; on a CUDA GPU they are the seed's experiment at GPU scale: the 1b model, 300 steps of 8 × 2048 tokens.
     With --shadow-every the FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s
     leaves out each run's warm-up steps (compilation). An OUT holding an earlier comparison is refused unless
-    --overwrite. Exits with status 2 on an invalid option."""
+    --overwrite, or --reuse: a preset whose run finished there with the same settings is read back instead of
+    trained again (after an interrupted compare, or to add presets one command at a time). Exits with status 2 on an
+    invalid option."""
     from minifloat.training.compare import compare
 
     # a bad option, data folder or existing comparison is one error line from main(), before anything trains
     base = base_config(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    summary = compare(presets, base=base, out=args.out)
+    summary = compare(presets, base=base, out=args.out, reuse=args.reuse)
     common.print_table(summary_table(summary))
     common.print_table(speed_table(summary))
     for line in table_note(summary):
@@ -133,6 +135,9 @@ def add_parser(sub) -> None:
     c.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
     c.add_argument("--overwrite", action="store_true",
                    help="replace an earlier comparison in OUT (only the files the comparison and its runs wrote)")
+    c.add_argument("--reuse", action="store_true",
+                   help="read back each preset whose run finished in OUT with the same settings instead of training "
+                        "it again; the others train (the tables and plots are written anew)")
     on_gpu = {name: f"; on CUDA {'none' if value is None else value}" for name, value in GPU_SETTINGS.items()}
     add_settings(c, settings(), defaults=DEFAULT_CONFIG, extra_help=on_gpu)
     c.set_defaults(func=cmd_compare)

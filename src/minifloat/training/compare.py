@@ -31,7 +31,7 @@ from minifloat.training.data import load_corpus, val_batches
 from minifloat.training.model import Llama
 from minifloat.amp.policy import PRESETS
 from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train, warmup_steps
-from minifloat.training.rundir import RunExistsError, run_items
+from minifloat.training.rundir import RUN_FILE, RunExistsError, run_items
 from minifloat.training.throughput import resolve_device
 from minifloat.training.plots import (  # noqa: F401 (re-exported: the comparison's constants and figures)
     BASELINE, DEEPSEEK_V3_PCT, RANGE_BAND_PCT, SMOOTHING, TAIL_FRACTION, ZERO_LABEL, loss_curves_figure, noise_band_pct,
@@ -135,12 +135,30 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     timed = rows[warmup:]
     seconds = sum(1 / float(r["tokens_per_s"]) for r in timed)  # per token; dt = tokens_per_step / tokens_per_s
     events = extra.get("shadow", {}).get("events", [])
+    measured = _measured(out, config)
     return TrainResult(first_step=0, losses=tuple(float(r["loss"]) for r in rows),
                        final_loss=applied[-1] if applied else math.nan, val_losses=val,
                        tokens_per_s=len(timed) / seconds if seconds else 0.0,
                        skipped=tuple((int(r["step"]), r["reason"]) for r in rows if r["skipped"] != "0"),
                        shadow_events=tuple((e["step"], e["switched_to"], e["reason"]) for e in events),
-                       warmup_steps=warmup)
+                       warmup_steps=warmup, device=measured.get("device", "cpu"), mfu=measured.get("mfu"),
+                       peak_memory=measured.get("peak_memory"))
+
+
+def _measured(out: pathlib.Path, config: TrainConfig) -> dict:
+    """What run.json says of the run of `config`: the device it trained on and, when its last call ended at
+    config.steps, that call's MFU and peak memory ({} for another config; no MFU or memory for a run from before
+    minifloat recorded them)."""
+    try:
+        info = json.loads((out / RUN_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    if not isinstance(info, dict) or info.get("config") != json.loads(json.dumps(config.flat())):  # tuples: lists
+        return {}
+    measured = info.get("measured")
+    if not (isinstance(measured, dict) and measured.get("last_step") == config.steps):
+        measured = {}
+    return {"device": info.get("device", "cpu"), "mfu": measured.get("mfu"), "peak_memory": measured.get("peak_memory")}
 
 
 COMPARE_FILES = ("summary.json", "loss_curves.png", "numerics_heatmap.png")  # written into `out` itself

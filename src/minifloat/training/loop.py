@@ -156,10 +156,11 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
     return extra["step"], schedule
 
 
-def _write_run_file(out: pathlib.Path, config: TrainConfig, run: Run) -> None:
-    """out/run.json: the config and where it ran, rewritten (atomically) by every call that trains the run."""
+def _write_run_file(out: pathlib.Path, config: TrainConfig, run: Run, measured: dict | None = None) -> None:
+    """out/run.json: the config and where it ran, rewritten (atomically) by every call that trains the run, and at
+    its end with what it `measured` (device, MFU, peak memory, the step reached)."""
     info = {"config": config.flat(), "device": str(run.device), "torch": torch.__version__,
-            "minifloat": __version__}
+            "minifloat": __version__, **({"measured": measured} if measured else {})}
     write_json(out / RUN_FILE, info, atomic=True)
 
 
@@ -351,7 +352,11 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
             raise _keep_steps(err, loop, world, out) from err
     if loop.writer is not None:
         loop.writer.close()
-    return _result(loop, start_step, step, stop.signal or ("SIGTERM" if stopping else None))
+    result = _result(loop, start_step, step, stop.signal or ("SIGTERM" if stopping else None))
+    if world.is_main:  # what this call measured, for `compare --reuse` (minifloat.training.compare.finished_result)
+        _write_run_file(out, config, run, measured={"device": result.device, "mfu": result.mfu,
+                                                    "peak_memory": result.peak_memory, "last_step": result.last_step})
+    return result
 
 
 def _compiled(module: torch.nn.Module, config: TrainConfig) -> torch.nn.Module:
