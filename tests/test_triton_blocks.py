@@ -19,7 +19,7 @@ import minifloat as mf
 from minifloat.numerics import triton_blocks
 from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_t
 from minifloat.numerics.quantize import quantize
-from test_triton_cast import awkward, bits, both
+from test_triton_cast import _train, awkward, bits, both
 
 pytest.importorskip("triton", reason="the Triton interpreter needs `pip install triton` (in the dev extras)")
 
@@ -166,23 +166,6 @@ def native_on_cpu(monkeypatch):
 
     monkeypatch.setattr(gemm, "native_mm", native_mm)
     return seen
-
-
-def _train(recipe, steps: int = 2):
-    """y, dx and the parameter gradients of an Fp8Linear over `steps` SGD steps (bfloat16 autocast)."""
-    torch.manual_seed(0)
-    layer = mf.Fp8Linear(96, 80, recipe=recipe)
-    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
-    out = []
-    for step in range(steps):
-        x = (torch.randn(70, 96) * (step + 1)).requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = layer(x)
-        y.float().square().mean().backward()
-        out += [y.detach(), x.grad, layer.weight.grad.clone(), layer.bias.grad.clone()]
-        opt.step()
-        opt.zero_grad()
-    return out
 
 
 @pytest.mark.parametrize("recipe", [mf.BlockScaling(), pytest.param(mf.BlockScaling(power_of_two=False),
