@@ -136,10 +136,11 @@ def _checks(device: torch.device):
     yield "an E4M3 cast of tiles both ways", lambda: quantize_both(tiles, E4M3, granularity="tile", power_of_two=True)
     saved = quantize(tiles, E4M3, granularity="tile", power_of_two=True)
     yield "a re-quantization of FP8 tiles", lambda: requantize_t(saved, power_of_two=True)
-    for fmt in (E4M3, E5M2):  # rows and columns in two passes (triton_rows), from high precision and from FP8
-        yield f"a {fmt.name} cast per row and per column", lambda f=fmt: quantize_both(x, f, granularity="row")
-        rows = quantize(x, fmt, granularity="row")
-        yield f"a {fmt.name} re-quantization of FP8 rows", lambda r=rows: requantize_t(r)
+    # rows and columns in two passes (triton_rows), from high precision and from FP8 (E4M3: E5M2's rounding is the
+    # per-row cast's above)
+    yield "an E4M3 cast per row and per column", lambda: quantize_both(tiles, E4M3, granularity="row")
+    rows = quantize(tiles, E4M3, granularity="row")
+    yield "an E4M3 re-quantization of FP8 rows", lambda: requantize_t(rows)
 
 
 def _same(a, b) -> bool:
