@@ -96,9 +96,12 @@ def test_compiled_mlp_is_bitwise_eager_with_one_graph(recipe):
 
 
 # The 4-bit recipes under fullgraph compile: NVFP4's stochastic-rounding seeds come from the layers' buffers
-# (counter_seed), so nothing breaks the graph, and the compiled run is bitwise eager, RHT and SR included
+# (counter_seed), so nothing breaks the graph, and the compiled run is bitwise eager, RHT and SR included. Slow tier:
+# from cold compile caches (a clean CI machine) the nvfp4 case took 101 s on 2 cores (15 s warm); the default suite
+# keeps NVFP4's compiled kernels against their eager twins (tests/test_fp4_numerics.py)
+@pytest.mark.slow
 @pytest.mark.parametrize("recipe", [pytest.param(mf.NVFP4Scaling(), id="nvfp4"),
-                                    pytest.param(mf.MXScaling(format="e2m1"), id="mxfp4", marks=pytest.mark.slow)])
+                                    pytest.param(mf.MXScaling(format="e2m1"), id="mxfp4")])
 def test_compiled_4bit_mlp_is_bitwise_eager_with_one_graph(recipe):
     test_compiled_mlp_is_bitwise_eager_with_one_graph(recipe)  # weights, grads and the whole state, sr_draws too
 
