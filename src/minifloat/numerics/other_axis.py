@@ -89,25 +89,24 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
 def quantize_both(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
                   power_of_two: bool = False, mx_rule: str = "up", operand_dtype: torch.dtype | None = None,
                   keep_data: bool = True) -> tuple[Quantized, Quantized]:
-    """(quantize(x, ...), quantize_t(x, ...)) of a 2-D x: its casts along each axis, from one read of x on a GPU
-    (1×128 tiles: one Triton pass writes both, each with its own scales and amaxes)."""
+    """(quantize(x, ...), quantize_t(x, ...)) of a 2-D x: its casts along each axis. On a GPU, 1×128 tiles take one
+    Triton pass for both (each with its own scales and amaxes) and rows two passes, where the casts alone take two
+    each."""
     fmt = get_format(fmt)
     granularity = Granularity.parse(granularity)
     storage = fmt.torch_dtype if keep_data else None
-    if triton_rows.takes(x, storage, operand_dtype, granularity):  # per row and per column: two passes, not four
-        out = triton_rows.row_col_cast(x.detach(), fmt, margin=margin, power_of_two=power_of_two)
-        return (Quantized(out["data"], out["scale"], fmt, granularity, out["amax"]),
-                Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"]))
-    if (granularity == Granularity.TILE and x.dim() == 2
-            and triton_blocks.takes(x, storage, operand_dtype, granularity)):
-        out = triton_blocks.block_cast(x.detach(), fmt, rows=True, cols=True, margin=margin,
-                                       power_of_two=power_of_two)
-        folded = granularity_info(granularity).folds(power_of_two)
-        return (Quantized(out["data"], out["scale"], fmt, granularity, out["amax"], scale_folded=folded),
-                Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"], scale_folded=folded))
-    options = dict(granularity=granularity, margin=margin, power_of_two=power_of_two, mx_rule=mx_rule,
-                   operand_dtype=operand_dtype, keep_data=keep_data)
-    return quantize(x, fmt, **options), quantize_t(x, fmt, **options)
+    options = dict(margin=margin, power_of_two=power_of_two)
+    if triton_rows.takes(x, storage, operand_dtype, granularity):
+        out = triton_rows.row_col_cast(x.detach(), fmt, **options)
+    elif granularity == Granularity.TILE and triton_blocks.takes(x, storage, operand_dtype, granularity):
+        out = triton_blocks.block_cast(x.detach(), fmt, rows=True, cols=True, **options)
+    else:
+        options = dict(options, granularity=granularity, mx_rule=mx_rule, operand_dtype=operand_dtype,
+                       keep_data=keep_data)
+        return quantize(x, fmt, **options), quantize_t(x, fmt, **options)
+    folded = granularity_info(granularity).folds(power_of_two)
+    return (Quantized(out["data"], out["scale"], fmt, granularity, out["amax"], scale_folded=folded),
+            Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"], scale_folded=folded))
 
 
 def requantize_t(q: Quantized, *, margin: int = 0, power_of_two: bool = False, mx_rule: str = "up",
@@ -115,21 +114,21 @@ def requantize_t(q: Quantized, *, margin: int = 0, power_of_two: bool = False, m
     """quantize_t of the values `q` holds (its FP8 data times its scales; as bfloat16 where the scales are folded
     powers of two, else float32), at q's format and granularity: a saved FP8 input re-quantized along the token axis.
 
-    On a GPU, 1×128 tiles are read from the FP8 bytes and re-quantized in one Triton pass; elsewhere this is
+    On a GPU, rows and 1×128 tiles are re-quantized from the FP8 bytes by Triton kernels; elsewhere this is
     quantize_t(q.dequantize(...)), the same bits."""
     if q.data is None:
         raise ValueError("requantize_t needs the quantized data (keep_data=True)")
     storage = q.fmt.torch_dtype if keep_data else None
-    if q.data.dtype == q.fmt.torch_dtype and triton_rows.takes(q.data, storage, operand_dtype, q.granularity):
-        out = triton_rows.row_col_cast(q.data, q.fmt, rows=False, margin=margin, power_of_two=power_of_two,
-                                       row_scales=q.scale)
-        return Quantized(out["data_t"], out["scale_t"], q.fmt, q.granularity, out["amax_t"])
-    if (q.granularity == Granularity.TILE and q.data.dtype == q.fmt.torch_dtype
-            and triton_blocks.takes(q.data, storage, operand_dtype, q.granularity)):
-        out = triton_blocks.block_cast(q.data, q.fmt, cols=True, margin=margin, power_of_two=power_of_two,
-                                       row_scales=q.scale, fold_bf16=q.scale_folded)
-        return Quantized(out["data_t"], out["scale_t"], q.fmt, q.granularity, out["amax_t"],
-                         scale_folded=granularity_info(q.granularity).folds(power_of_two))
-    source = q.dequantize(torch.bfloat16 if q.scale_folded else torch.float32)
-    return quantize_t(source, q.fmt, granularity=q.granularity, margin=margin, power_of_two=power_of_two,
-                      mx_rule=mx_rule, operand_dtype=operand_dtype, keep_data=keep_data)
+    options = dict(margin=margin, power_of_two=power_of_two, row_scales=q.scale)
+    fp8 = q.data.dtype == q.fmt.torch_dtype
+    if fp8 and not q.scale_folded and triton_rows.takes(q.data, storage, operand_dtype, q.granularity):
+        out = triton_rows.row_col_cast(q.data, q.fmt, rows=False, **options)
+    elif fp8 and q.granularity == Granularity.TILE and triton_blocks.takes(q.data, storage, operand_dtype,
+                                                                          q.granularity):
+        out = triton_blocks.block_cast(q.data, q.fmt, cols=True, fold_bf16=q.scale_folded, **options)
+    else:
+        source = q.dequantize(torch.bfloat16 if q.scale_folded else torch.float32)
+        return quantize_t(source, q.fmt, granularity=q.granularity, margin=margin, power_of_two=power_of_two,
+                          mx_rule=mx_rule, operand_dtype=operand_dtype, keep_data=keep_data)
+    return Quantized(out["data_t"], out["scale_t"], q.fmt, q.granularity, out["amax_t"],
+                     scale_folded=granularity_info(q.granularity).folds(power_of_two))
