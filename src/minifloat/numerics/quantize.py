@@ -120,7 +120,9 @@ def _cast_kernel(x: torch.Tensor, qscale: torch.Tensor, fmt_name: str, storage: 
     xf = x.float()
     y = (xf * qscale).clamp(-fmt.max, fmt.max)
     r = round_to_grid(y, fmt)
-    r = torch.where(r.isnan(), float("nan"), r)  # one NaN (positive), whatever sign the device's arithmetic gave it
+    # one NaN (positive), whatever sign the device's arithmetic gave it; r != r rather than isnan, which inductor's
+    # C++ code runs element by element
+    r = torch.where(r != r, float("nan"), r)
     data = r.to(storage) if storage is not None else None
     operand = None if operand_dtype is None else (r if fold is None else r * fold).to(operand_dtype)
     # delayed scaling needs this step's amax too: computed in the same pass (NaN propagates through max)

@@ -11,6 +11,18 @@ TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast) cannot change a bit:
 the same exact value once. The Veltkamp split this replaces (c = y·(2^(23-m)+1); c - (c - y)) relies on each product
 being rounded on its own, and an FMA silently turned it into the identity (issue 20, tests/test_fma_contraction.py).
 
+Two exact ways to find 2^e, one rule (`grid_spacing`): on a GPU, and in eager code, the exponent field is read with
+integer arithmetic on the bit pattern. On a CPU, inductor's C++ code runs every bit cast (and isnan) as a scalar loop
+between vector registers, which made the cast of an (M, K) tensor about 4× slower than its arithmetic; there 2^e comes
+from float arithmetic alone, in which every product is by a power of two (exact, so an FMA cannot change it):
+    s = a · 2^23;  r = (s + a) - s      a rounded to one significant bit: 2^e or 2^(e+1)
+    2^e = r / 2 where r > a, else r
+(s is a multiple of 2^e, its spacing, so s + a rounds a/2^e ∈ [1, 2) to 1 or 2 units of 2^e; where the sum reaches the
+next binade, it lies below 2^(e+24) + 2^e and rounds to 2^(e+24), r = 2^e again). Both ways give the same bits for every
+|y| <= fmt.max, ±inf and NaN (tests/test_rounding.py sweeps float32 and bfloat16 values); only a compiler allowed to
+re-associate additions (TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 in the environment) could fold (s + a) - s to
+a, so that setting sends the CPU back to the bit pattern.
+
 Stochastic rounding (SR) sends y, lying between the neighbouring grid values lo < y < hi, to hi with probability
 (y - lo) / (hi - lo) and to lo otherwise, so E[SR(y)] = y: rounding errors average out instead of piling up. An
 update far below half an ulp, which round-to-nearest drops every time, moves the weight by one ulp with the right
@@ -35,6 +47,7 @@ bit pattern and truncate the low 16 bits (checked in tests/test_rounding.py).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -49,6 +62,40 @@ def exact_pow2(k: torch.Tensor) -> torch.Tensor:
     k = k.to(torch.int32)
     half = k >> 1
     return ((half + 127) << 23).view(torch.float32) * ((k - half + 127) << 23).view(torch.float32)
+
+
+_FLOAT_ROUTE_MAX = 2.0**104  # a · 2^23 stays finite: the float route's domain ends here
+
+
+def float_binade_power(a: torch.Tensor) -> torch.Tensor:
+    """2^floor(log2 a) for float32 a in (0, 2^104] (float32 subnormals included; NaN stays NaN), in float arithmetic
+    whose every product is by a power of two (see the module docstring)."""
+    big = a * 2.0**23
+    r = (big + a) - big  # a rounded to one significant bit
+    return torch.where(r > a, r * 0.5, r)
+
+
+def _float_route(y: torch.Tensor, fmt: NumberFormat) -> bool:
+    """Whether `grid_spacing` takes the float route for `y`: on a CPU (see the module docstring)."""
+    if y.device.type != "cpu" or fmt.max >= _FLOAT_ROUTE_MAX:
+        return False
+    return not UNSAFE_MATH
+
+
+# inductor's C++ code may re-associate additions under this flag (read from the environment, as inductor reads it;
+# a compiled trace cannot read inductor's config object)
+UNSAFE_MATH = os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") == "1"
+
+
+def grid_spacing(a: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """2^(max(floor(log2 a), fmt.emin) - fmt.mbits) for float32 a >= 0: the spacing of `fmt`'s grid around a (zero
+    and float32 subnormals get the subnormal spacing). ±inf gives a finite spacing (a rounding then keeps inf); NaN
+    gives NaN on the float route and a finite spacing on the integer one (a rounding keeps NaN either way)."""
+    if _float_route(a, fmt):
+        return float_binade_power(a.clamp(2.0**fmt.emin, _FLOAT_ROUTE_MAX)) * 2.0**-fmt.mbits
+    # floor(log2 a) from the exponent field; a zero or float32-subnormal a reads -127, below every format's emin
+    exponent = ((a.view(torch.int32) >> 23) & 0xFF) - 127
+    return exact_pow2(exponent.clamp(min=fmt.emin) - fmt.mbits)
 
 
 def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
@@ -66,9 +113,7 @@ def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
         return y.to(fmt.torch_dtype).float()  # torch's conversion is RNE with subnormals
     if fmt.special == Special.SCALE:
         return _round_pow2(y, fmt)
-    # floor(log2 |y|) from the exponent field; a zero or float32-subnormal y reads -127, below every format's emin
-    exponent = ((y.view(torch.int32) >> 23) & 0xFF) - 127
-    ulp = exact_pow2(exponent.clamp(min=fmt.emin) - fmt.mbits)
+    ulp = grid_spacing(y.abs(), fmt)
     # y / ulp has at most m + 1 integer bits: exact; torch.round is round-half-to-even; · ulp is exact again (a
     # carry into the next binade gives 2^(e+1), also exact). Signs, ±0, inf and NaN pass through unchanged.
     return torch.round(y / ulp) * ulp
@@ -101,10 +146,8 @@ def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> tor
     if fmt.mbits >= 23:
         return y
     a = y.abs()
-    # floor(log2 a) from float32's exponent field: exact, and no frexp/exp2 (which compiled kernels run element by
-    # element). A zero or float32-subnormal a reads -127, below every format's emin (>= -126), so the clamp holds it.
-    exponent = ((a.view(torch.int32) >> 23) & 0xFF) - 127
-    ulp = exact_pow2((exponent.clamp(min=fmt.emin) - fmt.mbits).to(torch.int32))
+    # floor(log2 a), exactly and with no frexp/exp2 (which compiled kernels run element by element)
+    ulp = grid_spacing(a, fmt)
     units = a / ulp
     lo = torch.floor(units)
     up = (u >= 1.0 - (units - lo)).float()
