@@ -134,6 +134,22 @@ def test_micro_batches_cast_the_weight_once():
     assert len([r for r in tel.records if r.role == Role.WEIGHT.value]) == len(mf.fp8_layers(model))  # recast
 
 
+@pytest.mark.parametrize("cache", [True, False], ids=["cached", "uncached"])
+def test_block_dgrad_takes_the_forward_weight_cast_transposed(cache, monkeypatch):
+    """128×128 block scales transpose exactly, so with the weight cast cached for the step the emulated dgrad reads
+    the forward's operand transposed and casts W no second time (test_cached_weight_casts_equal_fresh_ones: the same
+    bits); without the cache the backward re-quantizes W, which this spy sees."""
+    from minifloat.fp8 import caster as caster_module
+
+    layer = mf.Fp8Linear(DIM, HIDDEN, recipe=mf.BlockScaling(), cache_weight=cache)
+    casts = []
+    real = caster_module.quantize_t
+    monkeypatch.setattr(caster_module, "quantize_t", lambda t, *a, **k: casts.append(t) or real(t, *a, **k))
+    loss_of(layer(batches(1)[0])).backward()
+    assert any(t is layer.weight for t in casts) != cache
+    assert layer.weight.grad is not None
+
+
 @ALL_RECIPES
 def test_cached_weight_casts_equal_fresh_ones(recipe):
     data = batches(STEPS)

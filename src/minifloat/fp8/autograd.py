@@ -43,9 +43,12 @@ def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Gran
     if caster.weights is None:
         return _requantize_weight_t(caster, weight, granularity, scale)
     forward = caster.weights.peek("fprop", weight, caster.state.generation)
-    if forward is not None and (granularity_info(granularity).per_tensor or forward.data_t is not None):
+    info = granularity_info(granularity)
+    if forward is not None and (info.per_tensor or forward.data_t is not None
+                                or (info.transposes_exactly and forward.operand is not None)):
         # the forward's own FP8 weight: what re-quantizing (per tensor: with its scale) would give; 128×128 blocks
-        # on the native path, cast with their transposed copy, too
+        # on the native path, cast with their transposed copy, too, and on the emulated one as a bfloat16 operand
+        # that the GEMM reads transposed
         return forward.t()
     options = (caster.recipe, caster.backend, granularity, caster.state.generation)
     return caster.weights.get("dgrad", weight, options,
