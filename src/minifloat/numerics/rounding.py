@@ -11,17 +11,18 @@ TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast) cannot change a bit:
 the same exact value once. The Veltkamp split this replaces (c = y·(2^(23-m)+1); c - (c - y)) relies on each product
 being rounded on its own, and an FMA silently turned it into the identity (issue 20, tests/test_fma_contraction.py).
 
-Two exact ways to find 2^e, one rule (`grid_spacing`): on a GPU, and in eager code, the exponent field is read with
-integer arithmetic on the bit pattern. On a CPU, inductor's C++ code runs every bit cast (and isnan) as a scalar loop
-between vector registers, which made the cast of an (M, K) tensor about 4× slower than its arithmetic; there 2^e comes
-from float arithmetic alone, in which every product is by a power of two (exact, so an FMA cannot change it):
+Two exact ways to find 2^e, one rule (`grid_spacing`): on a GPU (and every device but the CPU) the exponent field is
+read with integer arithmetic on the bit pattern. On a CPU (eager or compiled) 2^e comes from float arithmetic alone,
+because inductor's C++ code runs every bit cast (and isnan) as a scalar loop between vector registers, which made the
+cast of an (M, K) tensor about 4× slower than its arithmetic. Every product in it is by a power of two (exact, so an
+FMA cannot change it):
     s = a · 2^23;  r = (s + a) - s      a rounded to one significant bit: 2^e or 2^(e+1)
     2^e = r / 2 where r > a, else r
 (s is a multiple of 2^e, its spacing, so s + a rounds a/2^e ∈ [1, 2) to 1 or 2 units of 2^e; where the sum reaches the
-next binade, it lies below 2^(e+24) + 2^e and rounds to 2^(e+24), r = 2^e again). Both ways give the same bits for every
-|y| <= fmt.max, ±inf and NaN (tests/test_rounding.py sweeps float32 and bfloat16 values); only a compiler allowed to
-re-associate additions (TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 in the environment) could fold (s + a) - s to
-a, so that setting sends the CPU back to the bit pattern.
+next binade, it lies below 2^(e+24) + 2^e and rounds to 2^(e+24), r = 2^e again). Both ways give the same bits for
+every |y| <= fmt.max, ±inf and NaN (tests/test_rounding_routes.py sweeps float32 and bfloat16 values); only a compiler
+allowed to re-associate additions (TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG=1 in the environment) could fold
+(s + a) - s to a, so that setting sends the CPU back to the bit pattern.
 
 Stochastic rounding (SR) sends y, lying between the neighbouring grid values lo < y < hi, to hi with probability
 (y - lo) / (hi - lo) and to lo otherwise, so E[SR(y)] = y: rounding errors average out instead of piling up. An
