@@ -133,8 +133,9 @@ def test_streamed_shards_are_the_splits_encoded_whole_and_cut(tmp_path, text, ba
 
 
 def test_the_corpus_is_never_held_whole(tmp_path, text, monkeypatch):
-    """With one file a batch, the shard writer gets one chunk of ids per file, each a small part of the split; the
-    BPE trainer gets an iterator, not a list of texts; and the whole-corpus reader (ByteCorpus) is never called."""
+    """With one file a batch, the shard writer gets a chunk of ids per file or piece of a file, each a small part of
+    the split; the BPE trainer gets an iterator, not a list of texts; and the whole-corpus reader (ByteCorpus) is
+    never called."""
     def whole(*args, **kwargs):
         raise AssertionError("tokenize read the whole corpus into memory")
 
@@ -155,7 +156,7 @@ def test_the_corpus_is_never_held_whole(tmp_path, text, monkeypatch):
     monkeypatch.setattr(lib_tokenize, "train_bpe", spy_train)
     meta = lib_tokenize.tokenize_folder(str(text), str(tmp_path / "tok"), vocab_size=VOCAB, shard_tokens=10**6,
                                         batch_chars=1)
-    assert trained_on and len(chunks) == meta["source"]["files"] == len(list(text.iterdir()))
+    assert trained_on and len(chunks) >= meta["source"]["files"] == len(list(text.iterdir()))  # or pieces
     for split in ("train", "val"):
         sizes = [n for s, n in chunks if s == split]
         total = sum(s["tokens"] for s in meta["shards"] if s["split"] == split)

@@ -14,10 +14,10 @@ complete, meta.json last, so an interrupted run leaves no folder that looks fini
 The work streams, so memory does not grow with the corpus: the files are listed and checked first, keeping none of
 their bytes (minifloat.training.textfiles), then read again a file at a time, by the BPE trainer and by the encoder,
 which encodes a batch of at most `batch_chars` characters at a time and appends its ids to the open shard
-(`ShardWriter`). A file longer than a batch is encoded whole, alone: a BPE's ids near a cut would depend on the cut
-(a pre-tokenizer looks across it), so memory is bounded by the larger of a batch and the largest file (tokenizers
-holds some 100-250 bytes a token while encoding: tokenizer.ENCODE_CHARS). The shards are the same bytes as encoding
-each split whole and cutting it (tested).
+(`ShardWriter`). A file longer than a batch is encoded (and fed to the BPE trainer) in pieces, cut only where the
+cut is shown not to change its ids (minifloat.training.tokenizer.text_pieces), so memory is bounded by a batch
+(tokenizers holds some 100-250 bytes a token while encoding: tokenizer.ENCODE_CHARS) and the largest file's text.
+The shards are the same bytes as encoding each split whole and cutting it (tested).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
         max_bytes: cap on the text bytes read, train + val (as training's --max-bytes).
         shard_tokens: ids per shard at most.
         overwrite: replace the files a previous `tokenize` wrote in `out` (others are kept).
-        batch_chars: characters of text encoded at a time at most (a longer file is encoded alone, whole:
+        batch_chars: characters of text encoded at a time at most (a longer file in pieces:
             minifloat.training.tokenizer.encode_batches).
         progress: called as progress(phase, done, total) while training the BPE and encoding (done, total in bytes
             of text).

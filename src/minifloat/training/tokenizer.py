@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import itertools
 import pathlib
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
@@ -20,10 +21,12 @@ END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 BPE_SPECIAL = "<|endoftext|>"  # the one special token of the BPE `train_bpe` makes (id 0)
 TOKENIZER_FIX = "pass a tokenizer.json saved by Hugging Face tokenizers (Tokenizer.save) or by minifloat tokenize"
 ENCODE_BATCH = 64  # texts per encode_batch call at most (the Rust side encodes them in parallel)
-# characters per encode_batch call at most (a longer text is encoded alone): tokenizers holds about 100-250 bytes per
+# characters per encode_batch call at most (a longer text is cut into pieces: text_pieces): tokenizers holds about 100-250 bytes per
 # token while it encodes (each Encoding's tokens, offsets and masks; per-byte alignments), so 1 Mi characters peak at
 # a few hundred MB (measured with tokenizers 0.23), whatever the corpus
 ENCODE_CHARS = 1 << 20
+CUT_CONTEXT = 1024  # characters on each side of a cut in a long text that the cut's check encodes (text_pieces)
+CUT_TRIES = 64  # candidate cuts checked per piece at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,16 +93,24 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[BPE_SPECIAL], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tokenizer.train_from_iterator(texts, trainer)
+    pre_tokenizer = tokenizer.pre_tokenizer
+
+    def words(parts: list[str]) -> list[list[str]]:
+        return [[word for word, _ in pre_tokenizer.pre_tokenize_str(part)] for part in parts]
+    # a long text in pieces cut where its pre-tokens (the words the trainer counts) stay the same: the same
+    # tokenizer as from the texts whole, in memory bounded by a piece (tokenizers holds a whole input's words)
+    tokenizer.train_from_iterator((piece for text in texts for piece in _pieces(text, ENCODE_CHARS, words)), trainer)
     return tokenizer
 
 
 def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str], *,
                    batch_chars: int = ENCODE_CHARS) -> Iterator[torch.Tensor]:
-    """The texts' ids with the end-of-text id after each text (when the tokenizer has one), a batch of texts at a
-    time: ENCODE_BATCH texts or `batch_chars` characters, whichever comes first (a longer text is a batch alone). A
-    text's ids do not depend on its batch, so the batches concatenated are the ids of the texts encoded one by one;
-    only one batch is held, however many texts there are.
+    """The texts' ids with the end-of-text id after each text (when the tokenizer has one), a batch at a time: at
+    most ENCODE_BATCH pieces of text and `batch_chars` characters (a piece longer than that alone). A text longer
+    than `batch_chars` is encoded in pieces of at most that many characters, cut only where cutting leaves its ids
+    unchanged (`text_pieces`). A text's ids depend neither on its batch nor on its pieces, so the batches
+    concatenated are the ids of the texts encoded whole, one by one; only one batch is held, however long a text or
+    the corpus.
 
     Args:
         tokenizer: from load_tokenizer.
@@ -110,22 +121,77 @@ def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str], *,
     """
     if not isinstance(batch_chars, int) or batch_chars < 1:
         raise ValueError(f"batch_chars must be an int >= 1, got {batch_chars!r}")
-    batch, chars = [], 0
+    batch, ends, chars = [], [], 0
     for text in texts:
-        batch.append(text)
-        chars += len(text)
-        if len(batch) == ENCODE_BATCH or chars >= batch_chars:
-            yield _encode(tokenizer, batch)
-            batch, chars = [], 0
+        pieces = text_pieces(tokenizer, text, batch_chars)
+        piece = next(pieces)
+        for following in itertools.chain(pieces, [None]):
+            if batch and (len(batch) == ENCODE_BATCH or chars + len(piece) > batch_chars):
+                yield _encode(tokenizer, batch, ends)
+                batch, ends, chars = [], [], 0
+            batch.append(piece)
+            ends.append(following is None)  # the end-of-text id follows a text's last piece only
+            chars += len(piece)
+            piece = following
     if batch:
-        yield _encode(tokenizer, batch)
+        yield _encode(tokenizer, batch, ends)
 
 
-def _encode(tokenizer: LoadedTokenizer, texts: list[str]) -> torch.Tensor:
+def text_pieces(tokenizer: LoadedTokenizer, text: str, piece_chars: int) -> Iterator[str]:
+    """`text` cut into pieces of at most `piece_chars` characters whose ids, concatenated, are the ids of `text`.
+
+    A tokenizer looks across a cut (a pre-tokenizer joins a run of letters, digits or white space, or punctuation
+    with the line breaks after it; a special token spans several characters; some tokenizers mark the start of each
+    input), so a cut is taken only where it is shown harmless: encoding the CUT_CONTEXT characters on each side
+    separately gives the ids of encoding them together. Candidates are the starts of runs of white space (a line
+    break, then a space, after a character that is not white space) in the last half of each piece, nearest its end
+    first, at most CUT_TRIES of them. Where none passes (a tokenizer that marks the start of every input, or a piece
+    without a break), the rest of the text is one piece: correct, only longer. This assumes a tokenizer whose view
+    across a cut reaches less than CUT_CONTEXT characters, as every regex pre-tokenizer's does at a break.
+    """
+    def ids(parts: list[str]) -> list[list[int]]:
+        return [e.ids for e in tokenizer.tokenizer.encode_batch_fast(parts, add_special_tokens=False)]
+    return _pieces(text, piece_chars, ids)
+
+
+def _pieces(text: str, piece_chars: int, split: Callable[[list[str]], list[list]]) -> Iterator[str]:
+    """`text` in pieces of at most `piece_chars` characters, cut where `split` (texts -> each one's tokens or
+    pre-tokens) finds the window around the cut split the same apart as together (see `text_pieces`)."""
+    start = 0
+    while len(text) - start > piece_chars:
+        cut = _harmless_cut(text, start + max(1, piece_chars // 2), start + piece_chars, split)
+        if cut is None:
+            break
+        yield text[start:cut]
+        start = cut
+    yield text[start:]
+
+
+def _harmless_cut(text: str, lo: int, hi: int, split: Callable[[list[str]], list[list]]) -> int | None:
+    """A position in [lo, hi] at the start of a run of white space where cutting `text` leaves what `split` makes of
+    the CUT_CONTEXT characters around it unchanged, or None."""
+    tries = 0
+    for mark in ("\n", " "):
+        at = hi + 1
+        while tries < CUT_TRIES:
+            at = text.rfind(mark, lo, at)
+            if at < lo:
+                break
+            if text[at - 1].isspace():  # only at the start of a run of white space: a run is one pre-token
+                continue
+            tries += 1
+            left, right = text[max(0, at - CUT_CONTEXT):at], text[at:at + CUT_CONTEXT]
+            whole, apart_left, apart_right = split([left + right, left, right])
+            if whole == apart_left + apart_right:
+                return at
+    return None
+
+
+def _encode(tokenizer: LoadedTokenizer, texts: list[str], ends: list[bool]) -> torch.Tensor:
     eot, parts = tokenizer.eot_id, []
     # encode_batch_fast: the same ids without the offsets (measured: about 40% less memory, half the time)
-    for encoding in tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=False):
+    for encoding, end in zip(tokenizer.tokenizer.encode_batch_fast(texts, add_special_tokens=False), ends):
         parts.append(torch.tensor(encoding.ids, dtype=torch.int64))
-        if eot is not None:
+        if eot is not None and end:
             parts.append(torch.tensor([eot], dtype=torch.int64))
     return torch.cat(parts)
