@@ -187,6 +187,29 @@ BAD_SHAPES = [
 ]
 
 
+@pytest.mark.parametrize("out_dtype", [torch.bfloat16, torch.float16, torch.float32], ids=str)
+@pytest.mark.parametrize("sa_shape, sb_shape", [((256, 1), (1, 512)), ((), (1, 512)), ((256, 1), ())],
+                         ids=["row-row", "tensor-row", "row-tensor"])
+def test_cpu_epilogue_rounds_the_product_before_the_bias_like_the_custom_op(gen, out_dtype, sa_shape, sb_shape):
+    """On a CPU whose compiler rounds each op (inductor's default), the epilogue acc·sa·sb + bias runs as one
+    compiled pass instead of the unfusable custom op (eager: an fp32 temporary per op): the same bits. A compiler
+    allowed to contract (tests/test_fma_contraction.py) gets the custom op."""
+    from minifloat.fp8 import gemm
+    from minifloat.numerics import compiling
+
+    assert compiling.CPU_KERNELS_ROUND_EACH_OP  # this suite runs without the contract / unsafe-math flags
+    acc = (torch.randn(256, 512, generator=gen) * 100).to(out_dtype)  # 131072 elements: above EAGER_BELOW
+    sa = torch.rand(sa_shape, generator=gen) + 0.01
+    sb = torch.rand(sb_shape, generator=gen) + 0.01
+    bias = torch.randn(512, generator=gen).to(torch.bfloat16)
+    fused = gemm._epilogue(acc, sa, sb, bias, out_dtype)
+    custom = gemm.scale_then_add(acc, sa, sb, bias, out_dtype)
+    fma = (acc.double() * sa.double() * sb.double() + bias.double()).to(out_dtype)  # what a contraction nears
+    bits = {torch.float32: torch.int32}.get(out_dtype, torch.int16)
+    assert torch.equal(fused.view(bits), custom.view(bits))
+    assert out_dtype != torch.float32 or not torch.equal(fused.view(bits), fma.view(bits))  # the test could see it
+
+
 @pytest.mark.parametrize("shape_a, shape_b", [c[1:] for c in BAD_SHAPES], ids=[c[0] for c in BAD_SHAPES])
 def test_bad_shapes_raise(gen, shape_a, shape_b):
     qa = quantize(torch.randn(*shape_a, generator=gen), E4M3)

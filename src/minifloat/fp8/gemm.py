@@ -39,6 +39,7 @@ import math
 import torch
 
 from minifloat.core.autocast import autocast_off
+from minifloat.numerics import compiling
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.fp8.native import (  # noqa: F401 - native_fp8_available, native_granularity: re-exported
     BACKENDS,
@@ -181,10 +182,12 @@ _epilogue_compiled = maybe_compile(_epilogue_kernel)
 
 def _epilogue(acc: torch.Tensor, sa: torch.Tensor | None, sb: torch.Tensor | None, bias: torch.Tensor | None,
               out_dtype: torch.dtype) -> torch.Tensor:
-    """acc · sa · sb + bias rounded once to out_dtype. With both scales and a bias, the scaled product and the bias
-    are added by `scale_then_add` (a custom op that no compiler fuses), so the fp32 product is rounded before the add
-    on every device: a fused kernel would contract it into an FMA (one rounding) on a GPU and not on a CPU."""
-    if bias is not None and (sa is not None or sb is not None):
+    """acc · sa · sb + bias rounded once to out_dtype. With a scale and a bias, the fp32 product is rounded before
+    the add on every device: a fused kernel would contract them into an FMA (one rounding) on a GPU, so there (and
+    on a CPU whose compiler is allowed to contract) they are added by `scale_then_add`, a custom op that no compiler
+    fuses. A CPU kernel compiled as inductor compiles by default rounds each op, so it runs the one fused pass."""
+    cpu_exact = acc.device.type == "cpu" and compiling.CPU_KERNELS_ROUND_EACH_OP
+    if bias is not None and (sa is not None or sb is not None) and not cpu_exact:
         one = acc.new_ones(())
         return scale_then_add(acc, one if sa is None else sa, one if sb is None else sb, bias, out_dtype)
     return _epilogue_compiled(acc, sa, sb, bias, out_dtype)
@@ -196,9 +199,9 @@ def scale_then_add(acc: torch.Tensor, sa: torch.Tensor, sb: torch.Tensor, bias: 
                    out_dtype: torch.dtype) -> torch.Tensor:
     """(acc · sa · sb) + bias in fp32, each operation rounded on its own (eager ops: no FMA contraction), then
     rounded once to out_dtype."""
-    out = acc.float() * sa
-    out = out * sb
-    return (out + bias.float()).to(out_dtype)
+    out = acc.float() * sa  # one fp32 temporary, then in place
+    out.mul_(sb)
+    return out.add_(bias).to(out_dtype)
 
 
 @scale_then_add.register_fake

@@ -30,6 +30,13 @@ EAGER_BELOW = 1 << 15
 
 _EAGER = ThreadSwitch()  # on inside eager_kernels(), for the calling thread only
 
+# Whether inductor's C++ code rounds every float operation on its own, as eager code does: it is compiled with
+# -ffp-contract=off (no multiply and add fused into an FMA) and without unsafe math (no re-association) unless these
+# are set. Read from the environment, as inductor reads them (a compiled trace cannot read inductor's config object).
+CPU_KERNELS_ROUND_EACH_OP = (
+    os.environ.get("TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG", "off") == "off"
+    and os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") != "1")
+
 
 @functools.cache
 def _env_allows_compile() -> bool:
