@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from minifloat.training import tokenizer as tokenizer_module
 from minifloat.training.tokenizer import BPE_SPECIAL, encode_batches, load_tokenizer, text_pieces, train_bpe
@@ -80,12 +80,24 @@ def test_pieces_encode_to_the_whole_texts_ids(loaded, name, piece_chars):
         assert len(pieces) >= len(CORPUS) // piece_chars and max(map(len, pieces)) <= piece_chars
 
 
-def test_a_tokenizer_that_marks_each_inputs_start_is_cut_only_before_a_space(loaded):
+@pytest.mark.parametrize("piece_chars", [3000, 50_000])  # 50k: more failing line breaks per piece than CUT_TRIES
+def test_a_tokenizer_that_marks_each_inputs_start_is_cut_only_before_a_space(loaded, piece_chars):
     """Metaspace with prepend_scheme="first" puts "▁" before its input unless the input starts with a space (which
     it turns into "▁"): a cut before a line break would add a "▁", so the check takes only the cuts before spaces."""
-    pieces = list(text_pieces(loaded["metaspace"], CORPUS, 3000))
-    assert len(pieces) > 1 and all(piece.startswith(" ") for piece in pieces[1:])
-    assert any(piece.startswith("\n") for piece in list(text_pieces(loaded["gpt2"], CORPUS, 3000))[1:])
+    pieces = list(text_pieces(loaded["metaspace"], CORPUS, piece_chars))
+    assert len(pieces) >= len(CORPUS) // piece_chars and all(piece.startswith(" ") for piece in pieces[1:])
+    assert any(piece.startswith("\n") for piece in text_pieces(loaded["gpt2"], CORPUS, piece_chars))
+
+
+def test_a_tokenizer_without_a_pre_tokenizer_is_never_cut(tmp_path):
+    """Llama 2's tokenizer.json form: a normalizer that prepends "▁" to the input and no pre-tokenizer, so the BPE
+    sees the whole input as one word and every cut changes the ids: the text stays one piece."""
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+    tok.train_from_iterator([CORPUS[:4000]], trainers.BpeTrainer(vocab_size=300, show_progress=False))
+    tok.save(str(tmp_path / "llama2.json"))
+    loaded_tok, text = load_tokenizer(tmp_path / "llama2.json"), CORPUS[:20_000]
+    assert list(text_pieces(loaded_tok, text, 3000)) == [text]
 
 
 def test_a_cut_through_a_special_token_is_refused(loaded):

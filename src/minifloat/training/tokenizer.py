@@ -26,7 +26,7 @@ ENCODE_BATCH = 64  # texts per encode_batch call at most (the Rust side encodes 
 # a few hundred MB (measured with tokenizers 0.23), whatever the corpus
 ENCODE_CHARS = 1 << 20
 CUT_CONTEXT = 1024  # characters on each side of a cut in a long text that the cut's check encodes (text_pieces)
-CUT_TRIES = 64  # candidate cuts checked per piece at most
+CUT_TRIES = 32  # candidate cuts of each kind (line break, space) checked per piece at most
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,10 +144,11 @@ def text_pieces(tokenizer: LoadedTokenizer, text: str, piece_chars: int) -> Iter
     with the line breaks after it; a special token spans several characters; some tokenizers mark the start of each
     input), so a cut is taken only where it is shown harmless: encoding the CUT_CONTEXT characters on each side
     separately gives the ids of encoding them together. Candidates are the starts of runs of white space (a line
-    break, then a space, after a character that is not white space) in the last half of each piece, nearest its end
-    first, at most CUT_TRIES of them. Where none passes (a tokenizer that marks the start of every input, or a piece
-    without a break), the rest of the text is one piece: correct, only longer. This assumes a tokenizer whose view
-    across a cut reaches less than CUT_CONTEXT characters, as every regex pre-tokenizer's does at a break.
+    break, or a space, after a character that is not white space) in the last half of each piece, nearest its end
+    first, at most CUT_TRIES of each kind, the kind that last passed first. Where none passes (a tokenizer that
+    marks the start of every input, or one without a pre-tokenizer; a piece without a break), the rest of the text is
+    one piece: correct, only longer. This assumes a tokenizer whose view across a cut reaches less than CUT_CONTEXT
+    characters, as every regex pre-tokenizer's does at a break.
     """
     def ids(parts: list[str]) -> list[list[int]]:
         return [e.ids for e in tokenizer.tokenizer.encode_batch_fast(parts, add_special_tokens=False)]
@@ -157,9 +158,14 @@ def text_pieces(tokenizer: LoadedTokenizer, text: str, piece_chars: int) -> Iter
 def _pieces(text: str, piece_chars: int, split: Callable[[list[str]], list[list]]) -> Iterator[str]:
     """`text` in pieces of at most `piece_chars` characters, cut where `split` (texts -> each one's tokens or
     pre-tokens) finds the window around the cut split the same apart as together (see `text_pieces`)."""
-    start = 0
+    start, marks = 0, ["\n", " "]
     while len(text) - start > piece_chars:
-        cut = _harmless_cut(text, start + max(1, piece_chars // 2), start + piece_chars, split)
+        cut = None
+        for mark in marks:
+            cut = _harmless_cut(text, start + max(1, piece_chars // 2), start + piece_chars, mark, split)
+            if cut is not None:
+                marks.sort(key=lambda m: m != mark)  # the kind of break that worked is tried first next time
+                break
         if cut is None:
             break
         yield text[start:cut]
@@ -167,23 +173,21 @@ def _pieces(text: str, piece_chars: int, split: Callable[[list[str]], list[list]
     yield text[start:]
 
 
-def _harmless_cut(text: str, lo: int, hi: int, split: Callable[[list[str]], list[list]]) -> int | None:
-    """A position in [lo, hi] at the start of a run of white space where cutting `text` leaves what `split` makes of
-    the CUT_CONTEXT characters around it unchanged, or None."""
-    tries = 0
-    for mark in ("\n", " "):
-        at = hi + 1
-        while tries < CUT_TRIES:
-            at = text.rfind(mark, lo, at)
-            if at < lo:
-                break
-            if text[at - 1].isspace():  # only at the start of a run of white space: a run is one pre-token
-                continue
-            tries += 1
-            left, right = text[max(0, at - CUT_CONTEXT):at], text[at:at + CUT_CONTEXT]
-            whole, apart_left, apart_right = split([left + right, left, right])
-            if whole == apart_left + apart_right:
-                return at
+def _harmless_cut(text: str, lo: int, hi: int, mark: str, split: Callable[[list[str]], list[list]]) -> int | None:
+    """A position in [lo, hi] where a run of white space starts with `mark` and cutting `text` leaves what `split`
+    makes of the CUT_CONTEXT characters around it unchanged (at most CUT_TRIES tried, from hi down), or None."""
+    at, tries = hi + 1, 0
+    while tries < CUT_TRIES:
+        at = text.rfind(mark, lo, at)
+        if at < lo:
+            return None
+        if text[at - 1].isspace():  # only at the start of a run of white space: a run is one pre-token
+            continue
+        tries += 1
+        left, right = text[max(0, at - CUT_CONTEXT):at], text[at:at + CUT_CONTEXT]
+        whole, apart_left, apart_right = split([left + right, left, right])
+        if whole == apart_left + apart_right:
+            return at
     return None
 
 
