@@ -15,6 +15,7 @@ changed. `load_corpus` is what runs call: it also reads text through a tokenizer
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import enum
 import fnmatch
@@ -46,6 +47,7 @@ STDLIB_EXCLUDED = (*ALWAYS_EXCLUDED, "site-packages", "dist-packages", "_sysconf
                    "test", "tests", "idle_test")
 # the fix every "no usable data" error ends with (`--data` is the command line's name for DataConfig.path)
 DATA_FIX = "point --data (DataConfig.path) at a folder of UTF-8 text files"
+READ_BYTES = 1 << 24  # a text file is read, checked and hashed 16 MiB at a time
 
 
 class Split(str, enum.Enum):
@@ -277,7 +279,7 @@ def select_files(config: DataConfig, *, keep: bool) -> tuple[pathlib.Path, dict[
                                 f"patterns {list(patterns)}; {DATA_FIX}")
     streams, files = _read_splits(root, paths, config, skipped, keep=keep)
     if not streams:  # a split drew only binary, unreadable or empty files: split the non-empty text files alone
-        text = [rel for rel in paths if _read_text(root / rel, rel, skipped)]
+        text = [rel for rel in paths if (got := _read_text(root / rel, rel, skipped, keep=False)) and got[1]]
         if len(text) < 2:
             raise ValueError(_too_few_text_files(root, text, skipped))
         streams, files = _read_splits(root, text, config, skipped, keep=keep)  # both non-empty: see split_files
@@ -305,15 +307,14 @@ def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig, skipp
         for rel in (p for p in paths if splits[p] == split):
             if budget[split] is not None and total >= budget[split]:
                 break
-            data = _read_text(root / rel, rel, skipped)
-            if data is None:
+            limit = None if budget[split] is None else budget[split] - total
+            got = _read_text(root / rel, rel, skipped, limit=limit, keep=keep)
+            if got is None:
                 continue
-            if budget[split] is not None:
-                data = data[:budget[split] - total]
-            if keep:
-                chunks.append(data)
-            total += len(data)
-            files.append(FileEntry(rel, split, len(data), hashlib.sha256(data).hexdigest()))
+            data, nbytes, sha256 = got
+            chunks.append(data)
+            total += nbytes
+            files.append(FileEntry(rel, split, nbytes, sha256))
         if total == 0:
             return {}, []
         streams[split] = b"".join(chunks)
@@ -357,25 +358,43 @@ def _find_files(root: pathlib.Path, patterns: tuple[str, ...], excluded: tuple[s
     return sorted(found), others
 
 
-def _read_text(path: pathlib.Path, rel: str, skipped: dict[str, str]) -> bytes | None:
-    """The file's bytes, or None (and an entry in `skipped`) if it cannot be read or is not UTF-8 text.
+def _read_text(path: pathlib.Path, rel: str, skipped: dict[str, str], *, limit: int | None = None,
+               keep: bool = True) -> tuple[bytes, int, str] | None:
+    """(the bytes taken if `keep`, else b"", how many, their SHA-256): the first `limit` bytes (all when None) of a
+    file that is text from end to end, read READ_BYTES at a time (a large file is never held whole unless kept); or
+    None, and an entry in `skipped`, if it cannot be read or is not UTF-8 text.
 
     "Text" is git's test (no NUL byte) plus valid UTF-8, so every byte value the model sees comes from real text.
     """
+    digest, kept, taken, offset = hashlib.sha256(), [], 0, 0
+    decoder = codecs.getincrementaldecoder("utf-8")()
     try:
-        data = path.read_bytes()
+        with open(path, "rb") as f:
+            while data := f.read(READ_BYTES):
+                if b"\0" in data:
+                    skipped[rel] = "binary: contains a NUL byte"
+                    return None
+                pending = len(decoder.getstate()[0])  # a character's first bytes, held from the last read
+                try:
+                    decoder.decode(data)
+                except UnicodeDecodeError as err:  # its offsets count from the held bytes
+                    skipped[rel] = f"binary: not UTF-8 ({err.reason} at byte {offset - pending + err.start})"
+                    return None
+                offset += len(data)
+                take = data if limit is None else data[:max(0, limit - taken)]
+                digest.update(take)
+                taken += len(take)
+                if keep and take:
+                    kept.append(take)
+        pending = len(decoder.getstate()[0])
+        decoder.decode(b"", final=True)
     except OSError as err:
         skipped[rel] = f"unreadable: {err.strerror or type(err).__name__}"
         return None
-    if b"\0" in data:
-        skipped[rel] = "binary: contains a NUL byte"
+    except UnicodeDecodeError as err:  # the file ends inside a character
+        skipped[rel] = f"binary: not UTF-8 ({err.reason} at byte {offset - pending + err.start})"
         return None
-    try:
-        data.decode("utf-8")
-    except UnicodeDecodeError as err:
-        skipped[rel] = f"binary: not UTF-8 ({err.reason} at byte {err.start})"
-        return None
-    return data
+    return b"".join(kept), taken, digest.hexdigest()
 
 
 def _tokens(data: bytes) -> torch.Tensor:

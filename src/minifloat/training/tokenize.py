@@ -11,12 +11,13 @@ meta.json (minifloat.training.shards.read_meta) names the dtype, vocabulary, tok
 shard with its split and token count. Everything is written into a temporary folder beside OUT and moved in when
 complete, meta.json last, so an interrupted run leaves no folder that looks finished.
 
-The work streams, so memory does not grow with the corpus: the files are listed and checked first, keeping none of
-their bytes (minifloat.training.textfiles), then read again a file at a time, by the BPE trainer and by the encoder,
+The work streams, so memory grows neither with the corpus nor with its largest file: the files are listed, checked
+and hashed first, keeping none of their bytes (minifloat.training.textfiles), then read again a part of a file at a
+time (minifloat.training.data.READ_BYTES), by the BPE trainer and by the encoder,
 which encodes a batch of at most `batch_chars` characters at a time and appends its ids to the open shard
 (`ShardWriter`). A file longer than a batch is encoded (and fed to the BPE trainer) in pieces, cut only where the
 cut is shown not to change its ids (minifloat.training.tokenizer.text_pieces), so memory is bounded by a batch
-(tokenizers holds some 100-250 bytes a token while encoding: tokenizer.ENCODE_CHARS) and the largest file's text.
+(tokenizers holds some 100-250 bytes a token while encoding: tokenizer.ENCODE_CHARS) and a part of a file.
 The shards are the same bytes as encoding each split whole and cutting it (tested).
 """
 

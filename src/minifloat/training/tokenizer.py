@@ -74,15 +74,16 @@ def load_tokenizer(path: str | pathlib.Path) -> LoadedTokenizer:
     return LoadedTokenizer(tokenizer, path, hashlib.sha256(raw).hexdigest(), raw)
 
 
-def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:
+def train_bpe(texts: Iterable[str | Iterable[str]], *, vocab_size: int) -> Tokenizer:
     """A byte-level BPE (GPT-2's scheme: every byte has a token, so any text encodes) trained on `texts`, offline.
 
     The result depends on the texts and vocab_size alone: the trainer counts pairs in parallel but merges by count,
     ties broken by the pair, so the same input gives the same tokenizer.json (tested).
 
     Args:
-        texts: the training texts (minifloat tokenize passes the train split's files, in path order); an iterator
-            is read as tokenizers' train_from_iterator asks for them, so they need not be in memory together.
+        texts: the training texts, each a str or an iterable of its parts (minifloat tokenize passes the train
+            split's files, in path order); an iterator is read as tokenizers' train_from_iterator asks for them, so
+            they need not be in memory together.
         vocab_size: the largest vocabulary to learn, >= 257 (256 bytes and BPE_SPECIAL); a small corpus may stop
             short of it when no pair is left to merge.
     """
@@ -103,7 +104,7 @@ def train_bpe(texts: Iterable[str], *, vocab_size: int) -> Tokenizer:
     return tokenizer
 
 
-def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str], *,
+def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str | Iterable[str]], *,
                    batch_chars: int = ENCODE_CHARS) -> Iterator[torch.Tensor]:
     """The texts' ids with the end-of-text id after each text (when the tokenizer has one), a batch at a time: at
     most ENCODE_BATCH pieces of text and `batch_chars` characters (a piece longer than that alone). A text longer
@@ -114,7 +115,8 @@ def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str], *,
 
     Args:
         tokenizer: from load_tokenizer.
-        texts: in order (an iterator is read as the batches are asked for).
+        texts: in order, each a str or an iterable of its parts (TextFiles.texts); an iterator is read as the
+            batches are asked for.
         batch_chars: characters per batch at most, >= 1.
     Returns:
         an iterator of (n,) int64 ids (uint32-safe, for shards of any vocabulary), one per batch.
@@ -137,8 +139,9 @@ def encode_batches(tokenizer: LoadedTokenizer, texts: Iterable[str], *,
         yield _encode(tokenizer, batch, ends)
 
 
-def text_pieces(tokenizer: LoadedTokenizer, text: str, piece_chars: int) -> Iterator[str]:
-    """`text` cut into pieces of at most `piece_chars` characters whose ids, concatenated, are the ids of `text`.
+def text_pieces(tokenizer: LoadedTokenizer, text: str | Iterable[str], piece_chars: int) -> Iterator[str]:
+    """`text` (a str, or its parts in order: minifloat.training.textfiles reads a file a part at a time) cut into
+    pieces of at most `piece_chars` characters whose ids, concatenated, are the ids of `text`.
 
     A tokenizer looks across a cut (a pre-tokenizer joins a run of letters, digits or white space, or punctuation
     with the line breaks after it; a special token spans several characters; some tokenizers mark the start of each
@@ -155,22 +158,33 @@ def text_pieces(tokenizer: LoadedTokenizer, text: str, piece_chars: int) -> Iter
     return _pieces(text, piece_chars, ids)
 
 
-def _pieces(text: str, piece_chars: int, split: Callable[[list[str]], list[list]]) -> Iterator[str]:
-    """`text` in pieces of at most `piece_chars` characters, cut where `split` (texts -> each one's tokens or
-    pre-tokens) finds the window around the cut split the same apart as together (see `text_pieces`)."""
-    start, marks = 0, ["\n", " "]
-    while len(text) - start > piece_chars:
+def _pieces(text: str | Iterable[str], piece_chars: int, split: Callable[[list[str]], list[list]]) -> Iterator[str]:
+    """`text` (a str, or its parts in order) in pieces of at most `piece_chars` characters, cut where `split` (texts
+    -> each one's tokens or pre-tokens) finds the window around the cut split the same apart as together (see
+    `text_pieces`). Parts are read as needed: the buffer holds a piece, the CUT_CONTEXT characters on either side
+    and one part, and every check sees the window it would see in the whole text."""
+    parts = iter([text] if isinstance(text, str) else text)
+    buf, start, marks, more = "", 0, ["\n", " "], True  # start: where the next piece begins in buf
+    while True:
+        while more and len(buf) - start <= piece_chars + CUT_CONTEXT:  # a piece and its last cut's right context
+            part = next(parts, None)
+            more = part is not None
+            buf += part or ""
+        if len(buf) - start <= piece_chars:
+            yield buf[start:]
+            return
         cut = None
         for mark in marks:
-            cut = _harmless_cut(text, start + max(1, piece_chars // 2), start + piece_chars, mark, split)
+            cut = _harmless_cut(buf, start + max(1, piece_chars // 2), start + piece_chars, mark, split)
             if cut is not None:
                 marks.sort(key=lambda m: m != mark)  # the kind of break that worked is tried first next time
                 break
-        if cut is None:
-            break
-        yield text[start:cut]
-        start = cut
-    yield text[start:]
+        if cut is None:  # no harmless cut: the rest of the text is one piece
+            yield buf[start:] + "".join(parts)
+            return
+        yield buf[start:cut]
+        keep = max(0, cut - CUT_CONTEXT)  # the next cut's left context stays in the buffer
+        buf, start = buf[keep:], cut - keep
 
 
 def _harmless_cut(text: str, lo: int, hi: int, mark: str, split: Callable[[list[str]], list[list]]) -> int | None:
