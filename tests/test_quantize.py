@@ -965,3 +965,28 @@ def test_small_tensors_skip_the_compiled_kernel(gen, monkeypatch):
     if compile_enabled():
         monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
         assert torch.equal(kernel(small), small * 2) and calls[-1] is True  # traced by torch.compile
+
+
+def _bits(t: torch.Tensor | None) -> torch.Tensor | None:
+    return None if t is None else t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("shape", [(256, 384), (2, 128, 256), (1024, 128)], ids=str)
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=lambda f: f.name)
+@pytest.mark.parametrize("power_of_two", [False, True])
+def test_whole_128x128_blocks_cast_through_a_view_as_through_block_rows(gen, shape, fmt, power_of_two):
+    """A contiguous tensor of whole 128×128 blocks is cast through a 4-D view of itself (no copy into block order
+    and back); a transposed copy of the same values takes the block-row route. Both give the same bits: data,
+    operand, scales and amaxes (NaN, inf and an all-zero block included). (1024, 128) holds 131072 elements,
+    above compiling.EAGER_BELOW: the compiled kernels."""
+    x = torch.randn(*shape, generator=gen) * torch.logspace(-3, 3, shape[-1])
+    x[..., :128, :128] = 0.0
+    x.view(-1)[7], x.view(-1)[-5], x.view(-1)[300] = float("nan"), float("inf"), -float("inf")
+    strided = x.transpose(-1, -2).contiguous().transpose(-1, -2)  # the same values, not contiguous
+    assert not strided.is_contiguous()
+    a, b = (quantize(t, fmt, granularity="block", power_of_two=power_of_two, operand_dtype=torch.bfloat16)
+            for t in (x, strided))
+    for field in ("data", "operand", "scale", "amax"):
+        ta, tb = getattr(a, field), getattr(b, field)
+        assert ta.shape == tb.shape and torch.equal(_bits(ta.contiguous()), _bits(tb.contiguous())), field
+    assert a.data.is_contiguous() and a.operand.is_contiguous()

@@ -140,10 +140,11 @@ def _block_amax_kernel(x: torch.Tensor, dim: int) -> torch.Tensor:
 _block_amax = maybe_compile(_block_amax_kernel)
 
 
-def abs_max(x: torch.Tensor, dim: int | None):
-    """amax of |x| over everything (dim=None) or along `dim` (kept), in float32."""
+def abs_max(x: torch.Tensor, dim: int | tuple[int, ...] | None):
+    """amax of |x| over everything (dim=None) or along `dim` (one or several, kept), in float32."""
     if x.numel() == 0:
-        shape = () if dim is None else tuple(1 if d == dim % x.dim() else n for d, n in enumerate(x.shape))
+        dims = {d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim or ())}
+        shape = () if dim is None else tuple(1 if d in dims else n for d, n in enumerate(x.shape))
         return torch.zeros(shape, dtype=torch.float32, device=x.device)
     if dim is None:
         lo, hi = torch.aminmax(x)  # one eager pass, no temporary
@@ -303,14 +304,17 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         data_t = out.get("data_t", out["data"].t().contiguous() if with_t else None)
         return Quantized(out["data"], out["scale"], fmt, granularity, out["amax"],
                          scale_folded=info.folds(power_of_two), data_t=data_t)
-    xb = to_blocks(x.detach(), granularity)  # (n_blocks, block_elements): one scale per row
+    # (n_blocks, block_elements), one scale per row; 128×128 blocks of a tensor made of whole blocks are instead a
+    # view (..., MB, 128, KB, 128) with scales (..., MB, 1, KB, 1): no copy into block order and back
+    xb = _whole_blocks(x.detach(), info) if scale is None else None
+    xb = to_blocks(x.detach(), granularity) if xb is None else xb
     # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
     fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
     qscale = None
     if scale is None:
         if amax is None:
             amax = triton_cast.tensor_amax(x) if fused and info.per_tensor else abs_max(
-                xb, None if info.per_tensor else -1)
+                xb, None if info.per_tensor else (-3, -1) if xb.dim() > 2 else -1)
         else:
             amax = amax.float().reshape(())
         if not fused:
@@ -339,11 +343,26 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     shape = () if info.per_tensor else scale_shape(x.shape, granularity)
     dscale = dscale.reshape(shape)
     amax = None if amax is None else amax.reshape(shape)
-    data = None if data is None else from_blocks(data, x.shape, granularity)
-    operand = None if operand is None else from_blocks(operand, x.shape, granularity)
+    viewed = xb.dim() > 2  # to_blocks gives 2-D rows
+    data = None if data is None else _unblock(data, x.shape, granularity, viewed)
+    operand = None if operand is None else _unblock(operand, x.shape, granularity, viewed)
     if with_t and data_t is None and data is not None:
         data_t = data.t().contiguous()
     return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded, data_t=data_t)
+
+
+def _whole_blocks(x: torch.Tensor, info) -> torch.Tensor | None:
+    """x as a view (..., M/128, 128, K/128, 128) when its scales are 128×128 blocks, x is contiguous and made of
+    whole blocks; else None."""
+    if info.block is None or info.block[0] == 1 or x.dim() < 2 or x.numel() == 0 or not x.is_contiguous():
+        return None
+    (rows, cols), (*lead, m, k) = info.block, x.shape
+    return None if m % rows or k % cols else x.view(*lead, m // rows, rows, k // cols, cols)
+
+
+def _unblock(y: torch.Tensor, shape: torch.Size, granularity: Granularity, viewed: bool) -> torch.Tensor:
+    """A cast's output back to x's shape: a view when x was viewed by `_whole_blocks`, else `from_blocks`."""
+    return y.view(shape) if viewed else from_blocks(y, shape, granularity)
 
 
 def _scales_kernel(amax: torch.Tensor, fmt_name: str, e8m0: bool, margin: int, power_of_two: bool,
