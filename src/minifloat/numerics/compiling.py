@@ -33,9 +33,9 @@ _EAGER = ThreadSwitch()  # on inside eager_kernels(), for the calling thread onl
 # Whether inductor's C++ code rounds every float operation on its own, as eager code does: it is compiled with
 # -ffp-contract=off (no multiply and add fused into an FMA) and without unsafe math (no re-association) unless these
 # are set. Read from the environment, as inductor reads them (a compiled trace cannot read inductor's config object).
+CPU_UNSAFE_MATH = os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") == "1"
 CPU_KERNELS_ROUND_EACH_OP = (
-    os.environ.get("TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG", "off") == "off"
-    and os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") != "1")
+    os.environ.get("TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG", "off") == "off" and not CPU_UNSAFE_MATH)
 
 
 @functools.cache

@@ -203,10 +203,23 @@ def blocked_view(data: torch.Tensor, scale: torch.Tensor, granularity: Granulari
     info = granularity_info(granularity)
     if info.block is None:
         return data, scale
-    *lead, m, k = data.shape if data.dim() >= 2 else (1, data.numel())
+    view = whole_block_view(data, granularity)
+    if view is None:
+        return None
+    return (view, scale.unsqueeze(-1)) if info.block[0] == 1 else (view, scale.unsqueeze(-1).unsqueeze(-3))
+
+
+def whole_block_view(x: torch.Tensor, granularity: Granularity | str) -> torch.Tensor | None:
+    """x viewed block by block, without a copy: (..., M, K/cols, cols) for 1 × cols blocks, (..., M/rows, rows,
+    K/cols, cols) for 2-D blocks. None when x is not contiguous, not a whole number of blocks, or its granularity has
+    no blocks."""
+    info = granularity_info(granularity)
+    if info.block is None or not x.is_contiguous():
+        return None
+    *lead, m, k = x.shape if x.dim() >= 2 else (1, x.numel())
     rows, cols = info.block
-    if m % rows or k % cols or not data.is_contiguous():
+    if m % rows or k % cols:
         return None
     if rows == 1:
-        return data.reshape(*lead, m, k // cols, cols), scale.unsqueeze(-1)
-    return data.reshape(*lead, m // rows, rows, k // cols, cols), scale.unsqueeze(-1).unsqueeze(-3)
+        return x.view(*lead, m, k // cols, cols)
+    return x.view(*lead, m // rows, rows, k // cols, cols)

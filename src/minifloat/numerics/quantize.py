@@ -26,6 +26,7 @@ from minifloat.numerics.granularity import (
     granularity_info,
     scale_shape,
     to_blocks,
+    whole_block_view,
 )
 from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, round_stochastic, round_to_grid
 from minifloat.numerics import triton_blocks, triton_cast
@@ -306,7 +307,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
                          scale_folded=info.folds(power_of_two), data_t=data_t)
     # (n_blocks, block_elements), one scale per row; 128×128 blocks of a tensor made of whole blocks are instead a
     # view (..., MB, 128, KB, 128) with scales (..., MB, 1, KB, 1): no copy into block order and back
-    xb = _whole_blocks(x.detach(), info) if scale is None else None
+    two_d = info.block is not None and info.block[0] > 1 and x.dim() >= 2 and x.numel() > 0
+    xb = whole_block_view(x.detach(), granularity) if two_d else None
     xb = to_blocks(x.detach(), granularity) if xb is None else xb
     # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
     fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
@@ -351,17 +353,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded, data_t=data_t)
 
 
-def _whole_blocks(x: torch.Tensor, info) -> torch.Tensor | None:
-    """x as a view (..., M/128, 128, K/128, 128) when its scales are 128×128 blocks, x is contiguous and made of
-    whole blocks; else None."""
-    if info.block is None or info.block[0] == 1 or x.dim() < 2 or x.numel() == 0 or not x.is_contiguous():
-        return None
-    (rows, cols), (*lead, m, k) = info.block, x.shape
-    return None if m % rows or k % cols else x.view(*lead, m // rows, rows, k // cols, cols)
-
-
 def _unblock(y: torch.Tensor, shape: torch.Size, granularity: Granularity, viewed: bool) -> torch.Tensor:
-    """A cast's output back to x's shape: a view when x was viewed by `_whole_blocks`, else `from_blocks`."""
+    """A cast's output back to x's shape: a view when x was cast through `whole_block_view`, else `from_blocks`."""
     return y.view(shape) if viewed else from_blocks(y, shape, granularity)
 
 

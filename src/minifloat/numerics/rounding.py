@@ -48,10 +48,10 @@ bit pattern and truncate the low 16 bits (checked in tests/test_rounding.py).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
+from minifloat.numerics import compiling
 from minifloat.numerics.formats import NumberFormat, Special
 
 ROUNDINGS = ("nearest", "stochastic")
@@ -83,9 +83,8 @@ def _float_route(y: torch.Tensor, fmt: NumberFormat) -> bool:
     return not UNSAFE_MATH
 
 
-# inductor's C++ code may re-associate additions under this flag (read from the environment, as inductor reads it;
-# a compiled trace cannot read inductor's config object)
-UNSAFE_MATH = os.environ.get("TORCHINDUCTOR_CPP_ENABLE_UNSAFE_MATH_OPT_FLAG", "0") == "1"
+# inductor's C++ code may re-associate additions under unsafe math (minifloat.numerics.compiling reads the flag)
+UNSAFE_MATH = compiling.CPU_UNSAFE_MATH
 
 
 def grid_spacing(a: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
