@@ -180,9 +180,14 @@ class LayerCaster:
         tiles on a GPU, else from a bfloat16 (folded power-of-two scales) or float32 dequantization."""
         if granularity_info(q.granularity).transposes_exactly:
             return q.t()
+        spec = self.recipe.spec(role)
         if q.data is not None and self._both_axes_fused(role, q.data):
-            spec = self.recipe.spec(role)
             return requantize_t(q, margin=spec.margin, power_of_two=spec.power_of_two)
+        if q.data is not None and not q.scale_folded and not native_granularity(q.data.device, spec.granularity,
+                                                                                  self.backend):
+            # the emulated GEMM's operand: what the cast below makes, its passes reading the FP8 bytes (torch path)
+            return requantize_t(q, margin=spec.margin, power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
+                                operand_dtype=_OPERAND, keep_data=False)
         source = operand(q) if q.scale_folded else q.dequantize()
         return self.cast(role, source, record=False, transposed=True)
 

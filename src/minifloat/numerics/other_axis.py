@@ -76,12 +76,20 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None
     data, operand, _ = kernels._cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
+    return _as_transpose(data, operand, amax, dscale, m, k, fmt, granularity, folded)
+
+
+def _as_transpose(data, operand, amax, dscale, m: int, k: int, fmt: NumberFormat, granularity: Granularity,
+                  folded: bool) -> Quantized:
+    """quantize_t's result from a cast down the columns of an (M, K) tensor (its blocks viewed (M, K) per row, or
+    (MB, n, K) / (MB, n, KB, n) per 1 × n block, padded rows last): data and operand as xᵀ views, scales and amaxes in
+    xᵀ's convention, (K, 1) per row and (K, MB) per block."""
 
     def back(y):
         return None if y is None else y.reshape(-1, k)[:m].t()
 
-    def to_t(a):  # scales in xᵀ's convention: (K, 1) per row, (K, MB) per block
-        return a.reshape(k, 1) if info.block is None else a.reshape(-1, k).t()
+    def to_t(a):
+        return a.reshape(k, 1) if granularity_info(granularity).block is None else a.reshape(-1, k).t()
 
     return Quantized(back(data), to_t(dscale), fmt, granularity, to_t(amax), back(operand), scale_folded=folded)
 
@@ -127,8 +135,41 @@ def requantize_t(q: Quantized, *, margin: int = 0, power_of_two: bool = False, m
                                                                           q.granularity):
         out = triton_blocks.block_cast(q.data, q.fmt, cols=True, fold_bf16=q.scale_folded, **options)
     else:
+        fused = _decoded_columns(q, margin, power_of_two, mx_rule, operand_dtype, keep_data)
+        if fused is not None:
+            return fused
         source = q.dequantize(torch.bfloat16 if q.scale_folded else torch.float32)
         return quantize_t(source, q.fmt, granularity=q.granularity, margin=margin, power_of_two=power_of_two,
                           mx_rule=mx_rule, operand_dtype=operand_dtype, keep_data=keep_data)
     return Quantized(out["data_t"], out["scale_t"], q.fmt, q.granularity, out["amax_t"],
                      scale_folded=granularity_info(q.granularity).folds(power_of_two))
+
+
+def _decoded_columns(q: Quantized, margin: int, power_of_two: bool, mx_rule: str, operand_dtype: torch.dtype | None,
+                     keep_data: bool) -> Quantized | None:
+    """requantize_t on the torch path for float32 scales per row or per 1 × n block (1×128 tiles): quantize_t of q's
+    float32 values, each pass computing them from the stored bytes instead of reading them written out. None where
+    that does not apply (the caller then dequantizes and calls quantize_t: the same bits). Folded power-of-two scales
+    stay on that route: their bfloat16 values are half the bytes to read back, and a compiled kernel must be told to
+    keep their rounding (inductor's `emulate_precision_casts`), which made it slower than the two passes it saves."""
+    info = granularity_info(q.granularity)
+    if q.scale_folded or (info.block is not None and info.block[0] != 1) or torch.compiler.is_compiling():
+        return None
+    if q.data.dim() != 2 or (not keep_data and operand_dtype is None):  # the latter: quantize_t refuses it
+        return None
+    m, k = q.data.shape
+    data = q.data.detach()
+    size = 1 if info.block is None else info.block[1]
+    if m == 0 or m % size or k % size or not data.is_contiguous():
+        return None
+    if info.block is None:  # (M, K) · (M, 1), amaxes down the columns
+        data, scale, dim = data, q.scale.reshape(m, 1), -2
+    else:  # (MB, n, KB, n) · (MB, n, KB, 1): element (r, c) of block (mb, kb); amaxes down each n rows
+        data, scale, dim = data.view(m // size, size, k // size, size), q.scale.view(m // size, size, -1, 1), -3
+    amax = kernels.decoded_amax(data, scale, dim)
+    qscale, dscale = kernels._scales(amax, q.fmt, info, margin, power_of_two, mx_rule)
+    storage = (q.fmt.torch_dtype or torch.float32) if keep_data else None
+    folded = info.folds(power_of_two)
+    fold = dscale if (folded and operand_dtype is not None) else None
+    out, operand, _ = kernels.decoded_cast(data, scale, qscale, q.fmt.name, storage, operand_dtype, fold)
+    return _as_transpose(out, operand, amax, dscale, m, k, q.fmt, q.granularity, folded)

@@ -161,6 +161,23 @@ def _decode_kernel(data: torch.Tensor, scale: torch.Tensor | None, dtype: torch.
 decode = maybe_compile(_decode_kernel)  # stored grid values (· scale) in another dtype, one pass
 
 
+def _decoded_amax_kernel(data: torch.Tensor, scale: torch.Tensor, dim: int) -> torch.Tensor:
+    """`_block_amax_kernel` of data · scale in float32, as `decode` computes it."""
+    return _block_amax_kernel(data.float() * scale, dim)
+
+
+def _decoded_cast_kernel(data: torch.Tensor, scale: torch.Tensor, qscale: torch.Tensor, fmt_name: str,
+                         storage: torch.dtype | None, operand_dtype: torch.dtype | None, fold: torch.Tensor | None):
+    """`_cast_kernel` of data · scale in float32, as `decode` computes it."""
+    return _cast_kernel(data.float() * scale, qscale, fmt_name, storage, operand_dtype, fold, False)
+
+
+# a quantized tensor's values re-quantized along other blocks (other_axis.requantize_t) without writing them out in
+# float32 and reading them back: each pass reads the stored bytes instead (a quarter of the values' bytes)
+decoded_amax = maybe_compile(_decoded_amax_kernel)
+decoded_cast = maybe_compile(_decoded_cast_kernel)
+
+
 # ---------------------------------------------------------------------------------------------------- Quantized
 
 
