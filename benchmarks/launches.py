@@ -11,9 +11,15 @@ of the FP8 step's end, as the native (GPU) path issues them:
 minifloat's small kernels run eagerly here (eager_kernels): on a GPU, tensors above EAGER_BELOW elements run a
 compiled kernel instead of several eager ops, so the --no-triton counts are an upper bound for large tensors.
 
+With --host-time N the native path's host work is timed as well: N steps per recipe with every Triton launch doing
+nothing (the interpreter's run stubbed out after a real warm-up), the median against nn.Linear's step. On a CPU the
+torch ops left are tiny CPU kernels, so this is Python, dispatcher and allocation time: a proxy for what a GPU's host
+pays per layer, without the launches' own cost.
+
 Usage:
     python benchmarks/launches.py              # torch path
     TRITON_INTERPRET=1 python benchmarks/launches.py --triton
+    TRITON_INTERPRET=1 python benchmarks/launches.py --triton --host-time 300
 No numbers here are asserted anywhere: this is a measurement, not a test.
 """
 
@@ -22,6 +28,8 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
+import time
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -41,6 +49,8 @@ NO_LAUNCH = {"aten.view.default", "aten.detach.default", "aten.select.int", "ate
              "aten.slice.Tensor", "aten.empty.memory_format", "aten.new_empty.default", "aten.empty_like.default",
              "aten.set_.source_Storage", "aten.set_.source_Storage_storage_offset", "aten.lift_fresh.default",
              "aten._unsafe_view.default"}
+# inside minifloat's Triton wrappers only these launch a kernel on a GPU (Triton's interpreter adds copies of its own)
+FILLS = {"aten.zeros.default", "aten.zero_.default", "aten.fill_.Scalar", "aten.full.default"}
 _inside = [0]
 _launches: collections.Counter = collections.Counter()
 
@@ -55,6 +65,8 @@ class CountOps(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not _inside[0] and str(func) not in NO_LAUNCH:
             self.ops[str(func)] += 1
+        elif _inside[0] and str(func) in FILLS:  # a zero-filled buffer a Triton kernel accumulates into
+            _launches["zero fills"] += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -85,9 +97,7 @@ def native_everywhere() -> None:
     _count_triton("row_col_cast", triton_rows, launches=2)  # an amax pass and a cast pass
 
 
-def count(recipe, tokens: int, dim: int) -> dict:
-    layer = mf.Fp8Linear(dim, dim, recipe=recipe, bias=False)
-
+def _train_step(layer: torch.nn.Module, tokens: int, dim: int):
     def train_step():
         x = torch.randn(tokens, dim, requires_grad=True)
         with eager_kernels(), torch.autocast("cpu", dtype=torch.bfloat16):
@@ -95,6 +105,12 @@ def count(recipe, tokens: int, dim: int) -> dict:
         with eager_kernels():
             y.backward(torch.ones_like(y))
 
+    return train_step
+
+
+def count(recipe, tokens: int, dim: int) -> dict:
+    layer = mf.Fp8Linear(dim, dim, recipe=recipe, bias=False)
+    train_step = _train_step(layer, tokens, dim)
     for _ in range(2):  # seeded delayed scales, cached weight casts: the steady state
         train_step()
         fp8_step(layer)
@@ -109,6 +125,33 @@ def count(recipe, tokens: int, dim: int) -> dict:
             "triton_kernels": dict(_launches), "ops": dict(step_ops.ops.most_common())}
 
 
+def host_time(layer: torch.nn.Module, tokens: int, dim: int, steps: int) -> float:
+    """Median wall time (µs) of one training step of `layer` (forward, backward and, for an FP8 layer, the FP8 step's
+    end) with every Triton kernel a launch that does nothing: the host work of the native path. The warm-up runs
+    the kernels (in the interpreter), so the scales are seeded from real values."""
+    from triton.runtime import interpreter
+
+    train_step = _train_step(layer, tokens, dim)
+    fp8 = isinstance(layer, mf.Fp8Linear)
+    for _ in range(3):
+        train_step()
+        if fp8:
+            fp8_step(layer)
+    real = interpreter.InterpretedFunction.run
+    interpreter.InterpretedFunction.run = lambda self, *args, **kwargs: None
+    times = []
+    try:
+        for _ in range(steps):
+            start = time.perf_counter()
+            train_step()
+            if fp8:
+                fp8_step(layer)
+            times.append(time.perf_counter() - start)
+    finally:
+        interpreter.InterpretedFunction.run = real
+    return statistics.median(times) * 1e6
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=64)
@@ -116,18 +159,30 @@ def main() -> None:
     parser.add_argument("--triton", action="store_true", help="run the Triton kernels (needs TRITON_INTERPRET=1 "
                                                               "on a CPU)")
     parser.add_argument("--verbose", action="store_true", help="list the ops")
+    parser.add_argument("--host-time", type=int, default=0, metavar="STEPS",
+                        help="also time STEPS steps per recipe with the Triton kernels' launches doing nothing (with "
+                             "--triton in the interpreter): the host work per layer step, against nn.Linear's")
     args = parser.parse_args()
     if args.triton and not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         parser.error("--triton on a CPU needs TRITON_INTERPRET=1 in the environment")
+    if args.host_time and (not args.triton or torch.cuda.is_available()):
+        parser.error("--host-time needs --triton on a CPU (TRITON_INTERPRET=1): it stubs the interpreter's launches")
     if not args.triton:
         os.environ.pop("TRITON_INTERPRET", None)
     native_everywhere()
+    if args.host_time:
+        base = host_time(torch.nn.Linear(args.dim, args.dim, bias=False), args.tokens, args.dim, args.host_time)
+        print(f"{'nn.Linear':8s} host time per step: {base:7.0f} µs (bfloat16 autocast, for comparison)")
     for name, recipe in RECIPES.items():
         c = count(recipe, args.tokens, args.dim)
         print(f"{name:8s} fwd+bwd: {c['total']:4d} launches ({c['torch_ops']} torch ops + {c['triton_launches']} "
               f"Triton {c['triton_kernels']}); FP8 step end: {c['step_end_ops']} ops")
         if args.verbose:
             print("   ", c["ops"])
+        if args.host_time:
+            us = host_time(mf.Fp8Linear(args.dim, args.dim, recipe=recipe, bias=False), args.tokens, args.dim,
+                           args.host_time)
+            print(f"{'':8s} host time per step: {us:7.0f} µs ({us / base:.2f}× nn.Linear)")
 
 
 if __name__ == "__main__":

@@ -331,3 +331,85 @@ def test_reduce_amax_uses_one_all_reduce_for_all_layers(gloo_group, monkeypatch,
 
 def test_reduce_amax_of_model_without_fp8_layers_is_zero(gloo_group):
     assert reduce_amax(nn.Sequential(nn.Linear(4, 4))) == 0
+
+
+def _f32_bits(t: torch.Tensor) -> int:
+    return int(t.detach().float().reshape(()).view(torch.int32))
+
+
+def test_delayed_cast_scales_are_the_reciprocals_a_cast_computes():
+    """(1 / s, 1 / (1 / s)) bit for bit, before and after seeding. 112 = 448 / 4 is a scale whose reciprocal's
+    reciprocal is not itself in float32 (111.99999), so a cast given the dequantization scale multiplies by that."""
+    state = ScalingState(2)
+    dscale, multiplier, amax = state.delayed_cast_scales(0, lambda: torch.tensor(4.0), E4M3)  # seeds the role
+    s = torch.tensor(112.0)
+    assert _f32_bits(1.0 / (1.0 / s)) != _f32_bits(s)  # the case this is about
+    assert (_f32_bits(dscale), _f32_bits(multiplier)) == (_f32_bits(1.0 / s), _f32_bits(1.0 / (1.0 / s)))
+    assert amax.item() == 4.0
+    again = state.delayed_cast_scales(0, lambda: torch.tensor(8.0), E4M3)  # seeded: the stored scale's pair
+    assert (_f32_bits(again[0]), _f32_bits(again[1])) == (_f32_bits(dscale), _f32_bits(multiplier))
+    assert again[2] is None
+
+
+def test_delayed_cast_scales_follow_every_change_of_the_scales():
+    """The stored scales' reciprocals are made once per change: an FP8 step's update, a load, an in-place write."""
+    state = ScalingState(2)
+    for col in range(3):
+        state.delayed_cast_scales(col, lambda: torch.tensor(4.0), E4M3)
+
+    def pair(col):
+        d, m, _ = state.delayed_cast_scales(col, lambda: torch.tensor(1.0), E4M3)
+        return _f32_bits(d), _f32_bits(m)
+
+    def expected(col):
+        s = state.scale[col].clone()
+        return _f32_bits(1.0 / s), _f32_bits(1.0 / (1.0 / s))
+
+    assert pair(0) == expected(0)
+    state.scale[1] = 7.0  # in place
+    assert pair(1) == expected(1) and pair(0) == expected(0)
+    state.record(Role.INPUT, torch.tensor(13.0))
+    state.update(DelayedScaling(amax_history_len=2), {r: E4M3 for r in ROLES})
+    assert state.scale[0].item() != 112.0  # the update changed it
+    assert pair(0) == expected(0)
+    other = ScalingState(2)
+    other.load_state_dict({**state.state_dict(), "scale": torch.tensor([5.0, 6.0, 7.0])})
+    for col in range(3):
+        assert (lambda d, m, _: (_f32_bits(d), _f32_bits(m)))(
+            *other.delayed_cast_scales(col, lambda: torch.tensor(1.0), E4M3)) == (
+            _f32_bits(1.0 / other.scale[col].clone()), _f32_bits(1.0 / (1.0 / other.scale[col].clone())))
+
+
+def test_a_seeded_delayed_cast_launches_no_division():
+    """The layer's delayed casts take the stored reciprocals: after the first cast of a step, no reciprocal kernel
+    runs (two per cast before), and the FP8 bytes are those of a cast given 1 / s."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minifloat.fp8.caster import LayerCaster
+    from minifloat.numerics.quantize import quantize
+
+    class Divisions(TorchDispatchMode):
+        count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("reciprocal"):
+                Divisions.count += 1
+            return func(*args, **(kwargs or {}))
+
+    caster = LayerCaster(DelayedScaling(), ScalingState(4))
+    x = torch.randn(64, 48) * 3
+    caster.cast(Role.INPUT, x)  # seeds
+    with Divisions():
+        q = caster.cast(Role.INPUT, x, keep_data=True)
+        caster.cast(Role.INPUT, x * 2)
+    assert Divisions.count == 2  # the pair, made once for the stored scales
+    reference = quantize(x, E4M3, scale=1.0 / caster.state.scale[0])
+    assert torch.equal(q.data.view(torch.uint8), reference.data.view(torch.uint8))
+    assert _f32_bits(q.scale) == _f32_bits(reference.scale)
+
+
+def test_a_multiplier_needs_its_scale():
+    from minifloat.numerics.quantize import quantize
+
+    with pytest.raises(ValueError, match="pass scale="):
+        quantize(torch.ones(4, 4), E4M3, multiplier=torch.tensor(2.0))

@@ -103,6 +103,32 @@ def test_blocks_written_in_both_layouts(monkeypatch, modes, fmt, power_of_two):
     assert t.data.is_contiguous() and t.data.data_ptr() == got.data_t.data_ptr()
 
 
+def test_the_kernels_transposed_blocks_are_not_copied_again(monkeypatch):
+    """The weight's cast in both layouts hands over the kernel's Wᵀ as it is: no second transposed copy of the data
+    is made next to it (once one was, each FP8 step, a full copy of every weight)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    w = torch.randn(256, 128)
+    written = {"data": torch.zeros(256, 128, dtype=torch.float8_e4m3fn),
+               "data_t": torch.zeros(128, 256, dtype=torch.float8_e4m3fn),
+               "scale": torch.ones(2, 1), "amax": torch.ones(2, 1)}
+    monkeypatch.setattr(triton_blocks, "takes", lambda *a: True)
+    monkeypatch.setattr(triton_blocks, "block_cast", lambda *a, **k: dict(written))
+
+    class Copies(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith(("clone", "copy", "_to_copy", "contiguous")):
+                Copies.seen.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    with Copies():
+        q = quantize(w, mf.E4M3, granularity="block", with_t=True)
+    assert q.data_t is written["data_t"]
+    assert Copies.seen == []
+
+
 @pytest.mark.parametrize("power_of_two", [True, pytest.param(False, marks=pytest.mark.slow)],
                          ids=["folded-bf16", "float32"])
 def test_saved_fp8_requantized_from_its_bytes(monkeypatch, modes, power_of_two):

@@ -213,18 +213,44 @@ def test_layer_on_the_native_path_copies_no_operand(monkeypatch, calls, native_o
         assert torch.equal(bits(g), bits(e))
 
 
-@pytest.mark.parametrize("value", [3.5, 0.25, float("inf"), float("nan")])
-def test_recording_an_amax_is_the_torch_path(monkeypatch, value):
-    """ScalingState.record's one-launch form: the history keeps the max of finite amaxes, a non-finite one only
-    bumps the counter; the state's bytes are the torch path's."""
+def _vector_amaxes(shape, dtype, bad):
+    """|values| of `shape` (a cast's amaxes: one per row or tile), the largest 3.75 at a place that is not in the first
+    block of the fold kernel's walk, and `bad` (inf or NaN) or nothing at another place."""
+    g = torch.Generator().manual_seed(3)
+    a = (torch.rand(shape, generator=g) * 3.0).to(dtype)
+    flat = a.view(-1)
+    flat[flat.numel() * 2 // 3] = 3.75
+    if bad is not None:
+        flat[flat.numel() // 3] = bad
+    return a
+
+
+AMAXES = [
+    pytest.param(lambda bad: torch.tensor(3.5 if bad is None else bad), id="one"),
+    pytest.param(lambda bad: torch.tensor(0.25), id="one-small"),
+    pytest.param(lambda bad: _vector_amaxes((77, 1), torch.float32, bad), id="rows"),
+    pytest.param(lambda bad: _vector_amaxes((2500, 3), torch.float32, bad), id="tiles-several-blocks"),
+    pytest.param(lambda bad: _vector_amaxes((1, 1), torch.bfloat16, bad), id="one-bf16"),
+    pytest.param(lambda bad: _vector_amaxes((300,), torch.bfloat16, bad), id="bf16"),
+]
+
+
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
+@pytest.mark.parametrize("make", AMAXES)
+def test_recording_an_amax_is_the_torch_path(monkeypatch, make, bad):
+    """ScalingState.record's one-launch form, for one amax or a cast's many (one per row or tile, longer than the
+    kernel's block): the history keeps the max of finite amaxes, a cast with a non-finite one only bumps the counter
+    (once); the state's bytes are the torch path's."""
     from minifloat.fp8.recipes import Role
     from minifloat.fp8.scaling import ScalingState
+
+    amax = make(bad)
 
     def recorded():
         state = ScalingState(history_len=4)
         state.amax_history[0] = 1.0
-        for amax in (torch.tensor(value), torch.tensor(2.0)):
-            state.record(Role.INPUT, amax)
+        for a in (amax, torch.tensor(2.0)):
+            state.record(Role.INPUT, a)
         return state.state_dict()
 
     seen = []
@@ -235,6 +261,16 @@ def test_recording_an_amax_is_the_torch_path(monkeypatch, value):
     for key in ref:
         assert torch.equal(bits(got[key]) if got[key].is_floating_point() else got[key],
                            bits(ref[key]) if ref[key].is_floating_point() else ref[key]), key
+    finite = bool(torch.isfinite(amax.float()).all())
+    assert int(got["nonfinite"][0]) == (0 if finite else 1)
+    expected = max(1.0, 2.0, float(amax.float().max())) if finite else 2.0
+    assert float(got["amax_history"][0, 0]) == expected
+
+
+def test_fold_amax_refuses_no_amax():
+    slot, counter = torch.zeros(()), torch.zeros((), dtype=torch.int64)
+    with pytest.raises(ValueError, match="at least one amax"):
+        triton_cast.fold_amax(slot, counter, torch.zeros(0))
 
 
 @pytest.mark.parametrize("power_of_two", [False, True])

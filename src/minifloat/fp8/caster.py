@@ -136,9 +136,11 @@ class LayerCaster:
         if scale is not None:
             return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
         if spec.delayed:
-            qscale, amax = self.state.delayed_scale(ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt,
-                                                    margin=spec.margin, store=record and self.recording)
-            q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax, **out)
+            dscale, multiplier, amax = self.state.delayed_cast_scales(
+                ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt, margin=spec.margin,
+                store=record and self.recording)
+            q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=dscale, multiplier=multiplier, amax=amax,
+                         **out)
         else:
             if self.amax_reduce is not None and not granularity_info(spec.granularity).per_tensor:
                 raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not "
@@ -215,9 +217,10 @@ class LayerCaster:
         if not granularity_info(spec.granularity).per_tensor:
             raise ValueError(f"only per-tensor weight casts can be made shard by shard, not '{spec.granularity}'")
         if spec.delayed:
-            qscale, _ = self.state.delayed_scale(ROLE_INDEX[Role.WEIGHT], lambda: amax, spec.fmt, margin=spec.margin,
-                                                 store=False)
-            return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, scale=1.0 / qscale, amax=amax)
+            dscale, multiplier, _ = self.state.delayed_cast_scales(ROLE_INDEX[Role.WEIGHT], lambda: amax, spec.fmt,
+                                                                   margin=spec.margin, store=False)
+            return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, scale=dscale, multiplier=multiplier,
+                            amax=amax)
         # current scaling: the scale from the whole weight's amax, by the same rule (not a scale passed in: 1/(1/s) is
         # not s in float32), so every FP8 value is the unsharded cast's
         return quantize(shard, spec.fmt, granularity=Granularity.TENSOR, margin=spec.margin,

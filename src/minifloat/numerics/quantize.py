@@ -273,7 +273,8 @@ class Quantized:
 def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str = "tensor",
              scale: torch.Tensor | None = None, margin: int = 0, power_of_two: bool = False,
              mx_rule: str = "up", operand_dtype: torch.dtype | None = None, keep_data: bool = True,
-             amax: torch.Tensor | None = None, with_t: bool = False) -> Quantized:
+             amax: torch.Tensor | None = None, with_t: bool = False,
+             multiplier: torch.Tensor | None = None) -> Quantized:
     """Scale `x` per `granularity` and cast it onto `fmt` (saturating, RNE).
 
     Args:
@@ -295,6 +296,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
             from it instead of from x (e.g. the whole tensor's amax, for one shard of it: the shard's cast is then
             bitwise that part of the whole tensor's).
         with_t: also keep `data_t`, the 2-D data's transpose in row-major order (the same pass on a GPU).
+        multiplier: with `scale`, the quantization multiplier `1.0 / scale` (float32) the caller has already (delayed
+            scaling keeps it per step): the cast uses it as given, and launches no division.
     Returns:
         Quantized with data of x's shape.
     """
@@ -315,11 +318,13 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         raise ValueError(f"a given amax goes with a per-tensor cast, not '{granularity}'")
     if with_t and x.dim() != 2:
         raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
+    if multiplier is not None and scale is None:
+        raise ValueError("a multiplier goes with the scale it is the reciprocal of: pass scale= too")
     if scale is None and triton_blocks.takes(x, storage, operand_dtype, granularity):  # tiles, blocks: GPU, one pass
         block = granularity == Granularity.BLOCK
         out = triton_blocks.block_cast(x.detach(), fmt, rows=True, block=block, write_t=with_t and block,
                                        margin=margin, power_of_two=power_of_two)
-        data_t = out.get("data_t", out["data"].t().contiguous() if with_t else None)
+        data_t = out["data_t"] if "data_t" in out else out["data"].t().contiguous() if with_t else None
         return Quantized(out["data"], out["scale"], fmt, granularity, out["amax"],
                          scale_folded=info.folds(power_of_two), data_t=data_t)
     # (n_blocks, block_elements), one scale per row; 128×128 blocks of a tensor made of whole blocks are instead a
@@ -343,7 +348,7 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
             allowed = [g.value for g in Granularity if granularity_info(g).block is None]
             raise ValueError(f"an explicit scale is supported for {allowed} granularity, not '{granularity}'")
         dscale = scale.float().reshape(-1, 1) if info.per_row else scale.float().reshape(())
-        qscale = 1.0 / dscale
+        qscale = 1.0 / dscale if multiplier is None else multiplier.float().reshape(dscale.shape)
 
     folded = info.folds(power_of_two)
     want_amax = amax is None and info.per_tensor and xb.numel() > 0

@@ -324,12 +324,22 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return bits.view(torch.float32)
 
 
-def _fold_amax_fn(slot_ptr, counter_ptr, amax_ptr):
-    a = tl.load(amax_ptr).to(tl.float32)
-    finite = tl.abs(a) <= 3.4028234663852886e38  # False for inf and NaN
+def _fold_amax_fn(slot_ptr, counter_ptr, amax_ptr, N, BLOCK: tl.constexpr):
+    # one program walks the amaxes (one, or a row's or a tile's each) in blocks: their largest finite value and
+    # whether any is not finite
+    offsets = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    bad = tl.full([BLOCK], 0, tl.int32)
+    for start in range(0, N, BLOCK):
+        a = tl.load(amax_ptr + start + offsets, mask=start + offsets < N, other=0.0).to(tl.float32)
+        finite = tl.abs(a) <= 3.4028234663852886e38  # False for inf and NaN
+        best = tl.maximum(best, tl.where(finite, a, float("-inf")))
+        bad = tl.maximum(bad, tl.where(finite, 0, 1))
+    top = tl.reduce(best, 0, _larger)
+    any_bad = tl.reduce(bad, 0, _larger)
     slot = tl.load(slot_ptr)
-    tl.store(slot_ptr, tl.where(finite, tl.maximum(slot, a), slot))
-    tl.store(counter_ptr, tl.load(counter_ptr) + tl.where(finite, 0, 1).to(tl.int64))
+    tl.store(slot_ptr, tl.where(any_bad == 0, tl.maximum(slot, top), slot))
+    tl.store(counter_ptr, tl.load(counter_ptr) + any_bad.to(tl.int64))
 
 
 @functools.cache
@@ -338,8 +348,15 @@ def _fold_kernel():
     return _triton().jit(_fold_amax_fn)
 
 
+FOLD_BLOCK = 1024
+
+
 def fold_amax(slot: torch.Tensor, counter: torch.Tensor, amax: torch.Tensor) -> None:
-    """slot = max(slot, amax) where amax is finite, else counter += 1: one kernel launch for what takes eight torch
-    ops (`ScalingState.record` on a GPU). `slot` (float32) and `counter` (int64) are 0-dim views into the state's
-    buffers, `amax` a 0-dim float tensor; all on the device `available` accepts."""
-    _fold_kernel()[(1,)](slot, counter, amax)
+    """slot = max(slot, max(amax)) where every amax is finite, else counter += 1: one kernel launch for what takes
+    eight to twelve torch ops (`ScalingState.record` on a GPU). `slot` (float32) and `counter` (int64) are 0-dim views
+    into the state's buffers, `amax` a non-empty float tensor (a cast's amax: one, or one per row or block); all on
+    the device `available` accepts."""
+    flat = amax.reshape(-1)
+    if not flat.numel():
+        raise ValueError("fold_amax needs at least one amax")
+    _fold_kernel()[(1,)](slot, counter, flat, flat.numel(), BLOCK=FOLD_BLOCK)

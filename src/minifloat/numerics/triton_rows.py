@@ -109,8 +109,8 @@ def row_col_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = True, cols:
                          f"{tuple(x.shape)}, {fmt.name}, rows={rows}, cols={cols}")
     m, k = x.shape
     device = x.device
-    row_bits = torch.zeros(m, dtype=torch.int32, device=device)
-    col_bits = torch.zeros(k, dtype=torch.int32, device=device)
+    bits = torch.zeros(m + k, dtype=torch.int32, device=device)  # one launch fills both
+    row_bits, col_bits = bits[:m], bits[m:]
     from_fp8 = row_scales is not None
     source = x.view(torch.uint8) if from_fp8 else x
     lut = triton_blocks._decode_table(x.dtype, device) if from_fp8 else row_bits
