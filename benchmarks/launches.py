@@ -108,7 +108,7 @@ def _train_step(layer: torch.nn.Module, tokens: int, dim: int):
     return train_step
 
 
-def count(recipe, tokens: int, dim: int) -> dict:
+def count(recipe, tokens: int, dim: int, layers: int) -> dict:
     layer = mf.Fp8Linear(dim, dim, recipe=recipe, bias=False)
     train_step = _train_step(layer, tokens, dim)
     for _ in range(2):  # seeded delayed scales, cached weight casts: the steady state
@@ -120,9 +120,17 @@ def count(recipe, tokens: int, dim: int) -> dict:
     triton = sum(_launches.values())
     with CountOps() as end_ops:
         fp8_step(layer)
+    kernels = dict(_launches)
+    model = torch.nn.Sequential(*[mf.Fp8Linear(dim, dim, recipe=recipe, bias=False) for _ in range(layers)])
+    for _ in range(2):  # 16 tokens: the step end does not depend on them
+        model(torch.randn(16, dim)).sum().backward()
+        fp8_step(model)
+    with CountOps() as model_end_ops:  # all layers' states advance together
+        fp8_step(model)
     return {"torch_ops": sum(step_ops.ops.values()), "triton_launches": triton,
             "total": sum(step_ops.ops.values()) + triton, "step_end_ops": sum(end_ops.ops.values()),
-            "triton_kernels": dict(_launches), "ops": dict(step_ops.ops.most_common())}
+            "model_step_end_ops": sum(model_end_ops.ops.values()),
+            "triton_kernels": kernels, "ops": dict(step_ops.ops.most_common())}
 
 
 def host_time(layer: torch.nn.Module, tokens: int, dim: int, steps: int) -> float:
@@ -158,6 +166,7 @@ def main() -> None:
     parser.add_argument("--dim", type=int, default=256)
     parser.add_argument("--triton", action="store_true", help="run the Triton kernels (needs TRITON_INTERPRET=1 "
                                                               "on a CPU)")
+    parser.add_argument("--layers", type=int, default=24, help="layers of the model whose FP8 step end is counted")
     parser.add_argument("--verbose", action="store_true", help="list the ops")
     parser.add_argument("--host-time", type=int, default=0, metavar="STEPS",
                         help="also time STEPS steps per recipe with the Triton kernels' launches doing nothing (with "
@@ -174,9 +183,10 @@ def main() -> None:
         base = host_time(torch.nn.Linear(args.dim, args.dim, bias=False), args.tokens, args.dim, args.host_time)
         print(f"{'nn.Linear':8s} host time per step: {base:7.0f} µs (bfloat16 autocast, for comparison)")
     for name, recipe in RECIPES.items():
-        c = count(recipe, args.tokens, args.dim)
+        c = count(recipe, args.tokens, args.dim, args.layers)
         print(f"{name:8s} fwd+bwd: {c['total']:4d} launches ({c['torch_ops']} torch ops + {c['triton_launches']} "
-              f"Triton {c['triton_kernels']}); FP8 step end: {c['step_end_ops']} ops")
+              f"Triton {c['triton_kernels']}); FP8 step end: {c['step_end_ops']} ops, of {args.layers} layers "
+              f"{c['model_step_end_ops']}")
         if args.verbose:
             print("   ", c["ops"])
         if args.host_time:

@@ -413,3 +413,70 @@ def test_a_multiplier_needs_its_scale():
 
     with pytest.raises(ValueError, match="pass scale="):
         quantize(torch.ones(4, 4), E4M3, multiplier=torch.tensor(2.0))
+
+
+def _filled_state(history_len: int, seed: int) -> ScalingState:
+    g = torch.Generator().manual_seed(seed)
+    state = ScalingState(history_len)
+    state.amax_history.copy_(torch.rand(history_len, 3, generator=g) * 10.0 ** torch.randint(-3, 4, (1,), generator=g))
+    state.amax_history[:, 2] *= (torch.rand(history_len, generator=g) > 0.5).float()  # zeros: keep the old scale
+    state.scale.copy_(torch.rand(3, generator=g) * 100 + 1)
+    return state
+
+
+def test_advancing_many_states_at_once_is_advancing_each():
+    """advance_states stacks layers that share a history length and a rule: every buffer comes out bit for bit as
+    each state's own advance leaves it, for delayed (max and most-recent, margins, formats) and current recipes, a
+    resize, and a group of one."""
+    from minifloat.fp8.recipes import CurrentScaling
+    from minifloat.fp8.scaling import advance_states
+
+    recipes = [DelayedScaling(amax_history_len=4), DelayedScaling(amax_history_len=4),
+               DelayedScaling(amax_history_len=4, margin=2), DelayedScaling(amax_history_len=4, format="e4m3"),
+               DelayedScaling(amax_history_len=4, amax_compute="most_recent"),
+               DelayedScaling(amax_history_len=4, amax_compute="most_recent"),
+               DelayedScaling(amax_history_len=8),  # resized from 4
+               DelayedScaling(amax_history_len=1), DelayedScaling(amax_history_len=1),
+               CurrentScaling(), CurrentScaling(), CurrentScaling()]
+    lengths = [4, 4, 4, 4, 4, 4, 4, 1, 1, 4, 4, 16]
+    together = [_filled_state(n, seed) for seed, n in enumerate(lengths)]
+    alone = [_filled_state(n, seed) for seed, n in enumerate(lengths)]
+    for _ in range(3):
+        advance_states(together, recipes)
+        for state, recipe in zip(alone, recipes):
+            advance_states([state], [recipe])  # a group of one: the state's own update and roll
+        for a, b in zip(together, alone):
+            for key, value in b.state_dict().items():
+                assert torch.equal(a.state_dict()[key].view(torch.int32) if value.is_floating_point()
+                                   else a.state_dict()[key], value.view(torch.int32) if value.is_floating_point()
+                                   else value), key
+            assert a.generation == b.generation
+        for i, pair in enumerate(zip(together, alone)):
+            for state in pair:
+                state.amax_history[0] = torch.tensor([1.5, 0.0, 300.0]) * (i + 1)  # the next step's amaxes
+
+
+def test_the_step_end_of_a_model_takes_a_fixed_number_of_launches():
+    """Ending the FP8 step of 6 or of 24 delayed layers launches the same ops: the states advance together."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minifloat.fp8.step import fp8_step
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.count = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.count += not func.__name__.startswith(("view", "select", "slice", "unbind", "alias", "detach"))
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for n in (6, 24):
+        model = nn.Sequential(*[Fp8Linear(32, 32, recipe=DelayedScaling()) for _ in range(n)])
+        model(torch.randn(4, 32)).sum().backward()
+        with Ops() as ops:
+            assert fp8_step(model) == n
+        counts.append(ops.count)
+        assert all(m.fp8_state.generation == 1 for m in model)
+    assert counts[0] == counts[1] < 30

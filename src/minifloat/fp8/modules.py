@@ -164,6 +164,11 @@ class Fp8Linear(nn.Linear):
         """End this layer's FP8 step: new delayed scales from the amax history, history rolled, weight casts
         dropped. Called for you after optimizer steps (see minifloat.fp8.step)."""
         self.fp8_state.advance(self.recipe)
+        self.drop_weight_casts()
+
+    def drop_weight_casts(self) -> None:
+        """Forget the weight casts made for this FP8 step (its end does; `fp8_step` for many layers at once calls
+        this after advancing their states together)."""
         self._weights.clear()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -198,17 +198,11 @@ class ScalingState(nn.Module):
                         role.value)
             self._warned = True
 
-    @torch.no_grad()
     def advance(self, recipe) -> None:
         """The end of an optimizer step: delayed recipes turn the history into new scales (TE rule); the history
         rolls under every recipe, so it always holds the last H steps' amaxes (telemetry, and current statistics
-        when a run switches to delayed scaling)."""
-        self.generation += 1
-        if recipe.delayed:
-            self.resize(recipe.history_len)
-            self.update(recipe, {role: recipe.spec(role).fmt for role in ROLES})
-        else:
-            self.roll()
+        when a run switches to delayed scaling). `advance_states` does it for many layers at once."""
+        advance_states([self], [recipe])
 
     @torch.no_grad()
     def update(self, recipe: DelayedScaling, formats: dict[Role, object]) -> None:
@@ -216,15 +210,7 @@ class ScalingState(nn.Module):
 
         Roles with no amax recorded in the whole history keep their scale (fallback inside scale_from_amax).
         """
-        if AmaxCompute(recipe.amax_compute) == AmaxCompute.MAX:
-            amax = self.amax_history.amax(dim=0)
-        else:
-            amax = self.amax_history[0]
-        # the three roles' scales in one pass (their formats' maxima as a tensor); scale_from_amax keeps the previous
-        # scale where amax is 0 (nothing recorded in the whole history)
-        self.scale.copy_(scale_from_amax(amax, _format_maxima(tuple(formats[r].max for r in ROLES), amax.device),
-                                         margin=recipe.margin, fallback=self.scale))
-        self.roll()
+        _advance_one(self, (AmaxCompute(recipe.amax_compute), recipe.margin, tuple(formats[r].max for r in ROLES)))
 
     @torch.no_grad()
     def roll(self) -> None:
@@ -242,6 +228,50 @@ def _format_maxima(maxima: tuple[float, ...], device: torch.device) -> torch.Ten
     if key not in _MAXIMA:
         _MAXIMA[key] = torch.tensor(maxima, dtype=torch.float32, device=device)
     return _MAXIMA[key]
+
+
+@torch.no_grad()
+def advance_states(states: Sequence[ScalingState], recipes: Sequence) -> None:
+    """`state.advance(recipe)` for each pair, the same bits, in a number of kernel launches that does not grow with
+    the number of layers: states whose histories have one length and one device, under one delayed rule (or none),
+    are stacked, updated and rolled together and written back with one multi-tensor copy per buffer. (One by one, a
+    delayed layer's step end took 18 launches: 1,500 per optimizer step for a model of 84 FP8 linears.)"""
+    groups: dict[tuple, list[ScalingState]] = {}
+    for state, recipe in zip(states, recipes, strict=True):
+        state.generation += 1
+        rule = None
+        if recipe.delayed:
+            state.resize(recipe.history_len)
+            rule = (AmaxCompute(recipe.amax_compute), recipe.margin, tuple(recipe.spec(r).fmt.max for r in ROLES))
+        key = (state.amax_history.device, state.history_len, rule)
+        groups.setdefault(key, []).append(state)
+    for (device, _, rule), group in groups.items():
+        if len(group) == 1:
+            _advance_one(group[0], rule)
+            continue
+        history = torch.stack([s.amax_history for s in group])  # (layers, H, roles)
+        if rule is not None:
+            compute, margin, maxima = rule
+            amax = history.amax(dim=1) if compute == AmaxCompute.MAX else history[:, 0]
+            scales = scale_from_amax(amax, _format_maxima(maxima, device), margin=margin,
+                                     fallback=torch.stack([s.scale for s in group]))
+            torch._foreach_copy_([s.scale for s in group], list(scales.unbind(0)))
+        rolled = torch.roll(history, -1, 1)
+        rolled[:, 0].zero_()
+        torch._foreach_copy_([s.amax_history for s in group], list(rolled.unbind(0)))
+
+
+def _advance_one(state: ScalingState, rule: tuple | None) -> None:
+    """One state's step end under `rule` ((amax compute, margin, the roles' format maxima), None: roll only)."""
+    if rule is None:
+        state.roll()
+        return
+    compute, margin, maxima = rule
+    amax = state.amax_history.amax(dim=0) if compute == AmaxCompute.MAX else state.amax_history[0]
+    # the three roles' scales in one pass (their formats' maxima as a tensor); scale_from_amax keeps the previous
+    # scale where amax is 0 (nothing recorded in the whole history)
+    state.scale.copy_(scale_from_amax(amax, _format_maxima(maxima, amax.device), margin=margin, fallback=state.scale))
+    state.roll()
 
 
 def scaling_states(model: nn.Module) -> list[ScalingState]:
@@ -304,8 +334,7 @@ def reduce_states(states: list[ScalingState], group=None) -> int:
         return 0
     flat = torch.cat([s.amax_history[0] for s in states])  # (3·layers,): one message for the whole model
     torch.distributed.all_reduce(flat, op=torch.distributed.ReduceOp.MAX, group=group)
-    for s, chunk in zip(states, flat.split(len(ROLES))):
-        s.amax_history[0].copy_(chunk)
+    torch._foreach_copy_([s.amax_history[0] for s in states], list(flat.split(len(ROLES))))  # one launch
     return flat.numel()
 
 

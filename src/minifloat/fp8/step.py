@@ -33,7 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from minifloat.core.switch import ThreadSwitch
-from minifloat.fp8.scaling import reduce_states
+from minifloat.fp8.scaling import advance_states, reduce_states
 
 STEP_ON = ("optimizer", "manual")
 
@@ -94,8 +94,10 @@ def _end_step(layers: list[nn.Module]) -> int:
     if layers and _AMAX_GROUP is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
         reduce_states([layer.fp8_state for layer in layers],
                       group=None if _AMAX_GROUP is _DEFAULT_GROUP else _AMAX_GROUP)
+    # every layer's scaling state at once (a fixed number of launches, not 18 per layer), then each layer's casts
+    advance_states([layer.fp8_state for layer in layers], [layer.recipe for layer in layers])
     for layer in layers:
-        layer.fp8_step()
+        layer.drop_weight_casts()
     return len(layers)
 
 
