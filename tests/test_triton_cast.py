@@ -313,3 +313,16 @@ def test_self_check_passes_and_turns_broken_kernels_off(monkeypatch, caplog):
         caplog.clear()
         assert not triton_cast.self_check(torch.device("cpu"))
         assert len(caplog.records) == 1 and why in caplog.text and "casts run as compiled torch ops" in caplog.text
+
+
+def test_self_check_covers_recording_amaxes(monkeypatch, caplog):
+    """A fold kernel that loses the amaxes past its first block (a GPU whose Triton compiles the loop wrongly) turns
+    the kernels off, with the reason named."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    real = triton_cast.fold_amax
+    monkeypatch.setattr(triton_cast, "fold_amax", lambda slot, counter, amax: real(slot, counter,
+                                                                                   amax.reshape(-1)[:1024]))
+    monkeypatch.setattr(triton_cast, "_CHECKED", {})
+    caplog.clear()
+    assert not triton_cast.self_check(torch.device("cpu"))
+    assert "recording an amax differs from the torch path" in caplog.text

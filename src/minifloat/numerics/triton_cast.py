@@ -103,6 +103,8 @@ def self_check(device: torch.device) -> bool:
                 if not _same(expected, cast()):
                     problem = f"{name} differs from the torch path's"
                     break
+            if problem is None and not _folds_as_torch_does(device):
+                problem = "recording an amax differs from the torch path's"
         except Exception as err:  # noqa: BLE001 - any failure: the torch path instead
             problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
         _CHECKED[key] = problem is None
@@ -141,6 +143,28 @@ def _checks(device: torch.device):
     yield "an E4M3 cast per row and per column", lambda: quantize_both(tiles, E4M3, granularity="row")
     rows = quantize(tiles, E4M3, granularity="row")
     yield "an E4M3 re-quantization of FP8 rows", lambda: requantize_t(rows)
+
+
+def _folds_as_torch_does(device: torch.device) -> bool:
+    """fold_amax against ScalingState.record's torch ops: one amax and many (more than one block of the kernel's
+    walk), all finite or with an inf or a NaN among them."""
+    g = torch.Generator().manual_seed(0)
+    many = torch.rand(2500, generator=g) * 4.0
+    cases = [torch.tensor(3.5), torch.tensor(0.25), many]
+    for bad in (float("inf"), float("nan")):
+        spoiled = many.clone()
+        spoiled[1700] = bad
+        cases += [torch.tensor(bad), spoiled]
+    for amax in cases:
+        amax = amax.to(device)
+        slot, counter = torch.ones((), device=device), torch.zeros((), dtype=torch.int64, device=device)
+        fold_amax(slot, counter, amax)
+        top = amax.float().amax()
+        finite = torch.isfinite(top)
+        expected = torch.where(finite, torch.maximum(torch.ones_like(top), top), torch.ones_like(top))
+        if not (torch.equal(slot, expected) and int(counter) == int(~finite)):
+            return False
+    return True
 
 
 def _same(a, b) -> bool:
