@@ -319,6 +319,8 @@ def test_self_check_covers_recording_amaxes(monkeypatch, caplog):
     """A fold kernel that loses the amaxes past its first block (a GPU whose Triton compiles the loop wrongly) turns
     the kernels off, with the reason named."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_cast, "_checks", lambda device: iter(()))  # the casts' checks: the test above
+    assert triton_cast.self_check(torch.device("cpu"))  # the fold kernel as shipped passes
     real = triton_cast.fold_amax
     monkeypatch.setattr(triton_cast, "fold_amax", lambda slot, counter, amax: real(slot, counter,
                                                                                    amax.reshape(-1)[:1024]))
