@@ -480,3 +480,19 @@ def test_the_step_end_of_a_model_takes_a_fixed_number_of_launches():
         counts.append(ops.count)
         assert all(m.fp8_state.generation == 1 for m in model)
     assert counts[0] == counts[1] < 30
+
+
+def test_delayed_cast_scales_follow_a_step_end_of_many_layers():
+    """The batched step end writes the new scales with a multi-tensor copy: each state's reciprocals follow it."""
+    from minifloat.fp8.scaling import advance_states
+
+    states = [ScalingState(2) for _ in range(3)]
+    for i, state in enumerate(states):
+        state.delayed_cast_scales(0, lambda: torch.tensor(4.0), E4M3)  # seeds; its pair cached
+        state.record(Role.INPUT, torch.tensor(3.0 + 2 * i))  # 3, 5, 7: none gives 448 / 4
+    advance_states(states, [DelayedScaling(amax_history_len=2)] * 3)
+    for state in states:
+        d, m, _ = state.delayed_cast_scales(0, lambda: torch.tensor(1.0), E4M3)
+        s = state.scale[0].clone()
+        assert s.item() != 112.0
+        assert (_f32_bits(d), _f32_bits(m)) == (_f32_bits(1.0 / s), _f32_bits(1.0 / (1.0 / s)))
