@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minifloat.numerics.compiling import compile_enabled
+from minifloat.numerics.compiling import EAGER_BELOW, compile_enabled
 from minifloat.numerics.formats import BF16, E2M1, E4M3, E5M2, E8M0, FP16, NumberFormat
 from minifloat.numerics.granularity import GRANULARITIES, MX_BLOCK, TILE
 from minifloat.numerics.quantize import Quantized, cast, quantize, scale_from_amax, sqnr_db
@@ -990,3 +990,27 @@ def test_whole_128x128_blocks_cast_through_a_view_as_through_block_rows(gen, sha
         ta, tb = getattr(a, field), getattr(b, field)
         assert ta.shape == tb.shape and torch.equal(_bits(ta.contiguous()), _bits(tb.contiguous())), field
     assert a.data.is_contiguous() and a.operand.is_contiguous()
+
+
+@pytest.mark.parametrize("shape, dim", [
+    ((512, 96), -2),  # a 2-D tensor's column amaxes (row scaling's cast along the token axis)
+    ((4, 128, 96), -2),  # 128×1 tiles down the columns
+    ((16, 32, 96), 1),  # MX blocks of 32 down the columns
+    ((4, 128, 3, 32), -3),  # the tile view of requantize_t, (MB, 128, KB, n), with narrower blocks
+    ((8, 6144), 0),  # too few rows to split: one stage
+    ((520, 96), -2),  # a row count the split does not divide: one stage
+    ((512, 96), -1),  # along the rows: never split
+])
+def test_block_amax_down_the_columns_is_the_plain_reduction(shape, dim):
+    """abs_max along a dim other than the last reduces in two stages on the CPU (chunks of rows first, for memory
+    order): the same float32 maxima as one reduction, compiled (abs_max: tensors this large take the compiled
+    kernel) and eager, with NaN, -inf and a huge finite value where they are."""
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(shape, generator=gen).to(torch.bfloat16)
+    flat = x.view(-1)
+    flat[11], flat[-5], flat[flat.numel() // 2] = float("nan"), float("-inf"), -3e38
+    assert x.numel() >= EAGER_BELOW
+    expected = x.double().abs().amax(dim, keepdim=True).float()  # NaN propagates through amax
+    for got in (Q.abs_max(x, dim), Q._block_amax.eager(x, dim)):
+        assert got.dtype == torch.float32 and got.shape == expected.shape
+        assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(0), expected.nan_to_num(0))

@@ -134,8 +134,21 @@ def _cast_kernel(x: torch.Tensor, qscale: torch.Tensor, fmt_name: str, storage: 
 _cast_kernel_compiled = maybe_compile(_cast_kernel)
 
 
-def _block_amax_kernel(x: torch.Tensor, dim: int) -> torch.Tensor:
-    return x.abs().amax(dim=dim, keepdim=True).float()  # NaN propagates through amax
+# A CPU reduction down the columns (over a dim that is not the last) walks each strip of columns row by row, one
+# cache line per row and a page apart for wide tensors; split into this many chunks of consecutive rows, the first
+# stage reads them as streams and the second reduces what is left (2048×4096 bfloat16: 2.4 -> 0.8 ms on 2 cores).
+_DOWN_SPLIT = 8
+
+
+def _block_amax_kernel(x: torch.Tensor, dim: int | tuple[int, ...]) -> torch.Tensor:
+    y = x.abs()
+    if isinstance(dim, int) and x.device.type == "cpu":
+        d = dim % x.dim()
+        m = x.shape[d]
+        if d != x.dim() - 1 and m % _DOWN_SPLIT == 0 and m >= 2 * _DOWN_SPLIT:
+            # the same maximum (exact, NaN propagates) in two stages: chunks of rows, then the rows of a chunk
+            y = y.reshape(x.shape[:d] + (_DOWN_SPLIT, m // _DOWN_SPLIT) + x.shape[d + 1:]).amax(d)
+    return y.amax(dim=dim, keepdim=True).float()  # NaN propagates through amax
 
 
 _block_amax = maybe_compile(_block_amax_kernel)
