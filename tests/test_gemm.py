@@ -377,3 +377,29 @@ def test_native_takes_expanded_row_scales():
     out = scaled_mm(qa, qb, out_dtype=torch.bfloat16, backend="native")
     ref = qa.dequantize().double() @ qb.dequantize().double().T
     assert ((out.double() - ref).abs().max() / ref.abs().max()).item() <= BF16_OUT_RTOL
+
+
+@pytest.mark.parametrize("error", [RuntimeError("CUDA error: an illegal configuration"),
+                                   ValueError("Invalid scaling configuration for RowWise scaling")],
+                         ids=["RuntimeError", "ValueError"])
+def test_a_refused_native_gemm_runs_emulated_and_says_so_once(operands, monkeypatch, caplog, error):
+    """torch._scaled_mm refuses some configurations with a RuntimeError and others with a ValueError
+    (TORCH_CHECK_VALUE); either way the product runs emulated, with the same result as the emulated backend, and a
+    warning names the product once per shape."""
+    import minifloat.fp8.gemm as gemm
+
+    a_x, b_x, bias = operands
+    a = quantize(a_x, E4M3, granularity="row", operand_dtype=torch.bfloat16)
+    b = quantize(b_x, E4M3, granularity="row", operand_dtype=torch.bfloat16)
+
+    def refuse(*args, **kwargs):
+        raise error
+
+    monkeypatch.setattr(gemm, "native_mm", refuse)
+    monkeypatch.setattr(gemm, "_REFUSED", set())
+    want = scaled_mm(a, b, out_dtype=torch.bfloat16, bias=bias, backend="emulated")
+    with caplog.at_level("WARNING", logger="minifloat"):
+        for _ in range(2):
+            assert torch.equal(gemm._native(a, b, torch.bfloat16, bias, False), want)
+    refusals = [r for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 1 and str(error).split(":")[0] in refusals[0].getMessage()

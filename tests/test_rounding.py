@@ -13,6 +13,7 @@ import minifloat as mf
 from minifloat.numerics import compiling
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.quantize import cast
+from minifloat.numerics import rounding as R
 from minifloat.numerics.rounding import UNIFORM_BITS, counter_seed, counter_uniform, round_stochastic
 
 SR_FORMATS = [mf.BF16, mf.E4M3, mf.E5M2, mf.E2M1]
@@ -261,3 +262,55 @@ def test_counter_seeds_depend_on_seed_and_index_only():
     x, y = (counter_uniform(counter_seed(torch.tensor(9), torch.tensor(i)), (COUNTER_DRAWS,)).double() for i in (0, 1))
     r = torch.corrcoef(torch.stack([x, y]))[0, 1].item()
     assert abs(r) * math.sqrt(COUNTER_DRAWS) < Z_SIGMAS, r
+
+
+# ---------------------------------------------------------------------------------------------------- div_rn
+
+
+def _division_cases() -> tuple[torch.Tensor, torch.Tensor]:
+    """float32 (numerator, denominator) pairs: random magnitudes over the whole exponent range, and the edges —
+    quotients that overflow, land on float32's largest value or in its subnormals, zeros, infinities and NaN."""
+    gen = torch.Generator().manual_seed(11)
+    n = 200_000
+    mant = lambda: 1 + torch.rand(n, generator=gen, dtype=torch.float64)  # noqa: E731
+    expo = lambda: torch.randint(-140, 128, (n,), generator=gen).double()  # noqa: E731
+    num = (mant() * torch.exp2(expo())).float() * torch.where(torch.rand(n, generator=gen) < 0.5, -1.0, 1.0)
+    den = (mant() * torch.exp2(expo())).float()
+    edges = torch.tensor([
+        (448.0, 3.0), (1.0, 3.0), (2688.0, 7.0e-3), (1.0, 1e-38), (1.0, 2.0**-149), (3.4e38, 0.5), (3.4e38, 1.0),
+        (2.0**-126, 3.0), (2.0**-140, 7.0), (1.0, 0.0), (-1.0, 0.0), (0.0, 5.0), (-0.0, 5.0), (1.0, math.inf),
+        (math.inf, 2.0), (math.nan, 1.0), (1.0, math.nan), (0.0, 0.0), (57344.0, 1.7e-5), (6.0, 6.0)])
+    return torch.cat([num, edges[:, 0]]), torch.cat([den, edges[:, 1]])
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """NaN in the same places, every other element the same float32 bits (signed zeros included)."""
+    nan = a.isnan()
+    return torch.equal(nan, b.isnan()) and torch.equal(a[~nan].view(torch.int32), b[~nan].view(torch.int32))
+
+
+def test_division_through_float64_is_the_float32_division():
+    """The route compiled graphs take on a GPU: the float64 quotient of two float32 values rounded to float32 is their
+    IEEE float32 quotient, bit for bit (double rounding is innocuous for division), eager and compiled; reciprocals
+    too."""
+    num, den = _division_cases()
+    want = num / den  # IEEE float32 division (the CPU's)
+    via64 = R._div_via_float64(num, den)
+    assert _same_bits(via64, want)
+    compiled = torch.compile(R._div_via_float64, dynamic=True)
+    assert _same_bits(compiled(num, den), want)
+    assert _same_bits(R._div_via_float64(1.0, den), den.reciprocal())
+    assert _same_bits(R._div_via_float64(num, 6.0), num / torch.full_like(num, 6.0))
+
+
+def test_div_rn_is_the_tensor_division_and_never_a_product_by_a_reciprocal():
+    """div_rn with a float on either side divides tensor by tensor: `x / 6.0` on a GPU, and `448.0 / x` everywhere,
+    are products by a reciprocal (two roundings), which differ from the quotient somewhere in these cases."""
+    num, den = _division_cases()
+    finite = torch.isfinite(num) & torch.isfinite(den) & (den != 0)
+    num, den = num[finite], den[finite]
+    assert _same_bits(R.div_rn(448.0, den), torch.full_like(den, 448.0) / den)
+    assert _same_bits(R.div_rn(num, 6.0), num / torch.full_like(num, 6.0))
+    assert _same_bits(R.reciprocal_rn(den), den.reciprocal())
+    two_roundings = den.reciprocal() * 448.0
+    assert not torch.equal(two_roundings, R.div_rn(448.0, den))  # the difference div_rn exists for is real here

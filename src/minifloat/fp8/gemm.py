@@ -139,7 +139,7 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
     try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
         out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None,
                         fast_accum)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:  # torch raises either (TORCH_CHECK / TORCH_CHECK_VALUE)
         if torch.compiler.is_compiling():
             raise
         # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once per shape

@@ -34,7 +34,7 @@ from minifloat.core.rng import named_seed
 from minifloat.numerics import triton_cast
 from minifloat.numerics.hadamard import rht_signs
 from minifloat.numerics.quantize import scale_from_amax
-from minifloat.numerics.rounding import counter_seed
+from minifloat.numerics.rounding import counter_seed, reciprocal_rn
 from minifloat.fp8.recipes import DEFAULT_AMAX_HISTORY_LEN, ROLES, AmaxCompute, DelayedScaling, Role
 
 log = logging.getLogger("minifloat")
@@ -163,14 +163,14 @@ class ScalingState(nn.Module):
         fewer per cast)."""
         seeded = not torch.compiler.is_compiling() and self._host_seeded()[col]
         qscale, now = self.delayed_scale(col, amax, fmt, margin=margin, store=store)
-        # reciprocal() is `1.0 / s` bit for bit, in one kernel (the division launches a reciprocal and a product)
+        # reciprocal_rn is `1.0 / s` bit for bit (eager: one reciprocal kernel, where a division launches two)
         if not seeded:
-            inverse = qscale.reciprocal()
-            return inverse, inverse.reciprocal(), now
+            inverse = reciprocal_rn(qscale)
+            return inverse, reciprocal_rn(inverse), now
         key = (self.scale._version, self.scale.data_ptr(), self.scale.device)
         if self._reciprocals is None or self._reciprocals[0] != key:
-            inverse = self.scale.reciprocal()
-            self._reciprocals = (key, inverse, inverse.reciprocal())
+            inverse = reciprocal_rn(self.scale)
+            self._reciprocals = (key, inverse, reciprocal_rn(inverse))
         return self._reciprocals[1][col], self._reciprocals[2][col], now
 
     @torch.no_grad()

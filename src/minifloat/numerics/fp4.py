@@ -13,7 +13,7 @@ NVFP4 recipe). With A the tensor's amax and a_b a block's, in float32 arithmetic
     x̂     = (q · s_b) · g                               decoded: q · s_b is exact in float32 (2 + 4 significant
                                                         bits), so x̂ is the exact product rounded once
 
-Divisions are correctly rounded (tensor / tensor: torch computes `float / tensor` as a reciprocal times the float).
+Divisions are correctly rounded on every device and compiler (`minifloat.numerics.rounding.div_rn`).
 (a_b / 6) · s_enc is the paper's order; Transformer Engine's kernel computes a_b · (s_enc / 6), which can differ by
 one float32 ulp before the E4M3 rounding.
 
@@ -39,7 +39,7 @@ from minifloat.numerics.granularity import Granularity, pad_to_multiple
 from minifloat.numerics.hadamard import rht
 from minifloat.numerics.intquant import pack_nibbles, unpack_nibbles
 from minifloat.numerics.quantize import Quantized, abs_max, cast
-from minifloat.numerics.rounding import ROUNDINGS, counter_uniform, counter_uniform_at
+from minifloat.numerics.rounding import ROUNDINGS, counter_uniform, counter_uniform_at, div_rn
 
 NVFP4_BLOCK = 16  # arXiv 2509.25149 §2: 16 elements (1×16, or a 16×16 weight tile) share one E4M3 scale
 GLOBAL_RANGE = E4M3.max * E2M1.max  # 448 · 6 = 2688: the largest block scale times the largest element
@@ -111,28 +111,23 @@ def unpack_e2m1(packed: torch.Tensor, n: int | None = None) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------------- scales
 
 
-def _divide(numerator: float, t: torch.Tensor) -> torch.Tensor:
-    """numerator / t correctly rounded: torch evaluates `float / tensor` as t.reciprocal() · float, two roundings."""
-    return torch.full_like(t, numerator) / t
-
-
 def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     """s_enc = 2688 / amax in float32 (at most float32's max); 1 for a zero, infinite or NaN amax."""
     amax = amax.float()
-    s = _divide(GLOBAL_RANGE, amax).clamp(max=FP32.max)
+    s = div_rn(GLOBAL_RANGE, amax).clamp(max=FP32.max)
     return torch.where(torch.isfinite(amax) & (amax > 0), s, torch.ones_like(s))
 
 
 def block_scales(block_amax: torch.Tensor, s_enc: torch.Tensor) -> torch.Tensor:
     """E4M3 block decode scales s_b = e4m3((a_b / 6) · s_enc) as float32 values; 1 for a non-finite block amax."""
-    s_b = cast((block_amax.float() / E2M1.max) * s_enc, E4M3)  # saturates at 448: a given global amax may be small
+    s_b = cast(div_rn(block_amax.float(), E2M1.max) * s_enc, E4M3)  # saturates at 448: a given global amax may be small
     return torch.where(torch.isfinite(block_amax), s_b, torch.ones_like(s_b))
 
 
 def encode_multipliers(s_b: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     """r_b = 1 / (s_b · g), at most float32's max; 0 where s_b · g is 0 (the block then encodes to zeros)."""
     d = s_b * g
-    r = _divide(1.0, d).clamp(max=FP32.max)
+    r = div_rn(1.0, d).clamp(max=FP32.max)
     return torch.where(d > 0, r, torch.zeros_like(r))
 
 
@@ -286,7 +281,7 @@ def quantize_nvfp4(x: torch.Tensor, *, block_2d: bool = False, rounding: str = "
     x = x.detach()
     amax = abs_max(x, None) if global_amax is None else global_amax.detach().float().reshape(())
     s_enc = global_encode_scale(amax)
-    g = _divide(1.0, s_enc)
+    g = div_rn(1.0, s_enc)
 
     # contiguous: a strided view would block into one the kernel reads 10× slower (quantize_nvfp4_t quantizes a
     # transpose without the copy); float32 inside the kernel, which fuses the conversion
@@ -327,7 +322,7 @@ def quantize_nvfp4_t(x: torch.Tensor, *, rounding: str = "nearest", generator: t
         xp = rht(xp.float(), rht_signs, dim=-2)
     amax = abs_max(xp, None) if global_amax is None else global_amax.detach().float().reshape(())
     s_enc = global_encode_scale(amax)
-    g = _divide(1.0, s_enc)
+    g = div_rn(1.0, s_enc)
     xb = xp.reshape(xp.shape[0] // NVFP4_BLOCK, NVFP4_BLOCK, k)  # (M/16, 16, K): a block is 16 rows of a column
     data, s_b, operand = _nvfp4_cast(xb, s_enc, g, _sr_seed(rounding, generator, seed, xb.device), (-2,),
                                      operand_dtype, keep_data)

@@ -28,7 +28,7 @@ from minifloat.numerics.granularity import (
     to_blocks,
     whole_block_view,
 )
-from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, round_stochastic, round_to_grid
+from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, reciprocal_rn, round_stochastic, round_to_grid
 from minifloat.numerics import triton_blocks, triton_cast
 
 MX_RULES = ("up", "floor")
@@ -82,7 +82,9 @@ def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat | torch.Tensor, *, mar
     amax = amax.float()
     # clamp: for amax below ~fmt.max/3.4e38 the quotient overflows float32, yet the tensor deserves a huge scale
     fmax = fmt if isinstance(fmt, torch.Tensor) else fmt.max  # fmax / amax is fmax · (1 / amax), as torch computes it
-    s = (amax.reciprocal() * fmax / (2.0**margin)).clamp(max=torch.finfo(torch.float32).max)
+    # · 2^-margin, not / 2^margin: the same bits (a power-of-two scaling), and no float32 division for inductor's
+    # Triton code to approximate (minifloat.numerics.rounding.div_rn)
+    s = (reciprocal_rn(amax) * fmax * 2.0**-margin).clamp(max=torch.finfo(torch.float32).max)
     if power_of_two:  # 2^floor(log2 s), exactly: s = m·2^k with m in [0.5, 1) (frexp), so floor(log2 s) = k - 1
         s = torch.where(torch.isfinite(s) & (s > 0), exact_pow2(torch.frexp(s)[1] - 1), s)
     good = torch.isfinite(s) & (amax > 0) & (s > 0)
@@ -246,7 +248,9 @@ class Quantized:
             return self.data.float()
         if self.operand is None:
             raise ValueError("this Quantized holds neither data nor an operand")
-        return self.operand.float() / self.expanded_scale() if self.scale_folded else self.operand.float()
+        # folded scales are powers of two: the product by the reciprocal is the quotient, exactly
+        return (self.operand.float() * expand_scale(reciprocal_rn(self.scale), self.granularity, self.shape)
+                if self.scale_folded else self.operand.float())
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """data · scale in `dtype` (computed in float32, one compiled pass)."""
@@ -361,7 +365,7 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
             allowed = [g.value for g in Granularity if granularity_info(g).block is None]
             raise ValueError(f"an explicit scale is supported for {allowed} granularity, not '{granularity}'")
         dscale = scale.float().reshape(-1, 1) if info.per_row else scale.float().reshape(())
-        qscale = 1.0 / dscale if multiplier is None else multiplier.float().reshape(dscale.shape)
+        qscale = reciprocal_rn(dscale) if multiplier is None else multiplier.float().reshape(dscale.shape)
 
     folded = info.folds(power_of_two)
     want_amax = amax is None and info.per_tensor and xb.numel() > 0
@@ -398,9 +402,9 @@ def _scales_kernel(amax: torch.Tensor, fmt_name: str, e8m0: bool, margin: int, p
     fmt = FORMATS[fmt_name]
     if e8m0:  # MX: power-of-two scales by the MX rule
         dscale = mx_scale(amax, fmt, rule=mx_rule)
-        return 1.0 / dscale, dscale
+        return reciprocal_rn(dscale), dscale
     qscale = scale_from_amax(amax, fmt, margin=margin, power_of_two=power_of_two)
-    return qscale, 1.0 / qscale
+    return qscale, reciprocal_rn(qscale)
 
 
 _scales_compiled = maybe_compile(_scales_kernel)  # one pass over a block-scaled tensor's amaxes, not ten

@@ -5,6 +5,9 @@ power of two read from its own float32 exponent field (integer arithmetic on the
 with torch.round (round-half-to-even) and scaled back:
     ulp = 2^(max(e, emin) - m)     e = floor(log2 |y|) from y's exponent bits, m the format's mantissa bits
     round_to_grid(y) = round(y / ulp) · ulp
+The integer route scales by 1/ulp, built from the exponent as ulp is, rather than dividing: inductor's Triton code
+divides float32 values approximately (div.full.f32), even by a power of two. Divisions that must round (scales:
+fmt.max / amax, their reciprocals) go through `div_rn`, correctly rounded on every device and compiler.
 Every product and quotient here is exact (a power-of-two scaling that neither overflows nor underflows), so a compiler
 that contracts a multiply and an add into an FMA (inductor's Triton code on a GPU, or the C++ backend with
 TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast) cannot change a bit: an FMA of exact operations rounds
@@ -65,6 +68,40 @@ def exact_pow2(k: torch.Tensor) -> torch.Tensor:
     return ((half + 127) << 23).view(torch.float32) * ((k - half + 127) << 23).view(torch.float32)
 
 
+def div_rn(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
+    """num / den as float32, correctly rounded on every device and under every compiler, elementwise (float32 tensors,
+    or one of them a float that float32 holds exactly). For scales and per-block quantities, not whole tensors.
+
+    A float32 tensor-by-tensor division is IEEE in eager mode on every device and in inductor's C++ code, and that is
+    what runs there; a float operand is made a tensor first, because eager torch divides by a float as a product by
+    its reciprocal on a GPU and computes `float / tensor` as a reciprocal times the float (two roundings). Inductor's
+    Triton code (a compiled graph on a GPU) lowers a float32 `/` to the approximate div.full.f32 (up to 2 ulp) unless
+    `eager_numerics.division_rounding` is on, but a float64 one to div.rn.f64; there the quotient is taken in float64
+    and rounded to float32, which is the correctly rounded float32 quotient of two float32 values: double rounding is
+    innocuous for division when 53 >= 2·24 + 2 (Figueroa, "When is double rounding innocuous?", SIGNUM Newsletter
+    30(3), 1995).
+    """
+    like = den if isinstance(den, torch.Tensor) else num
+    if torch.compiler.is_compiling() and like.device.type != "cpu":
+        return _div_via_float64(num, den)
+    num = num if isinstance(num, torch.Tensor) else torch.full_like(den, num)
+    return num / (den if isinstance(den, torch.Tensor) else torch.full_like(num, den))
+
+
+def _div_via_float64(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
+    like = (den if isinstance(den, torch.Tensor) else num).double()
+    num64 = num.double() if isinstance(num, torch.Tensor) else torch.full_like(like, num)
+    den64 = den.double() if isinstance(den, torch.Tensor) else torch.full_like(like, den)
+    return (num64 / den64).float()
+
+
+def reciprocal_rn(x: torch.Tensor) -> torch.Tensor:
+    """1 / x as float32, correctly rounded on every device and compiler (`div_rn`): eager's `x.reciprocal()`."""
+    if torch.compiler.is_compiling() and x.device.type != "cpu":
+        return _div_via_float64(1.0, x)
+    return x.reciprocal()
+
+
 _FLOAT_ROUTE_MAX = 2.0**104  # a · 2^23 stays finite: the float route's domain ends here
 
 
@@ -91,11 +128,35 @@ def grid_spacing(a: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     """2^(max(floor(log2 a), fmt.emin) - fmt.mbits) for float32 a >= 0: the spacing of `fmt`'s grid around a (zero
     and float32 subnormals get the subnormal spacing). ±inf gives a finite spacing (a rounding then keeps inf); NaN
     gives NaN on the float route and a finite spacing on the integer one (a rounding keeps NaN either way)."""
+    return _spacing(a, fmt)[0]
+
+
+def _spacing(a: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, tuple[torch.Tensor, ...] | None]:
+    """(grid_spacing(a), powers of two whose product is its reciprocal, or None). The integer route builds the
+    reciprocal from the exponent too, so a rounding scales by it with products: a float32 division in inductor's
+    Triton code is the approximate div.full.f32, which need not be exact even by a power of two. It is one factor
+    where float32 holds it, two for wide formats (bfloat16's subnormal spacing 2^-133 has no float32 reciprocal).
+    The float route (CPU only, where a division is IEEE) gives None: the caller divides."""
     if _float_route(a, fmt):
-        return float_binade_power(a.clamp(2.0**fmt.emin, _FLOAT_ROUTE_MAX)) * 2.0**-fmt.mbits
+        return float_binade_power(a.clamp(2.0**fmt.emin, _FLOAT_ROUTE_MAX)) * 2.0**-fmt.mbits, None
     # floor(log2 a) from the exponent field; a zero or float32-subnormal a reads -127, below every format's emin
-    exponent = ((a.view(torch.int32) >> 23) & 0xFF) - 127
-    return exact_pow2(exponent.clamp(min=fmt.emin) - fmt.mbits)
+    exponent = (((a.view(torch.int32) >> 23) & 0xFF) - 127).clamp(min=fmt.emin)
+    ulp = exact_pow2(exponent - fmt.mbits)
+    k = fmt.mbits - exponent  # in [mbits - 128, mbits - emin]
+    if fmt.mbits - fmt.emin <= 127:
+        return ulp, (exact_pow2(k),)
+    half = k >> 1  # each factor within float32's normal range; y · 2^half · 2^(k - half) never leaves it either
+    return ulp, (exact_pow2(half), exact_pow2(k - half))
+
+
+def _in_units(y: torch.Tensor, ulp: torch.Tensor, inverse: tuple[torch.Tensor, ...] | None) -> torch.Tensor:
+    """y / ulp for a power-of-two ulp: exact either way (power-of-two scalings; the result has at most mbits + 1
+    integer bits, and a product's partial result lies between y and it)."""
+    if inverse is None:
+        return y / ulp
+    for factor in inverse:
+        y = y * factor
+    return y
 
 
 def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
@@ -113,10 +174,10 @@ def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
         return y.to(fmt.torch_dtype).float()  # torch's conversion is RNE with subnormals
     if fmt.special == Special.SCALE:
         return _round_pow2(y, fmt)
-    ulp = grid_spacing(y.abs(), fmt)
+    ulp, inverse = _spacing(y.abs(), fmt)
     # y / ulp has at most m + 1 integer bits: exact; torch.round is round-half-to-even; · ulp is exact again (a
     # carry into the next binade gives 2^(e+1), also exact). Signs, ±0, inf and NaN pass through unchanged.
-    return torch.round(y / ulp) * ulp
+    return torch.round(_in_units(y, ulp, inverse)) * ulp
 
 
 def _round_pow2(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
@@ -147,8 +208,8 @@ def round_stochastic(y: torch.Tensor, fmt: NumberFormat, u: torch.Tensor) -> tor
         return y
     a = y.abs()
     # floor(log2 a), exactly and with no frexp/exp2 (which compiled kernels run element by element)
-    ulp = grid_spacing(a, fmt)
-    units = a / ulp
+    ulp, inverse = _spacing(a, fmt)
+    units = _in_units(a, ulp, inverse)
     lo = torch.floor(units)
     up = (u >= 1.0 - (units - lo)).float()
     return torch.copysign((lo + up) * ulp, y)
