@@ -116,7 +116,8 @@ def test_train_with_shadow_and_rollback_reports_them(tmp_path, console):
 def test_train_rejects_bad_flags(argv, field, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path), *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("minifloat: error:") and err.count("\n") == 1 and field in err
+    # the field as its flag: "--eval-batches must be ..."
+    assert err.startswith("minifloat: error:") and err.count("\n") == 1 and "--" + field.replace("_", "-") in err
 
 
 def test_train_runs_as_a_command(tmp_path):

@@ -122,7 +122,9 @@ def test_os_error_line(name, err, line):
 SPELLING_CASES = [
     ("field='value'", "use activations='dynamic' otherwise", "use --activations dynamic otherwise"),
     ("field=value", "got keep_blocks=0,1 here", "got --keep-blocks 0,1 here"),
-    ("a bare field name is kept", "keep_blocks must be FIRST,LAST", "keep_blocks must be FIRST,LAST"),
+    ("a field that must be something", "keep_blocks must be FIRST,LAST", "--keep-blocks must be FIRST,LAST"),
+    ("a field as a word is kept", "the steps of keep_blocks ran", "the steps of keep_blocks ran"),
+    ("a switch", "pass overwrite=True to replace it", "pass --overwrite to replace it"),
     ("a path is kept", "no file /tmp/keep_blocks=1/a", "no file /tmp/keep_blocks=1/a"),
     ("another field is kept", "max_seq_len=128 is too short", "max_seq_len=128 is too short"),
 ]
@@ -130,7 +132,8 @@ SPELLING_CASES = [
 
 @pytest.mark.parametrize("name, message, line", SPELLING_CASES, ids=[c[0] for c in SPELLING_CASES])
 def test_python_spellings_become_flags(name, message, line):
-    flags = {"activations": "--activations", "keep_blocks": "--keep-blocks", "steps": "--steps"}
+    flags = {"activations": "--activations", "keep_blocks": "--keep-blocks", "steps": "--steps",
+             "overwrite": "--overwrite"}
     assert with_flags(message, flags) == line
 
 
@@ -210,3 +213,29 @@ def test_audit_table_shows_whole_layer_names(monkeypatch, terminal_width):
     if terminal_width is not None:
         assert max(len(line) for line in text.splitlines()) <= terminal_width
     assert console.width == 80  # restored
+
+
+def test_a_long_line_stays_one_line_in_a_log(monkeypatch):
+    """The commands' console prints a line of text whole where the output is a log or pipe (rich would assume 80
+    columns and break it): "continue with --resume" stays on the line it belongs to."""
+    console = Console(file=io.StringIO(), soft_wrap=common.console.soft_wrap)
+    assert not console.is_terminal and console.width == 80
+    line = "stopped by SIGINT at step 148/4000; checkpoint in runs/a-long-run-name/ckpt; continue with --resume"
+    console.print(line, highlight=False)
+    assert console.file.getvalue() == line + "\n"
+
+
+def test_the_telemetry_table_is_whole_in_a_log(capsys):
+    """tel.print_table() into a log or pipe: every cell whole, not cut to "…" at 80 columns."""
+    import torch
+
+    import minifloat as mf
+    from minifloat.fp8 import telemetry
+
+    model = mf.convert(torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Linear(64, 64)),
+                       recipe=mf.DelayedScaling(), keep_first_last=False)
+    with telemetry.capture() as tel:
+        model(torch.randn(8, 64)).sum().backward()
+    tel.print_table()
+    out = capsys.readouterr().out
+    assert "…" not in out and "grad_output" in out and "tensor" in out, out

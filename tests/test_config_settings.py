@@ -147,7 +147,7 @@ BAD_GROUPS = [
     ("empty data path", ModelData, dict(data=""), ["data", "''"]),
     ("floor above the peak", OptimizerSettings, dict(lr=1e-3, min_lr=1e-2), ["min_lr", "0.01"]),
     ("no steps", OptimizerSettings, dict(steps=0), ["steps", "0"]),
-    ("one state format", OptimizerSettings, dict(optimizer_state=("e4m3",)), ["optimizer_state", "'e4m3'"]),
+    ("one state format", OptimizerSettings, dict(optimizer_state=("e4m3",)), ["optimizer_state", "got e4m3"]),
     ("unknown preset", Precision, dict(preset="fp7"), ["preset", "'fp7'"]),
     ("keep_blocks out of range", Precision, dict(preset="fp8-delayed", keep_blocks=(0, 1.5)), ["keep_blocks"]),
     ("keep_blocks without a recipe", Precision, dict(keep_blocks=(0, 1)), ["keep_blocks '0,1'", "'bf16'"]),

@@ -295,17 +295,38 @@ def test_static_needs_a_source(tmp_path):
 
 
 def test_an_existing_export_is_refused_untouched_and_replaced_only_on_request(tmp_path):
+    """A non-empty folder is refused; with overwrite=True the new export's files replace the earlier export's, an
+    earlier export file the new one does not write goes, and the user's own files stay."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
-    with pytest.raises(FileExistsError, match="--overwrite"):
+    with pytest.raises(FileExistsError, match="overwrite=True"):
         export_hf(tiny(), out)
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
+    (out / hf.TOKENIZER_FILE).write_text("{}")  # an earlier export's tokenizer, for other weights
+    (out / hf.WEIGHTS_FILE).write_bytes(b"old weights")
     export_hf(tiny(), out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == sorted([hf.CONFIG_FILE, hf.GENERATION_FILE, hf.WEIGHTS_FILE])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["mine.txt", hf.CONFIG_FILE, hf.GENERATION_FILE,
+                                                             hf.WEIGHTS_FILE])
+    assert (out / "mine.txt").read_text() == "keep me"
+    assert read_hf_export(out) and (out / hf.WEIGHTS_FILE).read_bytes() != b"old weights"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
     with pytest.raises(ValueError, match="reference Llama"):
         export_hf(torch.nn.Linear(16, 16), tmp_path / "other")
+
+
+def test_an_export_never_replaces_a_run_or_a_checkpoint(fp8_run, tmp_path):
+    """overwrite=True replaces an earlier export, never a training run (its folder) or a checkpoint in it: both are
+    refused and left byte for byte as they were."""
+    def snapshot(folder):
+        return {p.relative_to(folder): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+    run = pathlib.Path(fp8_run)
+    before = snapshot(run)
+    for out in (run, run / "ckpt"):
+        with pytest.raises(FileExistsError, match="training run or checkpoint"):
+            export_hf(fp8_run, out, overwrite=True)
+    assert snapshot(run) == before
 
 
 # ---- transformers and the FP8 layouts ------------------------------------------------------------------------
@@ -457,7 +478,8 @@ CLI_ERRORS = [
     ("missing run", ["--run", "{tmp}/nope", "--out", "{tmp}/o"], ["run folder", "does not exist"]),
     ("no checkpoint", ["--run", "{tmp}", "--out", "{tmp}/o"], ["no checkpoint 'latest'"]),
     ("named checkpoint", ["--run", "{run}", "--out", "{tmp}/o", "--checkpoint", "step_9"], ["no checkpoint 'step_9'"]),
-    ("existing out", ["--run", "{run}", "--out", "{run}"], ["not empty", "--overwrite"]),
+    ("existing out", ["--run", "{run}", "--out", "{tmp}/mine"], ["not empty", "pass --overwrite to replace"]),
+    ("run as out", ["--run", "{run}", "--out", "{run}", "--overwrite"], ["training run or checkpoint"]),
     ("bad format", ["--run", "{run}", "--out", "{tmp}/o", "--format", "gguf"], ["--format", "'gguf'"]),
     ("bad dtype", ["--run", "{run}", "--out", "{tmp}/o", "--dtype", "fp8"], ["--dtype", "'fp8'"]),
     ("static blocks", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8-block", "--activations", "static"],
@@ -471,6 +493,8 @@ CLI_ERRORS = [
 
 @pytest.mark.parametrize("name, argv, words", CLI_ERRORS, ids=[c[0] for c in CLI_ERRORS])
 def test_cli_bad_input_is_one_line(fp8_run, tmp_path, capsys, name, argv, words):
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("mine")
     line = one_error_line(capsys, ["export", *[a.format(run=fp8_run, tmp=tmp_path) for a in argv]])
     assert all(w in line for w in words), line
     assert not (tmp_path / "o").exists()

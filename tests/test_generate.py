@@ -304,15 +304,17 @@ CLI_ERRORS = [
     ("max-new-tokens not a number", ["--run", "{run}", "--prompt", "x", "--max-new-tokens", "ten"],
      ["invalid option", "--max-new-tokens", "'ten'"]),
     ("max-new-tokens 0", ["--run", "{run}", "--prompt", "x", "--max-new-tokens", "0"],
-     ["invalid option", "max_new_tokens", "got 0"]),
+     ["invalid option", "--max-new-tokens", "got 0"]),
     ("temperature negative", ["--run", "{run}", "--prompt", "x", "--temperature", "-1"],
-     ["invalid option", "temperature", "got -1"]),
+     ["invalid option", "--temperature", "got -1"]),
     ("top-k past the vocabulary", ["--run", "{run}", "--prompt", "x", "--top-k", "1000"],
-     ["invalid option", "top_k", "got 1000"]),
+     ["invalid option", "--top-k", "got 1000"]),
     ("seed not an int", ["--run", "{run}", "--prompt", "x", "--seed", "1.5"], ["invalid option", "--seed", "'1.5'"]),
-    ("unknown kv cache", ["--run", "{run}", "--prompt", "x", "--kv-cache", "fp4"], ["invalid option", "kv_cache"]),
+    ("unknown kv cache", ["--run", "{run}", "--prompt", "x", "--kv-cache", "fp4"], ["invalid option", "--kv-cache"]),
     ("unknown fp8 recipe", ["--run", "{run}", "--prompt", "x", "--fp8", "tile"], ["invalid option", "--fp8"]),
     ("prompt past max_seq_len", ["--run", "{run}", "--prompt", "x" * 200], ["max_seq_len=128"]),
+    ("unknown device", ["--run", "{run}", "--prompt", "x", "--device", "tpu"], ["--device", "'tpu'", "cuda:N"]),
+    ("meta device", ["--run", "{run}", "--prompt", "x", "--device", "meta"], ["--device meta", "cannot generate"]),
 ]
 
 

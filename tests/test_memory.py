@@ -233,6 +233,16 @@ def test_cli_table_is_whole_in_a_log(monkeypatch, tmp_path):
     assert common.console.width == 80  # restored
 
 
+@pytest.mark.parametrize("device, words", [("meta", ["--device meta", "cannot take a training step"]),
+                                            ("tpu", ["--device", "'tpu'"])])
+def test_a_device_that_cannot_step_is_one_line(capsys, device, words):
+    argv = ["memory", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--max-bytes", "100000",
+            "--device", device]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("minifloat: error:") and all(w in err for w in words), err
+
+
 class Wrapped(torch.Tensor):
     """A wrapper tensor subclass posing as fp32 (as torchao's quantized optimizer states do) over uint8 codes and an
     fp32 scale per block of 64."""

@@ -360,6 +360,24 @@ def test_resume_refuses_a_changed_shard(tmp_path):
         train(dataclasses.replace(config, steps=2, resume=True), progress=False)
 
 
+def test_resume_checks_the_tokenizer_by_content_not_by_path(tmp_path, tokenizer_file):
+    """A run trained with --tokenizer resumes with the same tokenizer.json at another path (a copy, another spelling
+    of the path, another working folder); a tokenizer whose content differs is refused, naming --tokenizer."""
+    text = text_folder(tmp_path / "text")
+    config = TrainConfig(**{**SMALL, "checkpoint_every": 1}, steps=1, data=str(text), tokenizer=str(tokenizer_file),
+                         out=str(tmp_path / "run"))
+    train(config, progress=False)
+    copy = tmp_path / "elsewhere" / "tok.json"
+    copy.parent.mkdir()
+    copy.write_bytes(tokenizer_file.read_bytes())
+    resumed = train(dataclasses.replace(config, steps=2, resume=True, tokenizer=str(copy)), progress=False)
+    assert resumed.first_step == 1
+    other = tmp_path / "other.json"
+    train_bpe([(text / "doc00.txt").read_text(encoding="utf-8")], vocab_size=300).save(str(other))
+    with pytest.raises(ValueError, match="tokenizer changed.*--tokenizer"):
+        train(dataclasses.replace(config, steps=3, resume=True, tokenizer=str(other)), progress=False)
+
+
 # ---- the manifest -------------------------------------------------------------------------------------------------
 
 def test_manifest_notices_a_changed_shard(tmp_path):

@@ -119,13 +119,15 @@ def flags_of(args: argparse.Namespace) -> dict[str, str]:
 
 
 def with_flags(message: str, flags: dict[str, str]) -> str:
-    """`message` with the library's Python spelling of an option's value put as the command line spells it:
-    `activations='dynamic'` -> `--activations dynamic`. A bare field name ("keep_blocks must be ...") is left as
-    it is: the library's messages name the field, which the flag's name spells with dashes."""
+    """`message` with the library's Python spelling of an option put as the command line spells it:
+    `activations='dynamic'` -> `--activations dynamic`, `overwrite=True` -> `--overwrite`, and a field a sentence
+    begins with, "keep_blocks must be ..." -> "--keep-blocks must be ..." (only before "must": a field's name is also
+    a plain word elsewhere, "the model has ...")."""
     for field, flag in flags.items():
         message = re.sub(rf"(?<![\w./\\-]){re.escape(field)}=(?:'([^']*)'|([\w.,+-]+))",
-                         lambda m, flag=flag: f"{flag} {m.group(1) if m.group(1) is not None else m.group(2)}",
-                         message)
+                         lambda m, flag=flag: flag if m.group(2) == "True" else
+                         f"{flag} {m.group(1) if m.group(1) is not None else m.group(2)}", message)
+        message = re.sub(rf"(?<![\w./\\-]){re.escape(field)}(?= must )", flag, message)
     return message
 
 

@@ -7,7 +7,9 @@ from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
 
-console = Console()
+# soft_wrap: a line of text is printed as one line (a terminal folds it on screen); a log or pipe, where rich
+# would otherwise assume 80 columns and break it, keeps it whole and greppable. Tables: print_table.
+console = Console(soft_wrap=True)
 ERR = Console(stderr=True)
 TABLE_WIDTH_LIMIT = 1000  # columns a table printed into a log may take (its widest row, up to this)
 

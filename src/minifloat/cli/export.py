@@ -33,7 +33,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     run trained with a tokenizer gets its tokenizer.json (as minifloat generate finds it, or --tokenizer) and a
     tokenizer_config.json, which AutoTokenizer reads (a warning line when a token run's tokenizer is not found),
     and its end-of-text id as eos_token_id and bos_token_id in both configs (null for a byte run). An
-    --out that exists and is not empty is refused unless --overwrite. Exits with status 2 on a bad option, run
+    --out that exists and is not empty is refused unless --overwrite, which replaces only an earlier export's files
+    there; a folder holding a run or checkpoint is always refused. Exits with status 2 on a bad option, run
     folder or checkpoint."""
     from minifloat.inference.export import export_hf, run_calibration
 
@@ -83,5 +84,6 @@ def add_parser(sub) -> None:
     e.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="the tokenizer.json to copy into --out, for a run that records none (.bin shards without "
                         "meta.json) or whose file moved; refused unless its vocabulary size is the run's")
-    e.add_argument("--overwrite", action="store_true", help="replace a non-empty --out once the export is complete")
+    e.add_argument("--overwrite", action="store_true",
+                   help="replace an earlier export in --out once the new one is complete (other files there stay; a run or checkpoint is never replaced)")
     e.set_defaults(func=cmd_export)

@@ -95,7 +95,7 @@ def add_parser(sub) -> None:
                    help=f"cap on the corpus bytes read (default {d.max_bytes})")
     m.add_argument("--optimizer-state", default="fp32,fp32", metavar="FMT_M,FMT_V",
                    help="formats of AdamW's two moments, stored per block of 128: fp32, bf16, e4m3, e5m2, int8, "
-                        "int8-dynamic or int4 each (default fp32,fp32: torch.optim.AdamW)")
+                        "int8-dynamic, int4 or int4-dynamic each (default fp32,fp32: torch.optim.AdamW)")
     m.add_argument("--master", default="fp32", metavar="MODE",
                    help=f"how the weights keep small updates, as `minifloat train --master`: "
                         f"{', '.join(MASTER_UPDATES)} (default fp32)")

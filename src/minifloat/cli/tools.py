@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from rich.table import Table
 
 from minifloat.cli import common
+from minifloat.core.files import write_json
 from minifloat.core.validate import check_choice, check_int
 
 AUDIT_BYTES = 100_000  # corpus bytes the audited batch is drawn from
@@ -56,6 +57,18 @@ def _create_folder(flag: str, value: str, folder: pathlib.Path) -> None:
         raise common.CliError(f"{flag} {value}: cannot create the folder {folder} ({err.strerror or err})") from None
 
 
+DEMO_FILE = "demo.json"
+
+
+def _finite_or_null(obj):
+    """`obj` (dicts, lists, numbers) with every non-finite float as None."""
+    if isinstance(obj, dict):
+        return {k: _finite_or_null(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_finite_or_null(v) for v in obj]
+    return None if isinstance(obj, float) and not math.isfinite(obj) else obj
+
+
 def _cell(value: float, spec: str) -> str:
     """A table cell: "-" for nan (no bf16 run to compare with, no FP8 cast), else the value formatted by `spec`."""
     return "-" if math.isnan(value) else format(value, spec)
@@ -73,6 +86,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
         config = DemoConfig(steps=args.steps, batch=args.batch, seed=args.seed, variants=variants)
     out = pathlib.Path(args.out) if args.out else None
     if out is not None:
+        if (out / DEMO_FILE).exists() and not args.overwrite:  # refused before the work, never overwritten
+            raise common.CliError(f"--out {args.out} already holds {DEMO_FILE}; choose another --out, or pass "
+                                  f"--overwrite to replace it")
         _create_folder("--out", args.out, out)
     console = common.console
     log_lines = not console.is_terminal  # rich draws no live bar there: the variants' lines show the progress
@@ -101,12 +117,14 @@ def cmd_demo(args: argparse.Namespace) -> int:
         t.add_row(r.variant, _cell(r.final_loss, ".4f"), _cell(r.rel_diff_vs_bf16, "+.2%"),
                   _cell(r.ms_per_step, ".1f"), _cell(r.min_sqnr_db, ".1f"), _cell(r.max_saturated, ".2%"))
     common.print_table(t)
-    console.print(f"final loss = mean of the last {FINAL_LOSS_STEPS} steps' training loss; SQNR and saturation over "
-                  f"every FP8 cast of the last step (see minifloat.fp8.telemetry).")
+    last = min(FINAL_LOSS_STEPS, config.steps)
+    console.print(f"final loss = mean of the last {last} step{'s' * (last > 1)}' training loss; SQNR and saturation "
+                  f"over every FP8 cast of the last step (see minifloat.fp8.telemetry).")
     if out is not None:
-        (out / "demo.json").write_text(json.dumps({"results": [r.__dict__ for r in results], "curves": curves},
-                                                  indent=1))
-        console.print(f"wrote {out / 'demo.json'}")
+        # nan (no bf16 run to compare with, no FP8 cast, a diverged loss) is null: JSON has no NaN
+        write_json(out / DEMO_FILE, _finite_or_null({"results": [r.__dict__ for r in results], "curves": curves}),
+                   atomic=True)
+        console.print(f"wrote {out / DEMO_FILE}")
     return 0
 
 
@@ -190,7 +208,9 @@ def add_demo(sub) -> None:
     d.add_argument("--batch", type=int, default=256, help="sequences per batch (default 256)")
     d.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default 0)")
     d.add_argument("--variants", default="", help="comma list of variants (default: all)")
-    d.add_argument("--out", default="", help="folder to write demo.json with results and loss curves")
+    d.add_argument("--out", default="", help="folder to write demo.json with results and loss curves (an existing "
+                                             "demo.json there is refused unless --overwrite)")
+    d.add_argument("--overwrite", action="store_true", help="replace demo.json in --out")
     d.set_defaults(func=cmd_demo)
 
 

@@ -83,9 +83,16 @@ class Recorder:
         return t
 
     def print_table(self) -> None:
+        """Print `table()` on stdout: whole in a log or pipe (where rich would assume 80 columns and cut every cell
+        to "…", the console takes the table's own width), folded to the width of a terminal."""
         from rich.console import Console
+        from rich.measure import Measurement
 
-        Console().print(self.table())
+        console, table = Console(), self.table()
+        if not console.is_terminal:
+            console.width = max(console.width,
+                                Measurement.get(console, console.options.update_width(1000), table).maximum)
+        console.print(table)
 
 
 def enabled() -> bool:

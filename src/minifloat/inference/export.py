@@ -62,12 +62,12 @@ from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, trai
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
 from minifloat.core.files import fsync_path, write_json
-from minifloat.training.checkpoint import load_checkpoint, move_into_place
+from minifloat.training.checkpoint import MANIFEST_FILE, load_checkpoint, move_into_place
 from minifloat.training.config import SETTINGS, TrainConfig, recorded
 from minifloat.training.data import load_corpus, val_batches
 from minifloat.training.loop import build
 from minifloat.training.model import Llama
-from minifloat.training.rundir import CHECKPOINT_DIR
+from minifloat.training.rundir import CHECKPOINT_DIR, run_items
 from minifloat.training.sharded import is_sharded, load_sharded, read_extra
 from minifloat.training.tokenizer import LoadedTokenizer, load_tokenizer
 
@@ -286,12 +286,40 @@ def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str],
     return lines
 
 
+# every file an export writes: what --overwrite may replace in an existing folder (nothing else there is touched)
+EXPORT_FILES = (hf.CONFIG_FILE, hf.GENERATION_FILE, hf.WEIGHTS_FILE, hf.TOKENIZER_FILE, hf.TOKENIZER_CONFIG_FILE)
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
+    """Refuse an `out` the export must not write into: a file, a training run or checkpoint (never replaced), or a
+    non-empty folder without `overwrite`."""
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"{out} is a file; choose a folder for the export")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose a new path, or pass --overwrite "
-                              f"(overwrite=True) to replace it")
+    if not out.is_dir() or not any(out.iterdir()):
+        return
+    run = run_items(out) + [name for name in (MANIFEST_FILE,) if (out / name).exists()]
+    if run or is_sharded(out):
+        raise FileExistsError(f"{out} holds a training run or checkpoint ({', '.join(run) or 'sharded'}), which an "
+                              f"export never replaces; choose another folder for the export")
+    if not overwrite:
+        raise FileExistsError(f"{out} exists and is not empty; choose a new path, or pass overwrite=True to replace "
+                              f"the export there (other files in it stay)")
+
+
+def _put_in_place(tmp: Path, out: Path) -> None:
+    """Move the complete export in `tmp` to `out`: one rename for a new folder; into an existing one (overwrite), file
+    by file (each replaced in one rename), and the export files of an earlier export it does not write again are
+    removed. Other files in `out` stay."""
+    if not out.exists():
+        move_into_place(tmp, out)
+        return
+    written = {path.name for path in tmp.iterdir()}
+    for name in sorted(written):
+        os.replace(tmp / name, out / name)
+    for name in EXPORT_FILES:
+        if name not in written and (out / name).is_file():
+            (out / name).unlink()  # a tokenizer of the earlier export, say, that would not match these weights
+    tmp.rmdir()
 
 
 def _tokenizer(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.PathLike | None,
@@ -339,11 +367,12 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
             it (minifloat.inference.calibrate, as prepare_inference calibrates).
         tokenizer: a tokenizer.json to copy into the export, checked against the model's vocabulary; None for a
             run's own (found as minifloat generate finds it; a warning when a token run's cannot be found).
-        overwrite: replace a non-empty `out_dir` (only once the new export is complete).
+        overwrite: write into a non-empty `out_dir`, replacing an earlier export's files there once the new
+            export is complete (other files stay; a folder holding a run or checkpoint is refused anyway).
     Returns:
         The export folder.
     Raises:
-        FileExistsError: `out_dir` is a file, or a non-empty folder and not `overwrite`.
+        FileExistsError: `out_dir` is a file, holds a run or checkpoint, or is non-empty and not `overwrite`.
         FileNotFoundError: no such run folder or checkpoint.
         ValueError: an unknown format / dtype / activations, static scales that cannot be had, another model.
     """
@@ -377,7 +406,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         for path in (*tmp.iterdir(), tmp):
             fsync_path(path)
         _check_out(out, overwrite)  # nothing appeared there meanwhile
-        move_into_place(tmp, out)
+        _put_in_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

@@ -41,7 +41,7 @@ from minifloat.inference.tokenizer import ByteTokenizer
 from minifloat.training.memory import StorageLedger
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.training.rundir import RUN_FILE
-from minifloat.training.throughput import resolve_device
+from minifloat.training.throughput import compute_device
 
 # FP8 weights by name (`minifloat generate --fp8`, benchmarks/generate.py): prepare_inference's recipe for each weight
 # granularity, activations scaled per token (tensor, row), per 1×128 tile (block) or per 32-element block (mx)
@@ -259,7 +259,7 @@ def load_run_model(run_dir: str | pathlib.Path, *, checkpoint: str = "latest",
         CheckpointError (a ValueError): the checkpoint is corrupt or does not fit its own config.
         ValueError: the device is not available.
     """
-    target = resolve_device(str(device) if device is not None else run_device(run_dir))
+    target = compute_device(str(device) if device is not None else run_device(run_dir), "generate")
     trained = load_run(run_dir, checkpoint=checkpoint)
     with restoring_rng():  # the new model's random init, overwritten below, leaves torch's generator alone
         model = Llama(trained.config)

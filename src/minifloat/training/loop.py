@@ -140,7 +140,8 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
     changes = corpus.manifest.changes(saved["data"])
     if changes:
         raise ValueError(f"the corpus differs from the one checkpoint {ckpt_dir} was trained on: "
-                         f"{'; '.join(changes[:5])}; resume with the same --data and --max-bytes")
+                         f"{'; '.join(changes[:5])}; resume with the same --data, --max-bytes and --tokenizer "
+                         f"(the same contents: paths may differ)")
     if is_sharded(ckpt_dir):  # written by several ranks: DCP reshards it to this run's ranks
         extra = load_sharded(ckpt_dir, model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard,
                              loader=loader)

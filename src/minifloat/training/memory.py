@@ -40,7 +40,7 @@ from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, load_corpus
 from minifloat.training.loop import build, forward_backward
 from minifloat.training.optimizer import grad_param_groups, master_tensors
-from minifloat.training.throughput import resolve_device
+from minifloat.training.throughput import compute_device
 
 # the same step in plain precisions, measured beside the run: (name, preset), each with torch.optim.AdamW
 BASELINES = (("fp32 AdamW", "fp32"), ("bf16 AdamW", "bf16"))
@@ -189,7 +189,7 @@ def measure(config: TrainConfig, *, optimizer: OptimizerFactory | None = None,
     if config.nproc != 1 or config.compile:
         raise ValueError(f"memory measures one eager process: nproc must be 1 and compile off, got "
                          f"nproc={config.nproc}, compile={config.compile}")
-    device = resolve_device(config.device)
+    device = compute_device(config.device, "take a training step")
     (x, y), vocab_size = (batch, vocab_size) if batch is not None else first_batch(config, device)
     run = build(config, device, vocab_size=vocab_size)
     if optimizer is not None:
@@ -237,7 +237,7 @@ def memory_report(config: TrainConfig, *, optimizer: OptimizerFactory | None = N
         optimizer: makes the run's optimizer from (model, param groups); None for AdamW as `minifloat train` has it.
         baselines: also measure BASELINES (two more steps).
     """
-    device = resolve_device(config.device)
+    device = compute_device(config.device, "take a training step")
     batch, vocab_size = first_batch(config, device)
     run = measure(config, optimizer=optimizer, batch=batch, vocab_size=vocab_size)
     plain = {label: measure(plain_config(config, preset), batch=batch, vocab_size=vocab_size).footprint

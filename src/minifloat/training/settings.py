@@ -89,8 +89,9 @@ class ModelData:
                                                "(token shards are memory-mapped, never capped)")
     tokenizer: str | None = setting(
         None, "tokenizer.json of Hugging Face tokenizers that turns the --data text into tokens; the model's "
-              "vocabulary is the tokenizer's (default: bytes, 256 ids; token shards name their own)",
-        resume="fixed", why="changes the tokens the model reads", absent=None, metavar="FILE")
+              "vocabulary is the tokenizer's (default: bytes, 256 ids; token shards name their own). A resumed run "
+              "takes the run's unless given, and checks the file by its content, as it checks --data",
+        metavar="FILE")
     grad_accum: int = setting(1, "micro-batches of --batch-size per optimizer step; FP8 scales advance once per "
                                  "step", resume="fixed", why=_SAME_BATCHES, metavar="K")
 
@@ -125,8 +126,8 @@ class OptimizerSettings:
     grad_clip: float = setting(1.0, "gradient L2 norm limit")
     optimizer_state: tuple[str, str] = setting(
         ("fp32", "fp32"), "formats of AdamW's two moments M,V, stored per block of 128: fp32, bf16, e4m3, e5m2, "
-                          "int8, int8-dynamic or int4 each (e.g. e4m3,bf16: 3 B/param instead of 8; norms, embeddings "
-                          "and small tensors keep fp32)", resume="fixed",
+                          "int8, int8-dynamic, int4 or int4-dynamic each (e.g. e4m3,bf16: 3 B/param instead of 8; "
+                          "norms, embeddings and small tensors keep fp32)", resume="fixed",
         why="changes how the optimizer state is stored", metavar="M,V")
 
     def __post_init__(self):
@@ -139,8 +140,10 @@ class OptimizerSettings:
         check_number("grad_clip", self.grad_clip, low=0.0, low_open=True)
         if (not isinstance(self.optimizer_state, tuple) or len(self.optimizer_state) != 2
                 or any(f not in STATE_FORMATS for f in self.optimizer_state)):
+            got = (",".join(map(str, self.optimizer_state)) if isinstance(self.optimizer_state, tuple)
+                   else repr(self.optimizer_state))
             raise ValueError(f"optimizer_state must be two formats M,V (the moments of AdamW), each one of "
-                             f"{', '.join(STATE_FORMATS)}; got {self.optimizer_state!r}")
+                             f"{', '.join(STATE_FORMATS)}; got {got}")
 
 
 def state_formats_from(text: str) -> tuple[str, ...]:
@@ -240,4 +243,4 @@ class RunSettings:
         check_bool("resume", self.resume)
         check_bool("overwrite", self.overwrite)
         if self.resume and self.overwrite:
-            raise ValueError("resume continues the run in out and overwrite replaces it: choose one")
+            raise ValueError("resume=True continues the run in out and overwrite=True replaces it: choose one")

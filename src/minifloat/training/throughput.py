@@ -10,6 +10,8 @@ there is no meaningful peak and MFU is None.
 
 from __future__ import annotations
 
+import re
+
 import torch
 from torch import nn
 
@@ -41,6 +43,8 @@ def resolve_device(name: str) -> torch.device:
     Raises:
         ValueError: a CUDA device was asked for and torch has none, or its index is out of range.
     """
+    if not isinstance(name, str) or not re.fullmatch(r"auto|cpu|meta|cuda(:\d+)?", name):
+        raise ValueError(f"--device must be auto, cpu, cuda or cuda:N, got {name!r}")
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -51,6 +55,15 @@ def resolve_device(name: str) -> torch.device:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices (cuda:0 .. "
                              f"cuda:{torch.cuda.device_count() - 1})")
+    return device
+
+
+def compute_device(name: str, what: str) -> torch.device:
+    """resolve_device for work that computes (`what`, e.g. "generate"): the meta device, which holds shapes and no
+    numbers, is refused in one line."""
+    device = resolve_device(name)
+    if device.type == "meta":
+        raise ValueError(f"--device meta holds shapes only and cannot {what}; use --device cpu, cuda or auto")
     return device
 
 
