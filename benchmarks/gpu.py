@@ -39,7 +39,8 @@ Usage:
     python benchmarks/gpu.py --sections linear,llama8b --variants current,torchao-tensorwise --compile-variants all
     python benchmarks/gpu.py --smoke --device cpu --json /tmp/smoke.json    # tiny shapes, seconds on a CPU
 The JSON (default runs/gpu_bench.json; an existing file is refused without --overwrite) holds every figure and the
-machine; --markdown writes the tables for docs/benchmarks.md.
+machine; it is rewritten after every measurement ("complete": false until the end), so a run stopped by a time limit
+keeps what it measured. --markdown writes the tables for docs/benchmarks.md.
 
 No numbers here are asserted anywhere: this is a measurement, not a test.
 """
@@ -411,7 +412,8 @@ def plan(args, names: list[str]) -> list[Case]:
     return cases + [Case(s, 0, v, True) for s, vs in priority if s in args.sections for v in vs if v in names]
 
 
-def run(cases: list[Case], args, variants: dict[str, Variant]) -> list[dict]:
+def run(cases: list[Case], args, variants: dict[str, Variant], save: Callable[[list[dict]], None]) -> list[dict]:
+    """Every case in turn; `save(rows)` after each, so a run stopped early (a time limit, a crash) keeps its rows."""
     references, rows, longest = {}, [], {}
     for case in cases:
         elapsed = time.perf_counter() - args.start
@@ -429,6 +431,7 @@ def run(cases: list[Case], args, variants: dict[str, Variant]) -> list[dict]:
         what = row.get("error") or f"{row['step_ms']:9.2f} ms  SQNR {_db(row)}"
         step_time.progress.print(f"{elapsed:6.0f} s  {case.section:<8} {row['shape']:<28.28} {case.variant:<19} "
                                  f"{case.mode:<8} {what}  ({row['wall_s']:.1f} s)")
+        save(rows)
     add_speedups(rows)
     return rows
 
@@ -600,17 +603,28 @@ def main(argv=None) -> int:
 
     info = describe_machine(args.device)
     step_time.progress.print(f"{machine_line(info)}\nsections {', '.join(args.sections)}; variants {', '.join(names)}")
-    rows = run(plan(args, names), args, {v.name: v for v in VARIANTS})
     config = {k: v for k, v in vars(args).items() if k not in ("start", "device")}
-    result = {"command": step_time.command_line(), "config": config, "machine": info, "notes": NOTES,
-              "skipped": skipped, "sections": {s: [r for r in rows if r["section"] == s] for s in args.sections},
-              "wall_s": time.perf_counter() - args.start}
-    pathlib.Path(args.json).parent.mkdir(parents=True, exist_ok=True)
-    pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
+    json_path = pathlib.Path(args.json)
+    json_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save(rows: list[dict], complete: bool = False) -> None:
+        """The JSON with the rows so far ("complete": false until the last), replaced in one rename."""
+        rows = [dict(r) for r in rows]
+        add_speedups(rows)
+        result = {"command": step_time.command_line(), "config": config, "machine": info, "notes": NOTES,
+                  "skipped": skipped, "complete": complete,
+                  "sections": {s: [r for r in rows if r["section"] == s] for s in args.sections},
+                  "wall_s": time.perf_counter() - args.start}
+        tmp = json_path.with_name(f".{json_path.name}.tmp")
+        tmp.write_text(json.dumps(result, indent=2))
+        tmp.replace(json_path)
+
+    rows = run(plan(args, names), args, {v.name: v for v in VARIANTS}, save)
+    save(rows, complete=True)
     if args.markdown:
         pathlib.Path(args.markdown).write_text(markdown(rows, skipped, info))
     print_tables(rows, skipped, info)
-    step_time.progress.print(f"{result['wall_s']:.0f} s; wrote {args.json}")
+    step_time.progress.print(f"{time.perf_counter() - args.start:.0f} s; wrote {args.json}")
     return 0
 
 

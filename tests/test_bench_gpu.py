@@ -124,3 +124,28 @@ def test_a_failing_variant_gets_a_row_with_the_reason_and_the_run_goes_on(bench,
     assert {r["variant"] for r in failed} == {"row"} and all("no-such-granularity" in r["error"] for r in failed)
     assert all("\n" not in r["error"] for r in failed)
     assert all(math.isfinite(r["step_ms"]) for r in gemm if r["variant"] != "row")
+
+
+def test_a_run_stopped_partway_keeps_what_it_measured(bench, tmp_path, monkeypatch):
+    """The JSON is rewritten after every row: a run stopped by a time limit (here: the fourth case raises) leaves a
+    valid JSON with the rows before it, marked incomplete; a run that ends marks it complete."""
+    real, calls = bench.run_case, []
+
+    def stop_at_fourth(case, *args, **kwargs):
+        calls.append(case)
+        if len(calls) == 4:
+            raise KeyboardInterrupt  # what a time limit's signal amounts to here
+        return real(case, *args, **kwargs)
+
+    monkeypatch.setattr(bench, "run_case", stop_at_fourth)
+    path = tmp_path / "partial.json"
+    with pytest.raises(KeyboardInterrupt):
+        bench.main(["--smoke", "--device", "cpu", "--sections", "gemm", "--no-compile", "--json", str(path)])
+    partial = json.loads(path.read_text())
+    assert partial["complete"] is False and len(partial["sections"]["gemm"]) == 3
+    assert all(math.isfinite(r["step_ms"]) for r in partial["sections"]["gemm"])
+    monkeypatch.setattr(bench, "run_case", real)
+    assert bench.main(["--smoke", "--device", "cpu", "--sections", "gemm", "--no-compile", "--json", str(path),
+                       "--overwrite"]) == 0
+    whole = json.loads(path.read_text())
+    assert whole["complete"] is True and len(whole["sections"]["gemm"]) > 3

@@ -343,7 +343,11 @@ NATIVE_PAIRS = [
 @pytest.mark.parametrize("out_dtype, rtol", [(torch.float32, NATIVE_FP32_RTOL), (torch.bfloat16, BF16_OUT_RTOL),
                                              (torch.float16, BF16_OUT_RTOL)], ids=["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize("fa, fb", [c[1:] for c in FORMAT_PAIRS], ids=[c[0] for c in FORMAT_PAIRS])
-def test_native_matches_emulated(ga, gb, m, k, n, out_dtype, rtol, fa, fb):
+def test_native_matches_emulated(ga, gb, m, k, n, out_dtype, rtol, fa, fb, monkeypatch):
+    import minifloat.fp8.gemm as gemm
+
+    refused = []  # a refusal would fall back to the emulation, silently passing this test: it fails it instead
+    monkeypatch.setattr(gemm, "_warn_native_refused", lambda a, b, exc: refused.append(" ".join(str(exc).split())))
     gen = torch.Generator(device="cuda").manual_seed(0)
     a = torch.randn(m, k, device="cuda", generator=gen) * 3.0
     b = torch.randn(n, k, device="cuda", generator=gen) * 0.05
@@ -354,6 +358,7 @@ def test_native_matches_emulated(ga, gb, m, k, n, out_dtype, rtol, fa, fb):
     if reason is not None:
         pytest.skip(f"not native on this GPU: {reason}")
     native = scaled_mm(qa, qb, out_dtype=out_dtype, bias=bias, backend="native")
+    assert not refused, f"torch._scaled_mm refused a product native_support admits: {refused[0][:300]}"
     emulated = scaled_mm(qa, qb, out_dtype=out_dtype, bias=bias, backend="emulated")
     ref_nobias = qa.dequantize().double() @ qb.dequantize().double().T
     ref = ref_nobias + bias.double()

@@ -328,3 +328,11 @@ def test_self_check_covers_recording_amaxes(monkeypatch, caplog):
     caplog.clear()
     assert not triton_cast.self_check(torch.device("cpu"))
     assert "recording an amax differs from the torch path" in caplog.text
+
+
+def test_tensors_of_2_31_elements_take_the_torch_path(monkeypatch):
+    """The kernels address elements with int32 offsets: a tensor of 2^31 elements or more is never sent to them
+    (meta tensors: the sizes without the memory)."""
+    monkeypatch.setattr(triton_cast, "interpreted", lambda: True)
+    assert triton_cast.available(torch.empty(2**16, 2**15 - 1, device="meta"))
+    assert not triton_cast.available(torch.empty(2**16, 2**15, device="meta"))

@@ -71,14 +71,16 @@ def interpreted() -> bool:
 
 def available(x: torch.Tensor) -> bool:
     """Whether `fused_cast` can run on `x` here: a CUDA tensor with Triton, or any tensor in the interpreter; on a
-    GPU only once `self_check` passed there."""
-    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()):
+    GPU only once `self_check` passed there. Tensors of 2^31 elements or more take the torch path: the kernels
+    address elements with int32 offsets."""
+    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()) or x.numel() >= MAX_ELEMENTS:
         return False
     if _triton() is None:
         return False
     return self_check(x.device) if x.is_cuda else True
 
 
+MAX_ELEMENTS = 2**31  # int32 element offsets in every kernel
 _CHECKING: list = []  # non-empty while self_check runs: quantize then takes the torch path, the reference
 _CHECKED: dict[str, bool] = {}  # per device: did the kernels give the torch path's bits?
 
@@ -305,7 +307,7 @@ def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor | None, 
     if (qscale is None) == (amax is None):
         raise ValueError("fused_cast takes either qscale or amax")
     m, k = x.shape
-    q = (qscale if qscale is not None else amax).float().contiguous()
+    q = (qscale if qscale is not None else amax).to(x.device, torch.float32).contiguous()  # a CPU 0-d scale too
     along_code = {"tensor": 0, "row": 1, "column": 2}[along]
     dtype = fmt.torch_dtype
     out = torch.empty((m, k), dtype=dtype, device=x.device) if write else None
