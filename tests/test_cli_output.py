@@ -239,3 +239,9 @@ def test_the_telemetry_table_is_whole_in_a_log(capsys):
     tel.print_table()
     out = capsys.readouterr().out
     assert "…" not in out and "grad_output" in out and "tensor" in out, out
+
+
+def test_version(capsys):
+    with pytest.raises(SystemExit) as stop:
+        main(["--version"])
+    assert stop.value.code == 0 and re.fullmatch(r"minifloat \d+\.\d+\.\d+\S*\n", capsys.readouterr().out)

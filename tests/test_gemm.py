@@ -408,3 +408,8 @@ def test_a_refused_native_gemm_runs_emulated_and_says_so_once(operands, monkeypa
             assert torch.equal(gemm._native(a, b, torch.bfloat16, bias, False), want)
     refusals = [r for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) == 1 and str(error).split(":")[0] in refusals[0].getMessage()
+
+
+def test_plain_tensors_are_refused_in_one_line():
+    with pytest.raises(TypeError, match=r"quantized operands, mf.quantize.*got Tensor and Tensor"):
+        scaled_mm(torch.randn(4, 32), torch.randn(8, 32))

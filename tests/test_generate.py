@@ -217,7 +217,7 @@ BAD_OPTIONS = [
     ("top_k a float", dict(top_k=2.5), ["top_k", "got 2.5"]),
     ("negative seed", dict(seed=-1), ["seed", "got -1"]),
     ("unknown cache", dict(kv_cache="fp4"), ["kv_cache", "'fp4'"]),
-    ("past max_seq_len", dict(max_new_tokens=127), ["need 129 positions", "max_seq_len=128"]),
+    ("past max_seq_len", dict(max_new_tokens=127), ["need 129 positions", "max_seq_len=128", "at most 126 new"]),
 ]
 
 
@@ -312,7 +312,8 @@ CLI_ERRORS = [
     ("seed not an int", ["--run", "{run}", "--prompt", "x", "--seed", "1.5"], ["invalid option", "--seed", "'1.5'"]),
     ("unknown kv cache", ["--run", "{run}", "--prompt", "x", "--kv-cache", "fp4"], ["invalid option", "--kv-cache"]),
     ("unknown fp8 recipe", ["--run", "{run}", "--prompt", "x", "--fp8", "tile"], ["invalid option", "--fp8"]),
-    ("prompt past max_seq_len", ["--run", "{run}", "--prompt", "x" * 200], ["max_seq_len=128"]),
+    ("prompt past max_seq_len", ["--run", "{run}", "--prompt", "x" * 200],
+     ["prompt of 200 tokens is longer than", "max_seq_len=128", "shorten it"]),
     ("unknown device", ["--run", "{run}", "--prompt", "x", "--device", "tpu"], ["--device", "'tpu'", "cuda:N"]),
     ("meta device", ["--run", "{run}", "--prompt", "x", "--device", "meta"], ["--device meta", "cannot generate"]),
 ]

@@ -127,6 +127,14 @@ def test_resume_without_checkpoint_raises(config):
         train(dataclasses.replace(config, resume=True), progress=False)
 
 
+def test_resuming_a_run_that_saved_no_checkpoint_says_to_start_it_again(config):
+    """A run trained with checkpoint_every 0 cannot be resumed, and starting it without resume is refused (the folder
+    holds a run): the message names the way out, --overwrite."""
+    train(dataclasses.replace(config, steps=2, checkpoint_every=0), progress=False)
+    with pytest.raises(FileNotFoundError, match="holds a run .* but no checkpoint.*overwrite"):
+        train(dataclasses.replace(config, steps=3, resume=True), progress=False)
+
+
 def test_nan_steps_are_skipped(config):
     result = train(dataclasses.replace(config, nan_steps=(3, 7)), progress=False)
     assert result.skipped == ((3, "nonfinite_loss"), (7, "nonfinite_loss"))

@@ -44,6 +44,15 @@ class Parser(argparse.ArgumentParser):
         raise common.CliError(message)
 
 
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("minifloat")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "(not installed)"
+
+
 def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.ArgumentParser:
     """The `minifloat` parser. Every command is listed, but only those in `commands` get their options (building
     them imports the modules their defaults come from); main() builds the one it runs."""
@@ -51,6 +60,7 @@ def build_parser(commands: Collection[str] = tuple(COMMANDS)) -> argparse.Argume
         prog="minifloat",
         description="Low-precision (FP8 / BF16 / FP16) training for PyTorch that runs anywhere and explains its "
                     "numerics.")
+    p.add_argument("--version", action="version", version=f"minifloat {_version()}")
     p.add_argument("-v", "--verbose", action="store_true", help="log the library's warnings and info messages")
     p.add_argument("--debug", action="store_true",
                    help="on an error, show the full Python traceback instead of the one-line message")

@@ -118,6 +118,9 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
     Returns:
         (M, N) tensor of out_dtype.
     """
+    if not isinstance(a, Quantized) or not isinstance(b, Quantized):
+        raise TypeError(f"scaled_mm multiplies quantized operands, mf.quantize(x, fmt, ...) of a (M, K) and b (N, K), "
+                        f"got {type(a).__name__} and {type(b).__name__}")
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"scaled_mm needs a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
     path = gemm_path(a, b, out_dtype, backend)

@@ -194,10 +194,13 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, temperature: floa
     device = next(model.parameters()).device
     prompt = _prompt_batch(prompt_ids, config.vocab_size, device)
     (B, T), positions = prompt.shape, prompt.shape[1] + max_new_tokens - 1  # the last new token is never fed
+    if T > config.max_seq_len:
+        raise ValueError(f"a prompt of {T} tokens is longer than the model's max_seq_len={config.max_seq_len}; "
+                         f"shorten it to {config.max_seq_len} tokens or fewer")
     if positions > config.max_seq_len:
         raise ValueError(f"a prompt of {T} tokens and max_new_tokens={max_new_tokens} need {positions} positions, "
                          f"more than the model's max_seq_len={config.max_seq_len}; shorten the prompt or ask for "
-                         f"fewer tokens")
+                         f"at most {config.max_seq_len - T + 1} new tokens")
     cache = KVCache(config, batch=B, max_len=positions, dtype=kv_cache, device=device)
     generator = torch.Generator(device=device).manual_seed(seed)
     options = dict(temperature=temperature, top_k=top_k, generator=generator)

@@ -53,6 +53,9 @@ def prepare_run_dir(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None
     found = run_items(out) if out.is_dir() else []
     if resume:
         if not (out / CHECKPOINT_DIR).is_dir():
+            if found:  # a run that saved no checkpoint (checkpoint_every 0, or stopped before its first)
+                raise FileNotFoundError(f"--resume: {out} holds a run ({', '.join(found)}) but no checkpoint to "
+                                        f"continue from; start it again with --overwrite, or choose another --out")
             raise FileNotFoundError(f"--resume: there is no checkpoint at {out / CHECKPOINT_DIR}; start the run "
                                     f"without --resume, or point --out at the run to continue")
         return
