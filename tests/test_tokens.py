@@ -319,6 +319,17 @@ def test_val_batches_stay_inside_shards(constant_shards):
     assert bool((rows == rows[:, :1]).all())
 
 
+def test_one_shard_of_a_tokenize_folder_reads_its_meta_json(tmp_path):
+    """--data naming one .bin of a folder with meta.json: the id type (uint32 here, which the bytes alone do not
+    tell), the vocabulary and the tokenizer come from meta.json; the shard's tokens are split as a lone shard's."""
+    folder, train_ids, _, vocab = _meta_uint32(tmp_path)
+    corpus = load_corpus(str(folder / "train_000000.bin"))
+    assert corpus.vocab_size == vocab and corpus.manifest.source["dtype"] == "uint32"
+    assert torch.equal(torch.cat([stream_ids(corpus.train), stream_ids(corpus.val)]), train_ids.long())
+    (folder / "other.bin").write_bytes(raw(ids(300, 1000), "uint16"))  # not listed in meta.json: any lone shard
+    assert load_corpus(str(folder / "other.bin")).manifest.source["dtype"] == "uint16"
+
+
 def test_short_split_is_refused_naming_the_data(tmp_path):
     (tmp_path / "train.bin").write_bytes(raw(ids(500, 100)))
     (tmp_path / "val.bin").write_bytes(raw(ids(20, 100)))

@@ -135,8 +135,8 @@ def cmd_train(args: argparse.Namespace) -> int:
     t.add_row("first loss", f"{result.losses[0]:.4f}" if result.losses else "-")
     t.add_row("final train loss", f"{result.final_loss:.4f}")
     t.add_row("final val loss", f"{result.val_losses[-1][1]:.4f}" if result.val_losses else "-")
-    t.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" + (f" (first {result.warmup_steps} steps left out)"
-                                                            if result.warmup_steps else ""))
+    left_out = f"first {result.warmup_steps} step{'s' * (result.warmup_steps > 1)} left out"
+    t.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" + (f" ({left_out})" if result.warmup_steps else ""))
     t.add_row("MFU (vs dense BF16 peak)", f"{result.mfu:.1%}" if result.mfu is not None else "- (no GPU peak known)")
     t.add_row("skipped steps", ", ".join(f"{s} ({r})" for s, r in result.skipped) or "none")
     t.add_row("shadow switches", (", ".join(f"{s} (to {to})" for s, to, _ in result.shadow_events) or "none")

@@ -110,8 +110,14 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
     config = DataConfig(path=data, **({} if val_fraction is None else {"val_fraction": val_fraction}))
     root = pathlib.Path(data).expanduser()
     folder = root if root.is_dir() else root.parent
-    meta = read_meta(folder) if root.is_dir() and _has_meta(root) else None
-    if meta is not None:
+    meta = read_meta(folder) if _has_meta(folder) else None
+    # one shard of a minifloat tokenize folder: its meta.json still gives the id type, vocabulary and tokenizer
+    lone = next((e for e in meta["shards"] if e["file"] == root.name), None) if meta and root.is_file() else None
+    if root.is_file() and lone is None:
+        meta = None  # a lone .bin beside a meta.json that does not list it: read as any lone shard
+    if lone is not None:
+        shards, splits = [read_shard(root, root.name, dtype=meta["dtype"], tokens=lone["tokens"])], {}
+    elif meta is not None:
         for entry in meta["shards"]:
             if not (folder / entry["file"]).is_file():
                 raise ValueError(f"{folder / META_FILE} lists the shard {entry['file']}, which is missing from "
