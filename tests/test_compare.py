@@ -124,7 +124,8 @@ def test_reuse_trains_again_when_the_config_differs(summary, monkeypatch):
     monkeypatch.setattr(compare_module, "train", lambda config, **kw: trained.append(config.preset) or
                         (_ for _ in ()).throw(RuntimeError("stop")))
     # seed 1 was never run here: nothing to reuse, and the seed-0 runs are not replaced without overwrite
-    with pytest.raises(RunExistsError, match="bf16, fp8-current.*--overwrite"):
+    with pytest.raises(RunExistsError, match="--reuse cannot take \\(bf16: made with seed=0, this comparison asks "
+                                              "for 1; fp8-current: made with seed=0.*--overwrite"):
         compare(["fp8-current"], base=TrainConfig(**TINY, seed=1), out=out, progress=False, reuse=True)
     assert trained == []
     with pytest.raises(RuntimeError, match="stop"):

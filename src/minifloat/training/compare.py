@@ -174,9 +174,28 @@ def _refuse_existing(out: pathlib.Path, configs: dict[str, TrainConfig], overwri
     taken = [p for p, c in configs.items()
              if run_items(pathlib.Path(c.out)) and not (reuse and finished_result(c) is not None)]
     taken += [] if reuse else [f for f in COMPARE_FILES if (out / f).exists()]
+    if taken and reuse:
+        why = "; ".join(f"{p}: {_not_reusable(configs[p])}" for p in taken)
+        raise RunExistsError(f"--out {out} holds runs --reuse cannot take ({why}); pass --overwrite to replace them, "
+                             f"or choose another --out")
     if taken:
         raise RunExistsError(f"--out {out} already holds a comparison ({', '.join(taken)}); pass --overwrite to "
                              f"replace it, or choose another --out")
+
+
+def _not_reusable(config: TrainConfig) -> str:
+    """Why the run in config.out is not one `finished_result` takes: the first setting it was made with otherwise,
+    or that it did not finish."""
+    try:
+        extra = checkpoint_extra(pathlib.Path(config.out) / CHECKPOINT_DIR)
+    except (OSError, ValueError):
+        return "no complete checkpoint"
+    saved, wanted = extra.get("config") or {}, config.flat()
+    for key in wanted:
+        if key in saved and saved[key] != wanted[key]:
+            return f"made with {key}={saved[key]!r}, this comparison asks for {wanted[key]!r}"
+    return f"stopped at step {extra.get('step')} of {config.steps}" if extra.get("step") != config.steps else \
+        "its logs are incomplete"
 
 
 def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: TrainConfig = DEFAULT_CONFIG,
