@@ -1001,10 +1001,14 @@ def test_whole_128x128_blocks_cast_through_a_view_as_through_block_rows(gen, sha
     ((520, 96), -2),  # a row count the split does not divide: one stage
     ((512, 96), -1),  # along the rows: never split
 ])
-def test_block_amax_down_the_columns_is_the_plain_reduction(shape, dim):
+@pytest.mark.parametrize("two_stages", [True, False], ids=["two stages", "one stage"])
+def test_block_amax_down_the_columns_is_the_plain_reduction(shape, dim, two_stages, monkeypatch):
     """abs_max along a dim other than the last reduces in two stages on the CPU (chunks of rows first, for memory
-    order): the same float32 maxima as one reduction, compiled (abs_max: tensors this large take the compiled
-    kernel) and eager, with NaN, -inf and a huge finite value where they are."""
+    order) from _DOWN_MIN_ELEMENTS on (lowered here, so that these small tensors take that route): the same float32
+    maxima as one reduction, compiled (abs_max: tensors this large take the compiled kernel) and eager, with NaN,
+    -inf and a huge finite value where they are."""
+    if two_stages:
+        monkeypatch.setattr(Q, "_DOWN_MIN_ELEMENTS", 0)
     gen = torch.Generator().manual_seed(7)
     x = torch.randn(shape, generator=gen).to(torch.bfloat16)
     flat = x.view(-1)
