@@ -151,11 +151,11 @@ def test_cli_prints_a_table_within_100_columns_and_writes_json(console, tmp_path
 
 # (name, argv, words the error line holds)
 BAD_FLAGS = [
-    ("one state format", ["--optimizer-state", "e4m3"], ["optimizer_state", "'e4m3'"]),
-    ("unknown state format", ["--optimizer-state", "e4m3,fp7"], ["optimizer_state", "fp7"]),
+    ("one state format", ["--optimizer-state", "e4m3"], ["--optimizer-state", "got e4m3"]),
+    ("unknown state format", ["--optimizer-state", "e4m3,fp7"], ["--optimizer-state", "fp7"]),
     ("unknown master mode", ["--master", "bf16"], ["--master", "'bf16'"]),
     ("bf16 master with fp16", ["--master", "bf16-sr", "--preset", "fp16"], ["master bf16-sr", "'fp16'"]),
-    ("batch size 0", ["--batch-size", "0"], ["batch_size", "0"]),
+    ("batch size 0", ["--batch-size", "0"], ["--batch-size", "0"]),
     ("unknown preset", ["--preset", "fp9"], ["preset", "'fp9'"]),
 ]
 
@@ -270,3 +270,27 @@ def test_ledger_counts_a_wrapper_subclass_by_what_it_wraps():
     assert StorageLedger().add([state, plain]) == 256 * 64 + 4 * 256 + 4 * 10  # not 4 B per logical element
     ledger = StorageLedger()
     assert ledger.add([state]) > 0 and ledger.add([Wrapped(codes, torch.ones(256))]) == 4 * 256  # codes once
+
+
+def test_memory_reads_text_with_a_tokenizer(tmp_path, capsys):
+    """--data text with --tokenizer, as train reads it: the model's vocabulary (and so its embedding) is the
+    tokenizer's, so the weights differ from the byte run's."""
+    from minifloat.training.tokenizer import train_bpe
+
+    text = tmp_path / "text"
+    text.mkdir()
+    for i in range(4):
+        (text / f"doc{i}.txt").write_text(" ".join(f"word{(i * 7 + j) % 50}" for j in range(800)), encoding="utf-8")
+    tokenizer = tmp_path / "tokenizer.json"
+    train_bpe([p.read_text(encoding="utf-8") for p in sorted(text.iterdir())], vocab_size=300).save(str(tokenizer))
+    reports = {}
+    for name, extra in (("bytes", []), ("tokens", ["--tokenizer", str(tokenizer)])):
+        path = tmp_path / f"{name}.json"
+        argv = ["memory", "--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--data", str(text),
+                "--device", "cpu", "--preset", "bf16", "--json", str(path), *extra]
+        assert main(argv) == 0, capsys.readouterr().err
+        reports[name] = json.loads(path.read_text())
+    assert reports["tokens"]["config"]["tokenizer"] == str(tokenizer)
+    assert reports["bytes"]["config"]["tokenizer"] is None
+    # tiny's embedding (tied to its head) holds 64 weights per id: 256 byte ids against 304 (300 padded to 16)
+    assert reports["tokens"]["params"] - reports["bytes"]["params"] == (304 - 256) * 64

@@ -35,7 +35,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
         raise common.CliError(f"invalid option: --master must be one of {', '.join(MASTER_UPDATES)}; "
                               f"got {args.master!r}")
     config = TrainConfig(model=args.model, preset=args.preset, batch_size=args.batch_size, seq_len=args.seq_len,
-                         seed=args.seed, data=args.data, max_bytes=args.max_bytes, device=args.device,
+                         seed=args.seed, data=args.data, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
+                         device=args.device,
                          optimizer_state=args.optimizer_state, master=args.master)
     json_path = pathlib.Path(args.json) if args.json else None
     if json_path is not None:
@@ -80,17 +81,21 @@ HELP = "measure the bytes of one training step by kind, beside fp32 / bf16 AdamW
 
 def add_parser(sub) -> None:
     from minifloat.training.config import TrainConfig
+    from minifloat.training.model import SIZES
     from minifloat.training.optimizer import MASTER_UPDATES
 
     d = TrainConfig()
     m = sub.add_parser("memory", help=HELP, description=cmd_memory.__doc__)
-    m.add_argument("--model", default="10m", help="model size: tiny, small, 10m, 100m (default 10m)")
+    m.add_argument("--model", default="10m", help=f"model size: {', '.join(SIZES)} (default 10m)")
     m.add_argument("--preset", default="fp8-delayed", help="precision preset (default fp8-delayed)")
     m.add_argument("--batch-size", type=int, default=d.batch_size,
                    help=f"sequences per micro-batch (default {d.batch_size})")
     m.add_argument("--seq-len", type=int, default=d.seq_len, help=f"bytes per sequence (default {d.seq_len})")
     m.add_argument("--seed", type=int, default=d.seed, help=f"seed for weights and batch (default {d.seed})")
-    m.add_argument("--data", default=None, help="folder of text files (default: the Python standard library)")
+    m.add_argument("--data", default=None, help="text files or token shards, as `minifloat train --data` reads "
+                                               "them (default: the Python standard library)")
+    m.add_argument("--tokenizer", default=None, metavar="FILE",
+                   help="tokenizer.json for --data text, as `minifloat train --tokenizer` (default: bytes)")
     m.add_argument("--max-bytes", type=int, default=d.max_bytes,
                    help=f"cap on the corpus bytes read (default {d.max_bytes})")
     m.add_argument("--optimizer-state", default="fp32,fp32", metavar="FMT_M,FMT_V",

@@ -215,6 +215,7 @@ def add_demo(sub) -> None:
 
 
 def add_audit(sub) -> None:
+    from minifloat.amp.policy import PRESETS
     from minifloat.training.model import SIZES
 
     a = sub.add_parser("audit", help=AUDIT_HELP, description=cmd_audit.__doc__)
@@ -222,8 +223,7 @@ def add_audit(sub) -> None:
                    help=f"model to audit: byte-mlp (the demo's model) or a reference Llama size ({', '.join(SIZES)}) "
                         f"on a batch of {AUDIT_SEQ_LEN}-byte sequences (default byte-mlp)")
     a.add_argument("--preset", default="fp8-delayed",
-                   help="precision policy preset: fp32, bf16, fp16, fp8-delayed (default), fp8-current, fp8-block, "
-                        "mxfp8")
+                   help=f"precision policy preset: {', '.join(PRESETS)} (default fp8-delayed)")
     a.add_argument("--batch", type=int, default=32, help="sequences in the audited batch (default 32)")
     a.add_argument("--seed", type=int, default=0, help="seed for weights and batch (default 0)")
     a.add_argument("--preflight", action="store_true",

@@ -48,7 +48,7 @@ log = logging.getLogger("minifloat")
 
 BYTE_VOCAB = 256  # minifloat.training.data's vocabulary: a token is a byte of UTF-8 text
 # the fix every "tokenizer not found" error ends with (minifloat generate and export take --tokenizer)
-FIX = "pass the tokenizer.json it trained with (tokenizer=FILE)"
+FIX = "pass the tokenizer.json it trained with: --tokenizer FILE (tokenizer= from Python)"
 
 
 def _ids(ids: Sequence[int] | torch.Tensor) -> list[int]:
