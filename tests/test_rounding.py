@@ -314,3 +314,24 @@ def test_div_rn_is_the_tensor_division_and_never_a_product_by_a_reciprocal():
     assert _same_bits(R.reciprocal_rn(den), den.reciprocal())
     two_roundings = den.reciprocal() * 448.0
     assert not torch.equal(two_roundings, R.div_rn(448.0, den))  # the difference div_rn exists for is real here
+
+
+def test_compiled_graphs_on_triton_devices_take_the_float64_route(monkeypatch):
+    """Inside a compiled graph on a device inductor writes Triton for, div_rn and reciprocal_rn divide in float64 (the
+    CPU stands in for one here): the compiled results are still float32 IEEE's, bit for bit, and so are the scales
+    quantize computes from them."""
+    num, den = _division_cases()
+    calls = []
+    real = R._div_via_float64
+    monkeypatch.setattr(R, "_TRITON_DEVICES", ("cpu",))
+    monkeypatch.setattr(R, "_div_via_float64", lambda *a: calls.append(1) or real(*a))
+    torch._dynamo.reset()
+    try:
+        compiled = torch.compile(lambda n, d: (R.div_rn(n, d), R.reciprocal_rn(d), R.div_rn(448.0, d)))
+        got = compiled(num, den)
+    finally:
+        torch._dynamo.reset()
+    assert calls, "the float64 route was not taken"
+    for g, want in zip(got, (num / den, den.reciprocal(), torch.full_like(den, 448.0) / den)):
+        assert _same_bits(g, want)
+    assert R.div_rn(num, den) is not None and len(calls) == 3  # eager: the float32 division, not the route

@@ -75,17 +75,22 @@ def div_rn(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor
     A float32 tensor-by-tensor division is IEEE in eager mode on every device and in inductor's C++ code, and that is
     what runs there; a float operand is made a tensor first, because eager torch divides by a float as a product by
     its reciprocal on a GPU and computes `float / tensor` as a reciprocal times the float (two roundings). Inductor's
-    Triton code (a compiled graph on a GPU) lowers a float32 `/` to the approximate div.full.f32 (up to 2 ulp) unless
+    Triton code (a compiled graph on a CUDA or XPU device) lowers a float32 `/` to the approximate div.full.f32 (up to 2 ulp) unless
     `eager_numerics.division_rounding` is on, but a float64 one to div.rn.f64; there the quotient is taken in float64
     and rounded to float32, which is the correctly rounded float32 quotient of two float32 values: double rounding is
     innocuous for division when 53 >= 2·24 + 2 (Figueroa, "When is double rounding innocuous?", SIGNUM Newsletter
     30(3), 1995).
     """
     like = den if isinstance(den, torch.Tensor) else num
-    if torch.compiler.is_compiling() and like.device.type != "cpu":
+    if torch.compiler.is_compiling() and like.device.type in _TRITON_DEVICES:
         return _div_via_float64(num, den)
     num = num if isinstance(num, torch.Tensor) else torch.full_like(den, num)
     return num / (den if isinstance(den, torch.Tensor) else torch.full_like(num, den))
+
+
+# devices whose compiled graphs inductor writes in Triton (float32 `/` approximate, float64 `/` IEEE); others (MPS has
+# no float64) keep the float32 division
+_TRITON_DEVICES = ("cuda", "xpu")
 
 
 def _div_via_float64(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor:
@@ -97,7 +102,7 @@ def _div_via_float64(num: torch.Tensor | float, den: torch.Tensor | float) -> to
 
 def reciprocal_rn(x: torch.Tensor) -> torch.Tensor:
     """1 / x as float32, correctly rounded on every device and compiler (`div_rn`): eager's `x.reciprocal()`."""
-    if torch.compiler.is_compiling() and x.device.type != "cpu":
+    if torch.compiler.is_compiling() and x.device.type in _TRITON_DEVICES:
         return _div_via_float64(1.0, x)
     return x.reciprocal()
 
