@@ -50,6 +50,21 @@ def test_demo_writes_results(tmp_path):
     assert all(len(c) == 6 for c in out["curves"].values())
 
 
+def test_demo_never_overwrites_a_results_file_unasked(tmp_path, capsys):
+    """An existing demo.json is refused in one line before any training, left as it was; --overwrite replaces it, and
+    fp32's NaN comparisons (no FP8 cast) are written as null, which strict JSON readers accept."""
+    (tmp_path / "demo.json").write_text('{"mine": 1}')
+    argv = ["demo", "--steps", "3", "--batch", "8", "--variants", "fp32", "--out", str(tmp_path)]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "already holds demo.json" in err and "--overwrite" in err
+    assert (tmp_path / "demo.json").read_text() == '{"mine": 1}'
+    assert main([*argv, "--overwrite"]) == 0
+    text = (tmp_path / "demo.json").read_text()
+    result = json.loads(text, parse_constant=lambda c: pytest.fail(f"{c} is not JSON"))["results"][0]
+    assert result["variant"] == "fp32" and result["min_sqnr_db"] is None
+
+
 def test_demo_rejects_unknown_variant():
     assert main(["demo", "--variants", "fp7"]) == 2
 

@@ -85,5 +85,6 @@ def add_parser(sub) -> None:
                    help="the tokenizer.json to copy into --out, for a run that records none (.bin shards without "
                         "meta.json) or whose file moved; refused unless its vocabulary size is the run's")
     e.add_argument("--overwrite", action="store_true",
-                   help="replace an earlier export in --out once the new one is complete (other files there stay; a run or checkpoint is never replaced)")
+                   help="replace an earlier export in --out once the new one is complete (other files there stay; "
+                        "a run or checkpoint is never replaced)")
     e.set_defaults(func=cmd_export)

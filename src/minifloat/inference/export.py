@@ -297,7 +297,7 @@ def _check_out(out: Path, overwrite: bool) -> None:
         raise FileExistsError(f"{out} is a file; choose a folder for the export")
     if not out.is_dir() or not any(out.iterdir()):
         return
-    run = run_items(out) + [name for name in (MANIFEST_FILE,) if (out / name).exists()]
+    run = run_items(out) + ([MANIFEST_FILE] if (out / MANIFEST_FILE).exists() else [])
     if run or is_sharded(out):
         raise FileExistsError(f"{out} holds a training run or checkpoint ({', '.join(run) or 'sharded'}), which an "
                               f"export never replaces; choose another folder for the export")

@@ -75,11 +75,11 @@ def div_rn(num: torch.Tensor | float, den: torch.Tensor | float) -> torch.Tensor
     A float32 tensor-by-tensor division is IEEE in eager mode on every device and in inductor's C++ code, and that is
     what runs there; a float operand is made a tensor first, because eager torch divides by a float as a product by
     its reciprocal on a GPU and computes `float / tensor` as a reciprocal times the float (two roundings). Inductor's
-    Triton code (a compiled graph on a CUDA or XPU device) lowers a float32 `/` to the approximate div.full.f32 (up to 2 ulp) unless
-    `eager_numerics.division_rounding` is on, but a float64 one to div.rn.f64; there the quotient is taken in float64
-    and rounded to float32, which is the correctly rounded float32 quotient of two float32 values: double rounding is
-    innocuous for division when 53 >= 2·24 + 2 (Figueroa, "When is double rounding innocuous?", SIGNUM Newsletter
-    30(3), 1995).
+    Triton code (a compiled graph on a CUDA or XPU device) lowers a float32 `/` to the approximate div.full.f32 (up to
+    2 ulp) unless `eager_numerics.division_rounding` is on, but a float64 one to div.rn.f64; there the quotient is
+    taken in float64 and rounded to float32, which is the correctly rounded float32 quotient of two float32 values:
+    double rounding is innocuous for division when 53 >= 2·24 + 2 (Figueroa, "When is double rounding innocuous?",
+    SIGNUM Newsletter 30(3), 1995).
     """
     like = den if isinstance(den, torch.Tensor) else num
     if torch.compiler.is_compiling() and like.device.type in _TRITON_DEVICES:
