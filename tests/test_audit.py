@@ -94,6 +94,19 @@ def test_correct_model_passes():
                for r in report.records)
 
 
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling(granularity="row"), mf.BlockScaling(),
+                                    mf.BlockScaling(power_of_two=False), mf.MXScaling(), mf.NVFP4Scaling()],
+                         ids=["delayed", "row", "block", "block-no-pow2", "mx", "nvfp4"])
+def test_every_recipe_gemm_is_reported_as_fp8(recipe):
+    """Each recipe's emulated GEMM kernels (mm, minifloat::mm_fp32, addmm_bf16, and k_block_mm for block scales that
+    vary along K) are reported as FP8 GEMMs in both phases: the recipe's products, not float32 or bfloat16 ones."""
+    model = mf.convert(TinyLM(), recipe=recipe, keep_first_last=True)
+    report = run_audit(model)
+    fp8 = {(r.module, r.phase) for r in report.records if r.precision == "fp8"}
+    assert fp8 == {("mlp", "forward"), ("mlp", "backward")}, fp8
+    assert not any(r.module == "mlp" and r.precision == "float32" and "mm" in r.op for r in report.records)
+
+
 def test_wrong_model_is_flagged_with_module_names():
     model = TinyLM(softmax_dtype=torch.bfloat16, norm=ManualNorm(DIM, torch.bfloat16))
     mf.convert(model, keep_first_last=False)  # the head too: a violation

@@ -600,3 +600,27 @@ def test_telemetry_names_layers_of_converted_model(gen):
     assert all(len(recs) == 1 for recs in tel.by_layer().values())
     assert all(r.saturated == 0.0 and r.amax > 0 for r in tel.records)
     assert tel.to_json().startswith("[")
+
+
+FOUR_BIT = [("mxfp4", mf.MXScaling(format="e2m1")), ("nvfp4", mf.NVFP4Scaling())]
+
+
+@pytest.mark.parametrize("name, recipe", RECIPES + FOUR_BIT, ids=[n for n, _ in RECIPES + FOUR_BIT])
+def test_flop_counter_counts_an_fp8_layer_as_its_linear(name, recipe):
+    """torch.utils.flop_counter.FlopCounterMode (what MFU tools count with) gives a converted layer's forward and
+    backward the FLOPs of the nn.Linear it replaced, 3 GEMMs of 2·M·K·N: the emulated GEMMs are custom ops, which a
+    dispatch mode sees as one op each (0 FLOPs without minifloat's formulas)."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    torch.manual_seed(0)
+    lin = nn.Linear(256, 384)
+    fp8 = mf.convert(copy.deepcopy(lin), recipe=recipe, keep_first_last=False)
+    assert isinstance(fp8, mf.Fp8Linear)
+    x = torch.randn(64, 256, requires_grad=True)
+    counts = []
+    for layer in (lin, fp8):
+        with FlopCounterMode(display=False) as counter:
+            layer(x).sum().backward()
+        counts.append(counter.get_total_flops())
+    assert counts[0] == 3 * 2 * 64 * 256 * 384
+    assert counts[1] == counts[0], counts

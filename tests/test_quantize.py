@@ -7,6 +7,7 @@ saturate, so the reference for the saturating `cast` is  clip(x, -max, max) -> m
 from __future__ import annotations
 
 import importlib
+import logging
 import math
 
 import ml_dtypes
@@ -965,6 +966,26 @@ def test_small_tensors_skip_the_compiled_kernel(gen, monkeypatch):
     if compile_enabled():
         monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
         assert torch.equal(kernel(small), small * 2) and calls[-1] is True  # traced by torch.compile
+
+
+def test_a_dispatch_mode_runs_a_kernel_eagerly_once_and_compiling_goes_on(gen, monkeypatch, caplog):
+    """dynamo cannot trace under a torch dispatch mode (a user's FlopCounterMode measuring a step): the kernel runs
+    eagerly for that call, with no warning, and the next call outside the mode compiles. Before, the failed compile
+    made the kernel eager for the rest of the process."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from minifloat.numerics import compiling
+
+    if not compile_enabled():
+        pytest.skip("MINIFLOAT_COMPILE=0: nothing compiles")
+    monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
+    calls = []
+    kernel = compiling.maybe_compile(lambda x: calls.append(torch.compiler.is_compiling()) or x * 2)
+    x = torch.randn(8, 8, generator=gen)
+    with caplog.at_level(logging.WARNING, logger="minifloat"), FlopCounterMode(display=False):
+        assert torch.equal(kernel(x), x * 2)
+    assert calls == [False] and not caplog.records  # eager, and no "compiling ... failed"
+    assert torch.equal(kernel(x), x * 2) and calls[-1] is True  # traced by torch.compile
 
 
 def _bits(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -37,6 +37,7 @@ import logging
 import math
 
 import torch
+from torch.utils.flop_counter import register_flop_formula
 
 from minifloat.core.autocast import autocast_off
 from minifloat.numerics import compiling
@@ -356,3 +357,17 @@ def k_block_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor | None, wa: in
 @k_block_mm.register_fake
 def _k_block_mm_shape(a, b, sa, wa, sb, wb):
     return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
+
+
+# FLOPs of the custom-op GEMMs for torch.utils.flop_counter.FlopCounterMode (MFU tools count with it): 2·M·K·N each,
+# as torch counts mm. A dispatch mode sees each custom op as one op and not the GEMMs inside it, which would count 0.
+@register_flop_formula([torch.ops.minifloat.mm_fp32, torch.ops.minifloat.addmm_bf16])
+def _mk_kn_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (_, n) = a_shape, b_shape
+    return 2 * m * k * n
+
+
+@register_flop_formula(torch.ops.minifloat.k_block_mm)
+def _mk_nk_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
+    (m, k), (n, _) = a_shape, b_shape
+    return 2 * m * k * n

@@ -3,7 +3,8 @@
 Quantization is memory-bound: eager PyTorch spends one pass over the data per op (scale, clamp, round, convert),
 a compiled kernel spends one pass in all. Compilation needs a C++ compiler on CPU and Triton on GPU; where either is
 missing or compiling fails, the same Python function runs eagerly (same results, slower) and a warning says so once.
-Set MINIFLOAT_COMPILE=0 to force eager execution.
+Under a torch dispatch mode (FlopCounterMode, a profiler's or debugger's mode), which dynamo cannot trace, a call runs
+eagerly without giving up compiling for later calls. Set MINIFLOAT_COMPILE=0 to force eager execution.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import os
 from typing import Callable, Iterator, TypeVar
 
 import torch
+from torch.utils._python_dispatch import is_in_torch_dispatch_mode
 
 from minifloat.core.switch import ThreadSwitch
 
@@ -49,8 +51,9 @@ def compile_enabled() -> bool:
 
 @contextlib.contextmanager
 def eager_kernels() -> Iterator[None]:
-    """Run minifloat's kernels eagerly inside the block (this thread only): under a dispatch mode, which dynamo
-    cannot trace, and in unit tests that should not pay compile time. Results are the same either way."""
+    """Run minifloat's kernels eagerly inside the block (this thread only): in unit tests that should not pay
+    compile time. (Under a torch dispatch mode, which dynamo cannot trace, they run eagerly on their own.) Results are
+    the same either way."""
     with _EAGER.on():
         yield
 
@@ -69,6 +72,8 @@ def maybe_compile(fn: F) -> F:
         nonlocal compiled, broken, limit
         if torch.compiler.is_compiling() or broken or not compile_enabled() or _largest(args) < EAGER_BELOW:
             return fn(*args, **kwargs)  # inside a compiled graph: inlined
+        if is_in_torch_dispatch_mode():  # a caller's FlopCounterMode, profiler or audit: dynamo cannot trace under
+            return fn(*args, **kwargs)  # it; this call runs eagerly, later ones compile as before
         if compiled is None:
             compiled = torch.compile(fn, dynamic=True, fullgraph=True)
             limit = torch._dynamo.config.patch(recompile_limit=_RECOMPILE_LIMIT)

@@ -42,9 +42,9 @@ log = logging.getLogger("minifloat")
 
 ROOT, LOSS, BACKWARD = "(model)", "<loss>", "<backward>"  # pseudo module paths
 # ATen's GEMMs, and the custom-op GEMM kernels of minifloat.fp8.gemm's emulated backend (minifloat::mm_fp32,
-# minifloat::addmm_bf16), which a dispatch mode sees as single ops
+# minifloat::addmm_bf16, minifloat::k_block_mm), which a dispatch mode sees as single ops
 _GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "_scaled_grouped_mm",
-                    "mm_fp32", "addmm_bf16"})
+                    "mm_fp32", "addmm_bf16", "k_block_mm"})
 _CONVERSIONS = frozenset({"_to_copy", "copy_", "to", "clone", "detach", "view", "t", "expand", "_unsafe_view",
                           "transposed_copy"})
 # fused norm kernels accumulate in their statistics' dtype (mean/rstd are fp32 for bf16 inputs): judge them by the
