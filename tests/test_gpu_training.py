@@ -22,6 +22,7 @@ from torch import nn
 import minifloat as mf
 from gpu_device import device  # noqa: F401  (the module's device fixture)
 from gpu_device import (RECIPE_BY_NAME, RECIPE_NAMES, assert_same_bits, assert_same_state, autocast, fp8_state)
+from host_syncs import CPU_ONLY_READS, WARMUP, HostSyncs, make_step
 from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.master import MasterWeightOptimizer
 from minifloat.numerics.compiling import eager_kernels
@@ -181,6 +182,33 @@ def test_compiled_model_is_bitwise_eager_on_the_device(device, name, fullgraph):
     finally:
         torch._dynamo.reset()
     assert_same_state(state(compiled), state(eager))
+
+
+# ---------------------------------------------------------------------------------------------------- host syncs
+
+
+@RECIPE_PARAMS
+def test_a_steady_state_fp8_step_does_not_synchronise_the_device(device, name):
+    """tests/test_host_syncs.py's check on the device, at sizes where the device runs minifloat's Triton and compiled
+    kernels: after warm-up, a step (forward, backward, SGD, the FP8 step's end) makes no synchronising CUDA call
+    (torch.cuda.set_sync_debug_mode("error") raises on the first: a read of a value, a copy to or from pageable host
+    memory, a stream synchronisation). A step that synchronises stalls the host and cannot be captured in a CUDA
+    graph. On the CPU stand-in, the dispatch-mode counter of tests/host_syncs.py instead."""
+    step = make_step(name, device, dim=DIM, hidden=HIDDEN, tokens=TOKENS)
+    for _ in range(WARMUP):
+        step()
+    if torch.device(device).type != "cuda":
+        with HostSyncs() as syncs:
+            step()
+        assert set(syncs.sites) <= CPU_ONLY_READS, syncs.sites
+        return
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------------------------------------------- optimizers

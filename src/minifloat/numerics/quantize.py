@@ -87,8 +87,8 @@ def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat | torch.Tensor, *, mar
     s = (reciprocal_rn(amax) * fmax * 2.0**-margin).clamp(max=torch.finfo(torch.float32).max)
     if power_of_two:  # 2^floor(log2 s), exactly: s = m·2^k with m in [0.5, 1) (frexp), so floor(log2 s) = k - 1
         s = torch.where(torch.isfinite(s) & (s > 0), exact_pow2(torch.frexp(s)[1] - 1), s)
-    good = torch.isfinite(s) & (amax > 0) & (s > 0)
-    fallback = torch.as_tensor(fallback, dtype=torch.float32, device=amax.device)
+    good = torch.isfinite(s) & (amax > 0) & (s > 0)  # a number `fallback` stays one: no copy from the host (a sync)
+    fallback = fallback.to(amax.device, torch.float32) if isinstance(fallback, torch.Tensor) else float(fallback)
     return torch.where(good, s, fallback)
 
 
