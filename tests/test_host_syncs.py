@@ -40,3 +40,31 @@ def test_a_steady_state_fp8_step_reads_nothing_on_the_host(name):
         step()
     unexpected = {site: n for site, n in syncs.sites.items() if site not in CPU_ONLY_READS}
     assert not unexpected, f"{name}: host syncs {unexpected}"
+
+
+# one recipe per Triton cast module (triton_cast, triton_rows, triton_blocks) by default; the rest with -m slow (the
+# interpreter takes about 2 s per step)
+TRITON_DEFAULT = ("delayed", "current-row", "block")
+
+
+@pytest.mark.parametrize("name", [pytest.param(name, marks=() if name in TRITON_DEFAULT else pytest.mark.slow)
+                                  for name, _ in RECIPES])
+def test_the_triton_path_reads_nothing_on_the_host_either(name, monkeypatch):
+    """The same step through the path a GPU takes, minifloat's Triton kernels, here in Triton's interpreter: their
+    wrappers (launch grids, amax buffers, scale hand-over) read no value on the host either. Two steps before the
+    counted one: the first seeds every role."""
+    pytest.importorskip("triton", reason="the Triton interpreter needs `pip install triton` (in the dev extras)")
+    from minifloat.numerics import triton_cast
+
+    chosen = []
+    real = triton_cast.available
+    monkeypatch.setattr(triton_cast, "available", lambda x: chosen.append(real(x)) or chosen[-1])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    step = make_step(name, "cpu")
+    for _ in range(2):
+        step()
+    with HostSyncs() as syncs:
+        step()
+    assert any(chosen), "the Triton kernels never ran"
+    unexpected = {site: n for site, n in syncs.sites.items() if site not in CPU_ONLY_READS}
+    assert not unexpected, f"{name}: host syncs {unexpected}"
