@@ -237,6 +237,22 @@ def test_four_bit_presets_keep_the_last_block_of_a_transformer():
         assert got == dataclasses.replace(PrecisionPolicy.preset("nvfp4"), keep_blocks=counts).plan(llama), fractions
 
 
+def test_a_policy_that_keeps_every_block_says_so_in_its_own_terms(caplog):
+    """keep_blocks covering every block leaves no linear in FP8: one warning, which names keep_blocks (what the user
+    set), and no word of convert's `filter` (which the user never wrote); the model stays wholly high precision."""
+    from minifloat.training.model import Llama, LlamaConfig
+
+    llama = Llama(LlamaConfig.preset("tiny"))  # two blocks
+    policy = dataclasses.replace(PrecisionPolicy.preset("fp8-delayed"), keep_blocks=(1, 1))
+    with caplog.at_level("WARNING", logger="minifloat"):
+        policy.apply(llama)
+    assert not any(isinstance(m, mf.Fp8Linear) for m in llama.modules())
+    messages = [r.getMessage() for r in caplog.records]
+    assert len(messages) == 1, messages
+    assert "no linear layer runs in DelayedScaling" in messages[0] and "keep_blocks=(1, 1)" in messages[0]
+    assert "filter" not in messages[0]
+
+
 @pytest.mark.parametrize("keep, n_blocks, want", [
     (0.15, 6, 1), (0.15, 20, 3), (0.15, 62, 10), (0.5, 6, 3), (0.0, 62, 0), (0.99, 4, 4), (2, 62, 2), (0, 6, 0),
 ])

@@ -15,6 +15,7 @@ attention scores·V, embeddings and the output head.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import types
 from typing import Callable
 
@@ -36,6 +37,7 @@ from minifloat.fp8.recipes import (BlockScaling, CurrentScaling, DelayedScaling,
 from minifloat.fp8.scaling import ScalingState
 from minifloat.numerics.stateformats import StateFormat
 
+log = logging.getLogger("minifloat")
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 ISLAND_ATTR = "minifloat_fp32_island"  # set on a module apply() made an fp32 island; its value is the island's kind
 
@@ -273,7 +275,11 @@ class PrecisionPolicy:
                         t.grad = t.grad.to(dtype)
         if self.recipe is not None:
             fp8 = {name for name, kind in kinds.items() if kind == "fp8"}
-            convert(model, recipe=self.recipe, filter=lambda name, _: name in fp8, keep_first_last=False)
+            if fp8:
+                convert(model, recipe=self.recipe, filter=lambda name, _: name in fp8, keep_first_last=False)
+            else:  # in the policy's own terms (convert would blame its `filter`, which the user never wrote)
+                log.warning("minifloat.PrecisionPolicy: no linear layer runs in %s, %s", type(self.recipe).__name__,
+                            self._why_no_fp8(model, kinds))
         out_dtypes = {"embedding": self.param_dtype, "head": torch.float32, "loss": torch.float32}
         for name in islands:
             m = model.get_submodule(name)
@@ -281,6 +287,22 @@ class PrecisionPolicy:
                 make_fp32_island(m, out_dtypes.get(kinds[name]))
             setattr(m, ISLAND_ATTR, kinds[name])
         return model
+
+    def _why_no_fp8(self, model: nn.Module, kinds: dict[str, str]) -> str:
+        """Why `apply` converts none of `model`'s linear layers, for its one warning line."""
+        linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+        if not linears:
+            return f"the {type(model).__name__} has no nn.Linear layer"
+        plan = fp8_plan(model, keep_blocks=self.keep_blocks)
+        reasons = [f"{len(plan.kept)} kept as input projection or output head or in the first/last blocks "
+                   f"keep_blocks={tuple(self.keep_blocks)} keeps"] if plan.kept else []
+        if plan.misshapen:
+            reasons.append(f"{len(plan.misshapen)} with features that are not multiples of 16")
+        islands = [name for name in linears if kinds.get(name) not in ("fp8", "linear") and name not in plan.kept]
+        if islands:
+            reasons.append(f"{len(islands)} kept in fp32 as {'/'.join(sorted({kinds[n] for n in islands}))}")
+        return f"all {len(linears)} of the {type(model).__name__}'s nn.Linear layers stay in high precision: " + \
+            "; ".join(reasons)
 
     def describe(self, model: nn.Module | None = None, *, head: str | None = "auto") -> Table:
         """A rich Table of what runs in which dtype: the policy's settings, or (given a model) each module apply()
