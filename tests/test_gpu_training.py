@@ -38,8 +38,9 @@ MICRO = 4
 RECIPE_PARAMS = pytest.mark.parametrize("name", RECIPE_NAMES)
 # compile costs a cold inductor/Triton compile per model (on an H100: delayed 39 s, MX 59 s, NVFP4 17 s with graph
 # breaks); by default the stateful recipe and the 4-bit one with stochastic rounding and the RHT, and MX's fullgraph
-# attempt; the others with -m slow too
+# attempt; the others with -m "gpu and slow" (tests/conftest.py)
 COMPILE_FAST = {("delayed", True), ("delayed", False), ("nvfp4", True), ("nvfp4", False), ("mx", True)}
+CUDA_GRAPH_FAST = {"delayed", "current-row"}  # CUDA graphs (reduce-overhead): the stateful recipe, and row scaling
 
 
 def make_model(name: str, device: str, **kwargs) -> nn.Module:
@@ -181,6 +182,45 @@ def test_compiled_model_is_bitwise_eager_on_the_device(device, name, fullgraph):
                     assert_same_bits(a, b, f"step {i} gradient {k}")
     finally:
         torch._dynamo.reset()
+    assert_same_state(state(compiled), state(eager))
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=() if n in CUDA_GRAPH_FAST else pytest.mark.slow)
+                                  for n in RECIPE_NAMES])
+def test_cuda_graphs_capture_the_compiled_step(device, name):
+    """torch.compile(mode="reduce-overhead") (the trainer's --compile-mode reduce-overhead, for small steps) captures
+    the converted model's forward and backward in CUDA graphs, skipping none (a graph that reads a value on the host,
+    takes a CPU tensor or mutates an input the graph does not own is skipped, and a warning says why), and the
+    replayed steps give eager's bits: outputs, gradients, weights and scaling state."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager, compiled = make_model(name, device), make_model(name, device)
+    fn = torch.compile(compiled, mode="reduce-overhead")
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, compiled)]
+    try:
+        with inductor_config.patch(emulate_precision_casts=True):
+            for i, x in enumerate(batches(STEPS + 1)):
+                x = x.to(device)
+                outs = []
+                for model, call, opt in ((compiled, fn, opts[1]), (eager, eager, opts[0])):
+                    torch.compiler.cudagraph_mark_step_begin()
+                    with autocast(device):
+                        y = call(x)
+                    loss_of(y).backward()
+                    outs.append((y.detach().clone(), [p.grad.clone() for p in model.parameters()]))
+                    opt.step()
+                    opt.zero_grad()
+                (y_c, g_c), (y_e, g_e) = outs
+                assert_same_bits(y_c, y_e, f"step {i} output")
+                for k, (a, b) in enumerate(zip(g_c, g_e)):
+                    assert_same_bits(a, b, f"step {i} gradient {k}")
+    finally:
+        torch._dynamo.reset()
+    assert counters["inductor"]["cudagraph_skips"] == 0, "CUDA graphs were skipped (the log above says why)"
     assert_same_state(state(compiled), state(eager))
 
 
