@@ -66,6 +66,7 @@ from torch import nn
 from torch._dynamo.utils import counters
 
 import minifloat as mf
+from minifloat.core.autocast import cuda_fp32_matmuls
 from minifloat.fp8.native import native_scale
 from minifloat.training.model import Llama, LlamaConfig, SwiGLU
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops
@@ -456,7 +457,7 @@ def describe_machine(device: torch.device) -> dict:
     float8, _ = torchao_float8()
     info.update(device=str(device), cuda=torch.version.cuda, minifloat=mf.__version__,
                 torchao=None if float8 is None else sys.modules["torchao"].__version__, triton=_version("triton"),
-                float32_matmul_precision=torch.get_float32_matmul_precision())
+                cuda_fp32_matmul=getattr(torch.backends.cuda.matmul, "fp32_precision", None))
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         info.update(gpu=props.name, capability=f"{props.major}.{props.minor}", gpu_memory_gib=props.total_memory / GIB,
@@ -554,8 +555,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda when torch sees one")
     p.add_argument("--smoke", action="store_true", help="tiny shapes, runs anywhere in seconds (checks the script)")
-    p.add_argument("--tf32", action="store_true", help="fp32 matmuls (the Llama's fp32 head and attention) on TF32 "
-                                                       "tensor cores; off by default, as the trainer runs them")
+    p.add_argument("--tf32", choices=("on", "off"), default="on",
+                   help="the fp32 matmuls (the Llama's fp32 head) on TF32 tensor cores, as the trainer runs them "
+                        "(its --tf32, on by default), or off: IEEE float32 products")
     p.add_argument("--json", default="runs/gpu_bench.json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown")
     p.add_argument("--overwrite", action="store_true", help="replace existing --json / --markdown files")
@@ -588,8 +590,8 @@ def main(argv=None) -> int:
             return 2
     if args.smoke and args.device.type == "cpu":
         torch.set_num_threads(1)  # tiny shapes gain nothing from threads, which wait on each other on a busy machine
-    if args.tf32:
-        torch.set_float32_matmul_precision("high")
+    fp32_matmuls = cuda_fp32_matmuls("tf32" if args.tf32 == "on" else "ieee")
+    fp32_matmuls.__enter__()  # for the whole process, as the trainer's steps run
     names = [v.name for v in VARIANTS]
     wanted = [n.strip() for n in args.variants.split(",") if n.strip()] or names
     unknown = [n for n in wanted + args.compile_variants.split(",") if n and n not in names + ["all"]]

@@ -8,8 +8,10 @@ import argparse
 import dataclasses
 
 import pytest
+import torch
 
 from minifloat.cli import build_parser
+from minifloat.cli.common import CliError
 from minifloat.cli.train import train_config
 from minifloat.training.config import (GROUP_CLASSES, GROUPS, NOT_INHERITED, RESUME_ABSENT, RESUME_FIXED, RESUMES,
                                        SETTINGS, TrainConfig, config_from)
@@ -53,7 +55,8 @@ def test_every_setting_has_one_definition_and_one_flag():
     # the resume tables are derived from the settings, not written out again
     assert {n for n, _ in RESUME_FIXED} == {n for n, f in SETTINGS.items() if f.metadata["resume"] == "fixed"}
     assert set(RESUME_ABSENT) <= {n for n, _ in RESUME_FIXED}
-    assert set(NOT_INHERITED) == {"out", "resume", "overwrite", "device", "compile", "compile_mode", "lr_decay_steps"}
+    assert set(NOT_INHERITED) == {"out", "resume", "overwrite", "device", "compile", "compile_mode", "tf32",
+                                  "lr_decay_steps"}
 
 
 def test_help_shows_each_default_from_the_config():
@@ -135,6 +138,43 @@ def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch):
     assert config.compile_mode == "reduce-overhead"
     train(config, progress=False)
     assert seen == [{"mode": "reduce-overhead"}]
+
+
+@pytest.mark.parametrize("flag, expected", [([], "tf32"), (["--tf32", "on"], "tf32"), (["--tf32", "off"], "ieee")])
+def test_tf32_sets_cuda_fp32_matmuls_for_the_steps(tmp_path, monkeypatch, flag, expected):
+    """--tf32 (on by default) is the precision CUDA's float32 matmuls run in while the steps run, and only then: the
+    knob is read inside a training forward and is as it was after train() returns."""
+    from minifloat.training.model import Llama
+
+    knob = torch.backends.cuda.matmul
+    before = knob.fp32_precision
+    seen = []
+    real = Llama.forward
+    monkeypatch.setattr(Llama, "forward", lambda self, *a, **k: seen.append(knob.fp32_precision) or real(self, *a, **k))
+    config = _parse([*flag, "--steps", "1", "--out", str(tmp_path / "r"), "--model", "tiny", "--batch-size", "2",
+                     "--seq-len", "16", "--max-bytes", "50000"])
+    assert config.tf32 is (expected == "tf32")
+    train(config, progress=False)
+    assert seen and set(seen) == {expected}
+    assert knob.fp32_precision == before
+
+
+def test_cuda_fp32_matmuls_restores_the_knob_and_refuses_other_precisions():
+    from minifloat.core.autocast import cuda_fp32_matmuls
+
+    knob = torch.backends.cuda.matmul
+    before = knob.fp32_precision
+    with cuda_fp32_matmuls("ieee"):
+        assert knob.fp32_precision == "ieee"
+        with cuda_fp32_matmuls("tf32"):
+            assert knob.fp32_precision == "tf32"
+        assert knob.fp32_precision == "ieee"
+    assert knob.fp32_precision == before
+    with pytest.raises(ValueError, match="precision must be one of"):
+        with cuda_fp32_matmuls("high"):
+            pass
+    with pytest.raises(CliError, match="--tf32 must be on or off"):
+        _parse(["--tf32", "maybe"])
 
 
 # ---- the groups ---------------------------------------------------------------------------------------------------
@@ -257,7 +297,9 @@ def test_checkpoints_keep_the_flat_record_of_earlier_releases():
     other's checkpoints; a resume reads the record's spellings and lists, and names a change in flag spelling."""
     config = config_from({"out": "runs/old"}, OLD_RECORD)  # as a resume inherits it (out is fresh)
     assert config.precision.keep_blocks == (0, 1) and config.optimizer_state == ("e4m3", "bf16")
-    assert {**config.flat(), "nan_steps": []} == OLD_RECORD
+    newer = {"tf32"}  # settings newer than the record: fresh ones, never read back from a checkpoint
+    assert all(SETTINGS[name].metadata["resume"] == "fresh" for name in newer)
+    assert {k: v for k, v in {**config.flat(), "nan_steps": []}.items() if k not in newer} == OLD_RECORD
     config.check_resume(OLD_RECORD, 3, where="ckpt")
     with pytest.raises(ValueError, match="--keep-blocks 0,1, this run asks for 0,2"):
         dataclasses.replace(config, keep_blocks=(0, 2)).check_resume(OLD_RECORD, 3, where="ckpt")

@@ -74,7 +74,8 @@ def _summarize(result: TrainResult) -> dict:
 # the settings a comparison's command line restates: what makes its runs (compare's own flags, minifloat.cli.compare)
 COMMAND_SETTINGS = ("model", "steps", "batch_size", "seq_len", "seed", "data", "max_bytes", "tokenizer", "attention",
                     "lr", "min_lr", "warmup", "grad_accum", "eval_every", "eval_batches", "compile", "compile_mode",
-                    "shadow_every", "shadow_threshold")
+                    "tf32", "shadow_every", "shadow_threshold")
+ON_OFF = ("tf32",)  # of those, the settings whose flag takes on|off
 
 
 def _command(presets: list[str], base: TrainConfig, out: pathlib.Path) -> str:
@@ -87,7 +88,7 @@ def _command(presets: list[str], base: TrainConfig, out: pathlib.Path) -> str:
         always = name in ("model", "steps", "batch_size", "seq_len") or (
             name == "shadow_threshold" and base.shadow_every)
         if always or value != getattr(defaults, name):
-            flags["--" + name.replace("_", "-")] = value
+            flags["--" + name.replace("_", "-")] = ("on" if value else "off") if name in ON_OFF else value
     flags["--out"] = str(out)
     return "minifloat compare " + " ".join(k if v is True else f"{k} {v}" for k, v in flags.items()
                                            if v is not None and v is not False)

@@ -38,6 +38,7 @@ import time
 import torch
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+from minifloat.core.autocast import cuda_fp32_matmuls
 from minifloat.core.files import write_json
 from minifloat.core.version import __version__
 from minifloat.safety.shadow import Mode
@@ -329,7 +330,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     # the bar is labelled with the preset: `minifloat compare` draws one bar per preset
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
                    TextColumn("{task.fields[info]}"), TimeRemainingColumn(), disable=not progress or not world.is_main)
-    with bar, log_rows, val_rows, GracefulStop() as stop:
+    with bar, log_rows, val_rows, GracefulStop() as stop, cuda_fp32_matmuls("tf32" if config.tf32 else "ieee"):
         task = bar.add_task(config.preset, total=config.steps, completed=start_step, info="")
         step, stopping = start_step, False
         try:

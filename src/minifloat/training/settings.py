@@ -195,6 +195,10 @@ class Parallelism:
         choices=COMPILE_MODES)
     device: str = setting("auto", "auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; meta "
                                   "for shapes only", resume="fresh")
+    tf32: bool = setting(True, "on a CUDA GPU, run the float32 matmuls (the policy's fp32 head, --attention fp32) on "
+                               "TF32 tensor cores: float32 weights, accumulation and outputs, inputs rounded to 10 "
+                               "mantissa bits (bfloat16 has 7), about 8x the IEEE rate on an H100; on (default) or "
+                               "off. The CPU is not affected", resume="fresh", on_off=True)
     nproc: int = setting(1, "train on N processes of this machine (torchrun; gloo on CPU, NCCL on GPU), each on "
                             "--grad-accum micro-batches of every step; logs, progress and checkpoints come from "
                             "rank 0", metavar="N")
@@ -207,6 +211,7 @@ class Parallelism:
 
     def __post_init__(self):
         check_bool("compile", self.compile)
+        check_bool("tf32", self.tf32)
         check_choice("compile_mode", self.compile_mode, list(COMPILE_MODES))
         if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or meta, got {self.device!r}")
