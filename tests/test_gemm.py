@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
+import minifloat as mf
 
 from minifloat.numerics.formats import E4M3, E5M2
 from minifloat.fp8.gemm import GemmPath, gemm_path, resolve_backend, scaled_mm
@@ -397,19 +399,67 @@ def test_a_refused_native_gemm_runs_emulated_and_says_so_once(operands, monkeypa
     a = quantize(a_x, E4M3, granularity="row", operand_dtype=torch.bfloat16)
     b = quantize(b_x, E4M3, granularity="row", operand_dtype=torch.bfloat16)
 
+    tries = []
+
     def refuse(*args, **kwargs):
+        tries.append(1)
         raise error
 
     monkeypatch.setattr(gemm, "native_mm", refuse)
     monkeypatch.setattr(gemm, "_REFUSED", set())
     want = scaled_mm(a, b, out_dtype=torch.bfloat16, bias=bias, backend="emulated")
     with caplog.at_level("WARNING", logger="minifloat"):
-        for _ in range(2):
+        for _ in range(3):
             assert torch.equal(gemm._native(a, b, torch.bfloat16, bias, False), want)
     refusals = [r for r in caplog.records if "refused" in r.getMessage()]
     assert len(refusals) == 1 and str(error).split(":")[0] in refusals[0].getMessage()
+    assert len(tries) == 1, "a refused product asks cuBLAS again every step instead of going straight to the emulation"
+    gemm._native(a, b, torch.float32, bias, False)  # another output dtype is another product: asked once more
+    assert len(tries) == 2
 
 
 def test_plain_tensors_are_refused_in_one_line():
     with pytest.raises(TypeError, match=r"quantized operands, mf.quantize.*got Tensor and Tensor"):
         scaled_mm(torch.randn(4, 32), torch.randn(8, 32))
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling(), mf.CurrentScaling(granularity="row"),
+                                    mf.BlockScaling()], ids=["delayed", "current", "row", "block"])
+def test_every_pointer_the_native_gemm_gets_is_16_byte_aligned(recipe, monkeypatch):
+    """cuBLASLt's FP8 kernels refuse a data, scale or bias pointer that is not 16-byte aligned
+    (CUBLAS_STATUS_NOT_SUPPORTED): a delayed layer's 0-d scales, once views at odd offsets into its (roles,) buffer,
+    sent every delayed GEMM on an H200 to the emulation. The layer's native path, steered on the CPU into a spy of
+    torch._scaled_mm, passes only aligned pointers, in the first step and in the steady state."""
+    import minifloat.fp8.caster as caster
+    import minifloat.fp8.gemm as gemm
+
+    calls = []
+
+    def spy(a, b, scale_a, scale_b, bias=None, out_dtype=None, **kwargs):
+        calls.append({"a": a, "b": b, "scale_a": scale_a, "scale_b": scale_b, "bias": bias})
+        return (a.float() @ b.float()).to(out_dtype)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    monkeypatch.setattr(gemm, "native_support", lambda *args, **kwargs: None)
+    monkeypatch.setattr(caster, "native_granularity", lambda *args, **kwargs: True)
+    torch.manual_seed(0)
+    model = mf.convert(nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 128, bias=False)), recipe=recipe,
+                       keep_first_last=False)
+    x = torch.randn(128, 256, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        for _ in range(3):
+            model(x).float().square().mean().backward()
+            mf.fp8_step(model)
+    assert len(calls) == 3 * 2 * 3, f"{len(calls)} native GEMMs, expected 3 steps × 2 layers × 3"
+    misaligned = [(i, name, t.data_ptr() % 16) for i, call in enumerate(calls) for name, t in call.items()
+                  if t is not None and t.data_ptr() % 16]
+    assert not misaligned, f"(call, argument, address mod 16) not 16-byte aligned: {misaligned[:6]}"
+
+
+def test_aligned_copies_only_what_is_misaligned():
+    from minifloat.fp8.native import aligned
+
+    buffer = torch.arange(8, dtype=torch.float32)
+    assert aligned(buffer[4]).data_ptr() == buffer[4].data_ptr()  # 16 bytes in: itself
+    moved = aligned(buffer[1])
+    assert moved.data_ptr() % 16 == 0 and moved.data_ptr() != buffer[1].data_ptr() and moved.item() == 1.0

@@ -140,29 +140,40 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
 def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None,
             fast_accum: bool) -> torch.Tensor:
     fuse = bias is not None and fuses_bias(a, b, out_dtype)
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else _refusal_key(a, b, out_dtype, bias)
+    if key in _REFUSED:  # refused before: straight to the emulation, without asking cuBLAS again each step
+        return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
         out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None,
                         fast_accum)
     except (RuntimeError, ValueError) as exc:  # torch raises either (TORCH_CHECK / TORCH_CHECK_VALUE)
-        if torch.compiler.is_compiling():
+        if compiling:
             raise
         # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once per shape
+        _REFUSED.add(key)
         _warn_native_refused(a, b, exc)
-        return _emulated(a, b, out_dtype, bias, GemmPath.FACTORED if _factors_or_folds(a) and _factors_or_folds(b)
-                         else GemmPath.K_BLOCKS)
+        return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     return out if bias is None or fuse else _epilogue(out, None, None, bias, out_dtype)
 
 
+# products torch._scaled_mm refused in this process (by scalings, shapes, dtypes, output and bias): they run emulated
 _REFUSED: set[tuple] = set()
 
 
-def _warn_native_refused(a: Quantized, b: Quantized, exc: RuntimeError) -> None:
-    key = (str(a.granularity), str(b.granularity), tuple(a.shape), tuple(b.shape))
-    if key not in _REFUSED:
-        _REFUSED.add(key)
-        log.warning("minifloat: torch._scaled_mm refused a %s × %s product of shapes %s × %s (%s); it runs emulated",
-                    a.granularity, b.granularity, tuple(a.shape), tuple(b.shape),
-                    str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+def _warn_native_refused(a: Quantized, b: Quantized, exc: Exception) -> None:
+    log.warning("minifloat: torch._scaled_mm refused a %s × %s product of shapes %s × %s (%s); it runs emulated",
+                a.granularity, b.granularity, tuple(a.shape), tuple(b.shape),
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+
+
+def _refusal_key(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> tuple:
+    return (str(a.granularity), str(b.granularity), tuple(a.shape), tuple(b.shape),
+            *(None if q.data is None else (q.data.dtype, q.data.device) for q in (a, b)), out_dtype, bias is not None)
+
+
+def _emulated_path(a: Quantized, b: Quantized) -> GemmPath:
+    return GemmPath.FACTORED if _factors_or_folds(a) and _factors_or_folds(b) else GemmPath.K_BLOCKS
 
 
 # ---------------------------------------------------------------------------------------------------- emulated

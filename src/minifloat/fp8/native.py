@@ -183,6 +183,19 @@ def native_mm(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
     # torch._scaled_mm wants A row-major (M, K), B column-major (K, N) and dequantization scales. Operands cast with
     # their transposed copy (Quantized.data_t) arrive row-major, and .contiguous() is then free.
     fast = fast_accum and NATIVE_RULES[(a.granularity, b.granularity)].fast_accum
-    return torch._scaled_mm(a.data.contiguous(), b.data.contiguous().t(), scale_a=native_scale(a, "a"),
-                            scale_b=native_scale(b, "b"), bias=None if bias is None else bias.to(out_dtype),
-                            out_dtype=out_dtype, use_fast_accum=fast)
+    return torch._scaled_mm(aligned(a.data.contiguous()), aligned(b.data.contiguous()).t(),
+                            scale_a=aligned(native_scale(a, "a")), scale_b=aligned(native_scale(b, "b")),
+                            bias=None if bias is None else aligned(bias.to(out_dtype)), out_dtype=out_dtype,
+                            use_fast_accum=fast)
+
+
+ALIGNMENT = 16  # bytes: cuBLASLt's FP8 kernels refuse any pointer (data, scale, bias) not 16-byte aligned
+
+
+def aligned(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its data starts on a 16-byte boundary, else a copy that does (a view at an odd offset into a
+    larger tensor, e.g. one role's 0-d scale in a layer's (roles,) buffer, is refused by cuBLASLt with
+    CUBLAS_STATUS_NOT_SUPPORTED). Under torch.compile the compiler allocates the operands and this is the identity."""
+    if torch.compiler.is_compiling() or t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone()
