@@ -29,10 +29,14 @@ Measured, per variant, one at a time (built from the same seed: same weights and
   * step time: the median of --steps steps after --warmup untimed ones, each step between two CUDA events (on a CPU,
     wall clock); tokens/s and TFLOP/s from it (6·weights·tokens for linears, the trainer's flops_per_token for the
     Llama); the speedup over bf16 in the same mode (eager against eager, compiled against compiled);
+  * host time (GPU only): the median time Python took to issue a step, without synchronising; close to the step
+    time means the step is bound by host work and launches, not by the GPU;
   * peak memory: torch.cuda.max_memory_allocated over the timed steps (weights, optimizer state, activations);
   * SQNR in dB of the first step's output (logits for the Llama) against bf16 eager's: finite where FP8 really ran;
   * compiled runs: dynamo's graph count and graph breaks (with their reasons).
-A variant that fails (out of memory, a compile error) gets a row saying why, and the run goes on.
+A variant that fails (out of memory, a compile error) gets a row saying why, and the run goes on. --profile PATH
+also profiles 2 steps of every run (torch.profiler) and writes its op table (top 25 by GPU self time) to PATH, and
+the kernels launched and the GPU's busy time per step to the JSON: where the time goes, in the same call.
 
 Usage:
     python benchmarks/gpu.py                                      # everything, under ~8 minutes on one H100
@@ -326,24 +330,59 @@ def shape_name(shape) -> str:
     return f"{shape['blocks']} blocks d{shape['d_model']} ffn{shape['ffn']}, {shape['tokens']} tokens"
 
 
-def time_steps(step: Callable, n: int, device: torch.device) -> tuple[list[float], int | None]:
-    """Milliseconds of each of `n` steps, and the peak memory allocated over them (None on a CPU)."""
+def time_steps(step: Callable, n: int, device: torch.device) -> tuple[list[float], int | None, list[float] | None]:
+    """Milliseconds of each of `n` steps, the peak memory allocated over them (None on a CPU), and on a GPU the host
+    milliseconds of each step: how long Python took to issue it (no synchronisation in between). A step whose host
+    time is close to its step time is bound by host work and kernel launches (or synchronises), not by the GPU."""
     if device.type != "cuda":
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
             step()
             times.append(1e3 * (time.perf_counter() - t0))
-        return times, None
+        return times, None, None
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    host = []
     for start, end in events:
         start.record()
+        t0 = time.perf_counter()
         step()
+        host.append(1e3 * (time.perf_counter() - t0))
         end.record()
     torch.cuda.synchronize(device)
-    return [start.elapsed_time(end) for start, end in events], torch.cuda.max_memory_allocated(device)
+    return [start.elapsed_time(end) for start, end in events], torch.cuda.max_memory_allocated(device), host
+
+
+PROFILE_STEPS = 2
+PROFILE_ROWS = 25
+
+
+def profile_steps(step: Callable, device: torch.device, title: str, path: pathlib.Path) -> dict:
+    """Profile PROFILE_STEPS steps with torch.profiler; append the op table (top PROFILE_ROWS by the device's self
+    time on a GPU, by CPU self time on a CPU) under `title` to `path`. Returns per-step figures: the kernels launched
+    and the GPU's busy time (their summed durations), so that busy time against step time says how much of the step
+    the GPU idles (waiting on the host)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        for _ in range(PROFILE_STEPS):
+            step()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy_us = sum(e.time_range.elapsed_us() for e in kernels)
+    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    figures = {"kernels_per_step": len(kernels) / PROFILE_STEPS if kernels else None,
+               "gpu_busy_ms": busy_us / 1e3 / PROFILE_STEPS if kernels else None}
+    with path.open("a") as f:
+        f.write(f"\n=== {title}: {PROFILE_STEPS} steps"
+                + (f", {figures['kernels_per_step']:.0f} kernels and {figures['gpu_busy_ms']:.2f} ms of kernel time "
+                   f"per step" if kernels else "") + " ===\n")
+        f.write(prof.key_averages().table(sort_by=sort, row_limit=PROFILE_ROWS, max_name_column_width=70))
+    return figures
 
 
 def free_memory(device: torch.device) -> None:
@@ -385,8 +424,13 @@ def measure(case: Case, shape, variant, references: dict, args) -> dict:
     del out
     for _ in range(args.warmup - 1):
         work.step()
-    times, peak = time_steps(work.step, args.steps, args.device)
+    times, peak, host = time_steps(work.step, args.steps, args.device)
     ms = statistics.median(times)
+    if host is not None:
+        figures.update(host_ms=statistics.median(host))
+    if args.profile:
+        title = f"{case.section} {shape_name(shape)} {case.variant} {case.mode}"
+        figures.update(profile_steps(work.step, args.device, title, pathlib.Path(args.profile)))
     tokens_per_s = work.tokens / ms * 1e3
     figures.update(step_ms=ms, step_ms_all=times, tokens_per_s=tokens_per_s, tflops=work.flops / ms / 1e9,
                    peak_gib=None if peak is None else peak / GIB,
@@ -497,17 +541,17 @@ def _num(value: float | None, fmt: str) -> str:
     return "-" if value is None else format(value, fmt)
 
 
-COLUMNS = ("shape", "variant", "mode", "FP8 linears", "step ms", "tokens/s", "TFLOP/s (MFU)", "speedup × bf16",
-           "peak GiB",
-           "SQNR dB vs bf16")
+COLUMNS = ("shape", "variant", "mode", "FP8 linears", "step ms", "host ms", "tokens/s", "TFLOP/s (MFU)",
+           "speedup × bf16", "peak GiB", "SQNR dB vs bf16")
 
 
 def cells(r: dict) -> list[str]:
     head = [r["shape"], r["variant"], r["mode"]]
     if "step_ms" not in r:
-        return head + ["", f"{'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['error']}"] + [""] * 5
+        return head + ["", f"{'skipped' if 'skipped' in r else 'failed'}: {r.get('skipped') or r['error']}"] + [""] * 6
     breaks = f" ({r['graph_breaks']} breaks)" if r.get("graph_breaks") else ""
-    return head + [_num(r["fp8_linears"], "d"), f"{r['step_ms']:.2f}", f"{r['tokens_per_s']:,.0f}",
+    return head + [_num(r["fp8_linears"], "d"), f"{r['step_ms']:.2f}", _num(r.get("host_ms"), ".2f"),
+                   f"{r['tokens_per_s']:,.0f}",
                    f"{r['tflops']:.1f}" + ("" if r.get("mfu") is None else f" ({r['mfu']:.0%})"),
                    _num(r["speedup_vs_bf16"], ".2f") + breaks, _num(r["peak_gib"], ".2f"),
                    _db(r)]
@@ -530,7 +574,8 @@ def print_tables(rows: list[dict], skipped: dict[str, str], info: dict) -> None:
 def markdown(rows: list[dict], skipped: dict[str, str], info: dict) -> str:
     lines = [f"Machine: {machine_line(info)}.", ""]
     for section in dict.fromkeys(r["section"] for r in rows):
-        lines += [f"**{section}**", "", "| " + " | ".join(COLUMNS) + " |", "|---|---|---|" + "---:|" * 7]
+        lines += [f"**{section}**", "", "| " + " | ".join(COLUMNS) + " |",
+                  "|---|---|---|" + "---:|" * (len(COLUMNS) - 3)]
         lines += ["| " + " | ".join(cells(r)) + " |" for r in rows if r["section"] == section]
         lines += ["", NOTES[section], ""]
     lines += [f"Skipped {name}: {why}" for name, why in skipped.items()]
@@ -560,7 +605,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(its --tf32, on by default), or off: IEEE float32 products")
     p.add_argument("--json", default="runs/gpu_bench.json", metavar="PATH")
     p.add_argument("--markdown", metavar="PATH", help="also write the tables as markdown")
-    p.add_argument("--overwrite", action="store_true", help="replace existing --json / --markdown files")
+    p.add_argument("--profile", metavar="PATH", help="also profile 2 steps of every run with torch.profiler and "
+                   "write each run's op table (top 25 by GPU time) to PATH, a text file; the JSON gets kernels and "
+                   "GPU busy time per step")
+    p.add_argument("--overwrite", action="store_true", help="replace existing --json / --markdown / --profile files")
     args = p.parse_args(argv)
     args.sections = [s.strip() for s in args.sections.split(",") if s.strip()]
     unknown = [s for s in args.sections if s not in SECTIONS]
@@ -584,7 +632,7 @@ def main(argv=None) -> int:
               f"{torch.__version__} sees {torch.cuda.device_count()} GPUs); --smoke --device cpu runs its tiny shapes on the CPU",
               file=sys.stderr)
         return 2
-    for path in filter(None, (args.json, args.markdown)):
+    for path in filter(None, (args.json, args.markdown, args.profile)):
         if pathlib.Path(path).exists() and not args.overwrite:
             print(f"{path} exists; pass --overwrite to replace it, or another path", file=sys.stderr)
             return 2
@@ -608,6 +656,9 @@ def main(argv=None) -> int:
     config = {k: v for k, v in vars(args).items() if k not in ("start", "device")}
     json_path = pathlib.Path(args.json)
     json_path.parent.mkdir(parents=True, exist_ok=True)
+    if args.profile:
+        pathlib.Path(args.profile).parent.mkdir(parents=True, exist_ok=True)
+        pathlib.Path(args.profile).write_text(f"benchmarks/gpu.py profiles: {machine_line(info)}\n")
 
     def save(rows: list[dict], complete: bool = False) -> None:
         """The JSON with the rows so far ("complete": false until the last), replaced in one rename."""

@@ -149,3 +149,24 @@ def test_a_run_stopped_partway_keeps_what_it_measured(bench, tmp_path, monkeypat
                        "--overwrite"]) == 0
     whole = json.loads(path.read_text())
     assert whole["complete"] is True and len(whole["sections"]["gemm"]) > 3
+
+
+def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
+    """--profile: one titled op table per run in one text file (a GPU run adds kernels and busy time per step to the
+    JSON); the markdown has the host-time column; an existing profile file is refused without --overwrite."""
+    prof, out, md = tmp_path / "p.txt", tmp_path / "r.json", tmp_path / "r.md"
+    args = ("--smoke", "--device", "cpu", "--sections", "linear", "--variants", "current", "--no-compile",
+            "--json", str(out), "--markdown", str(md), "--profile", str(prof))
+    proc = run_script(*args)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = prof.read_text()
+    result = json.loads(out.read_text())
+    runs = result["sections"]["linear"]
+    assert len(runs) >= 2 and all("step_ms" in r for r in runs)
+    for r in runs:
+        title = f"=== linear {r['shape']} {r['variant']} eager: 2 steps"
+        assert text.count(title) == 1, title
+    assert text.count("Self CPU time total") == len(runs)
+    assert "| host ms |" in md.read_text()
+    again = run_script(*args)
+    assert again.returncode == 2 and "--overwrite" in again.stderr and prof.read_text() == text
