@@ -199,6 +199,14 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
+COMPILE_MODE = {"mode": "default"}  # torch.compile's mode for the compiled runs (--compile-mode)
+
+
+def compile_model(model: nn.Module) -> nn.Module:
+    """torch.compile(model) in the run's --compile-mode ("reduce-overhead": CUDA graphs, for host-bound steps)."""
+    return torch.compile(model, mode=COMPILE_MODE["mode"])
+
+
 def gemm_workload(shape, variant: str, device: torch.device, compiled: bool) -> Workload:
     m, k, n = shape
     a = torch.randn(m, k, device=device).to(torch.bfloat16)  # (M, K)
@@ -225,7 +233,7 @@ def linear_workload(shape, variant: Variant, device: torch.device, compiled: boo
         model = to_fp8(nn.Sequential(nn.Linear(k, n, bias=False)), variant)  # mf.convert swaps children only
         x = torch.randn(tokens, k, requires_grad=True)  # (T, K): the previous layer's activation
         grad_y = torch.randn(tokens, n)  # (T, N)
-    forward = torch.compile(model) if compiled else model
+    forward = compile_model(model) if compiled else model
 
     def step():
         with autocast(device):
@@ -267,7 +275,7 @@ def mlp_workload(shape: dict, variant: Variant, device: torch.device, compiled: 
         model = to_fp8(nn.Sequential(*(ResidualSwiGLU(config) for _ in range(shape["blocks"]))), variant)
         x = torch.randn(shape["tokens"], shape["d_model"], requires_grad=True)  # (T, C)
         target = torch.randn(shape["tokens"], shape["d_model"])
-    forward = torch.compile(model) if compiled else model
+    forward = compile_model(model) if compiled else model
 
     def with_loss(x):
         y = forward(x)
@@ -295,7 +303,7 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
     model = policy.apply(model)
     if variant.torchao is not None:  # on the linears minifloat's presets convert
         model = to_fp8(model, variant, {name for name, kind in plan.items() if kind == "fp8"})
-    forward = torch.compile(model) if compiled else model
+    forward = compile_model(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     return Workload(train_step(forward, opt, device, idx, targets), tokens, flops, model)
 
@@ -315,7 +323,9 @@ class Case:
 
     @property
     def mode(self) -> str:
-        return "compiled" if self.compiled else "eager"
+        if not self.compiled:
+            return "eager"
+        return "compiled" if COMPILE_MODE["mode"] == "default" else f"compiled ({COMPILE_MODE['mode']})"
 
 
 def shape_name(shape) -> str:
@@ -593,6 +603,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-variants", default="", help="comma list (or 'all') compiled in every section and shape "
                                                           "instead of the default priority list")
     p.add_argument("--no-compile", action="store_true", help="eager runs only")
+    p.add_argument("--compile-mode", choices=("default", "reduce-overhead", "max-autotune"), default="default",
+                   help="torch.compile's mode for the compiled runs; reduce-overhead replays CUDA graphs, which takes "
+                        "the host out of small steps (the 100m section). Every compiled run of the call uses it")
     p.add_argument("--budget-s", type=float, default=420.0, help="compiled runs that would end after this many "
                                                                   "seconds of the run are skipped")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10, smoke 3)")
@@ -625,6 +638,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     args = parse_args(argv)
     args.start = time.perf_counter()
+    COMPILE_MODE["mode"] = args.compile_mode
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     on_gpu = args.device.type == "cuda" and torch.cuda.is_available()
     if (args.device.type == "cuda" or not args.smoke) and not on_gpu:

@@ -170,3 +170,18 @@ def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
     assert "| host ms |" in md.read_text()
     again = run_script(*args)
     assert again.returncode == 2 and "--overwrite" in again.stderr and prof.read_text() == text
+
+
+def test_compile_mode_reaches_torch_compile_and_labels_the_rows(bench, monkeypatch):
+    """--compile-mode reduce-overhead (CUDA graphs, for host-bound steps) is the mode torch.compile gets, and the
+    compiled rows say so, so that they are compared only with bf16 compiled the same way."""
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda model, mode=None: seen.append(mode) or model)
+    args = bench.parse_args(["--smoke", "--compile-mode", "reduce-overhead"])
+    monkeypatch.setitem(bench.COMPILE_MODE, "mode", args.compile_mode)
+    bench.compile_model(torch.nn.Linear(2, 2))
+    assert seen == ["reduce-overhead"]
+    assert bench.Case("linear", 0, "current", True).mode == "compiled (reduce-overhead)"
+    assert bench.Case("linear", 0, "current", False).mode == "eager"
+    monkeypatch.setitem(bench.COMPILE_MODE, "mode", "default")
+    assert bench.Case("linear", 0, "current", True).mode == "compiled"
