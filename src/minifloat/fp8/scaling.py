@@ -169,10 +169,11 @@ class ScalingState(nn.Module):
             return inverse, reciprocal_rn(inverse), now
         key = (self.scale._version, self.scale.data_ptr(), self.scale.device)
         if self._reciprocals is None or self._reciprocals[0] != key:
-            inverse = reciprocal_rn(self.scale)
             # one row of 16 bytes per role: each role's 0-d scale starts 16-byte aligned, as cuBLASLt's FP8 kernels
-            # need of every pointer they read (a view at an odd float offset is refused: CUBLAS_STATUS_NOT_SUPPORTED)
-            self._reciprocals = (key, _aligned_rows(inverse), _aligned_rows(reciprocal_rn(inverse)))
+            # need of every pointer they read (a view at an odd float offset is refused: CUBLAS_STATUS_NOT_SUPPORTED).
+            # An elementwise op on the expanded (roles, 4) view writes a dense result: no copy is launched for it.
+            inverse = reciprocal_rn(self.scale.unsqueeze(1).expand(-1, 4)).contiguous()
+            self._reciprocals = (key, inverse, reciprocal_rn(inverse).contiguous())
         return self._reciprocals[1][col, 0], self._reciprocals[2][col, 0], now
 
     @torch.no_grad()
@@ -222,11 +223,6 @@ class ScalingState(nn.Module):
 
 
 _MAXIMA: dict[tuple, torch.Tensor] = {}
-
-
-def _aligned_rows(values: torch.Tensor) -> torch.Tensor:
-    """values (n,) as an (n, 4) float32 tensor whose column 0 holds them: element [i, 0] starts 16·i bytes in."""
-    return values.float().unsqueeze(1).expand(-1, 4).contiguous()
 
 
 def _format_maxima(maxima: tuple[float, ...], device: torch.device) -> torch.Tensor:
