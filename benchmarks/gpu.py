@@ -4,7 +4,8 @@ Llama, for bf16, every minifloat recipe and torchao.float8, eager and compiled.
 Sections (full sizes; --smoke shrinks every one of them so that the whole run takes seconds on a CPU):
 
     gemm      one GEMM (M×K×N, bf16 output) on operands quantized beforehand: the ceiling. bf16 `a @ bᵀ` against
-              mf.scaled_mm on E4M3 operands scaled per tensor, per row, per 1×128 tile × 128×128 block and MX; and
+              mf.scaled_mm on E4M3 operands scaled per tensor, per row, per 1×128 tile × 128×128 block (fprop,
+              dgrad), 1×128 × 1×128 tiles (block-wgrad: BlockScaling's wgrad) and MX; and
               torch._scaled_mm per tensor with fast accumulation (torchao's forward GEMM; minifloat never asks for it)
     linear    one nn.Linear(K, N, bias=False), forward and backward (all three GEMMs: the input requires grad) at
               8192³ and at Llama-3-8B's shapes with 16384 tokens, K×N = 4096×6144 (q, k, v fused under GQA),
@@ -160,7 +161,9 @@ VARIANTS = (
 )
 # the GEMM section's E4M3 operands: (granularity of a, of b, torch._scaled_mm's fast accumulation)
 GEMMS = {"tensor": ("tensor", "tensor", False), "tensor-fast-accum": ("tensor", "tensor", True),
-         "row": ("row", "row", False), "block": ("tile", "block", False), "mxfp8": ("mx", "mx", False)}
+         "row": ("row", "row", False), "block": ("tile", "block", False),
+         "block-wgrad": ("tile", "tile", False),  # BlockScaling's wgrad: 1×128 tiles on both operands
+         "mxfp8": ("mx", "mx", False)}
 
 
 def torchao_float8():

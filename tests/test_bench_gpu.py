@@ -14,7 +14,7 @@ import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
 SECTIONS = ("gemm", "linear", "mlp", "llama8b", "100m", "1b")
-GEMM_VARIANTS = ("tensor", "tensor-fast-accum", "row", "block", "mxfp8")
+GEMM_VARIANTS = ("tensor", "tensor-fast-accum", "row", "block", "block-wgrad", "mxfp8")
 MINIFLOAT = ("delayed", "current", "row", "block", "mxfp8", "nvfp4", "mxfp4")
 FOUR_BIT = ("nvfp4", "mxfp4")
 TORCHAO = ("torchao-tensorwise", "torchao-rowwise")
