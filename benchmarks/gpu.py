@@ -74,6 +74,7 @@ import minifloat as mf
 from minifloat.core.autocast import cuda_fp32_matmuls
 from minifloat.fp8.native import native_scale
 from minifloat.training.model import Llama, LlamaConfig, SwiGLU
+from minifloat.training.optimizer import fused_on_cuda
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
@@ -127,10 +128,11 @@ COMPILED_SMOKE = (("linear", ("bf16", "current")),)  # a compiled run in seconds
 NOTES = {  # what a reader of each table should know; printed under it and written to the JSON
     "gemm": "operands quantized before timing, bf16 output; minifloat's own GEMMs never ask for fast accumulation",
     "linear": "fp32 weight under torch.autocast(bfloat16); the input requires grad, so all three GEMMs run",
-    "mlp": "fp32 weights under torch.autocast(bfloat16); RMSNorm in fp32 (mf.RMSNorm)",
+    "mlp": "fp32 weights under torch.autocast(bfloat16); RMSNorm in fp32 (mf.RMSNorm); AdamW fused on CUDA",
     "llama8b": "no grouped-query attention (k and v projections 4096x4096); attention: the model's default, "
                "scaled_dot_product_attention on CUDA (fp32 scores materialised on a CPU); fp32 head and "
-               "cross-entropy (PrecisionPolicy); nvfp4 and mxfp4 presets keep the last block in bf16",
+               "cross-entropy (PrecisionPolicy); nvfp4 and mxfp4 presets keep the last block in bf16; AdamW fused "
+               "on CUDA (as the trainer)",
     "100m": "byte vocabulary (256), tied head in fp32; attention as above",
     "1b": "the 1b preset at a 32000-token vocabulary: grouped-query attention (8 kv heads), SDPA on CUDA, untied "
           "fp32 head; MFU against the GPU's dense BF16 peak",
@@ -284,7 +286,7 @@ def mlp_workload(shape: dict, variant: Variant, device: torch.device, compiled: 
         y = forward(x)
         return y, F.mse_loss(y.float(), target)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused_on_cuda([{"params": list(model.parameters())}]))
     flops = 6.0 * shape["tokens"] * 3 * shape["d_model"] * shape["ffn"] * shape["blocks"]
     return Workload(train_step(with_loss, opt, device, x), shape["tokens"], flops, model)
 
@@ -307,7 +309,7 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
     if variant.torchao is not None:  # on the linears minifloat's presets convert
         model = to_fp8(model, variant, {name for name, kind in plan.items() if kind == "fp8"})
     forward = compile_model(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused_on_cuda([{"params": list(model.parameters())}]))
     return Workload(train_step(forward, opt, device, idx, targets), tokens, flops, model)
 
 

@@ -9,6 +9,7 @@ import pathlib
 
 import pytest
 import torch
+from torch import nn
 from safetensors.torch import load_file
 
 from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
@@ -175,3 +176,24 @@ def _moment_dtypes(model, optimizer: LowPrecisionWeightOptimizer) -> dict[str, t
     state = optimizer.state  # the inner optimizer's
     return {name: (state[stepped.get(id(p), p)]["exp_avg"].dtype, state[stepped.get(id(p), p)]["exp_avg_sq"].dtype)
             for name, p in model.named_parameters()}
+
+
+def test_the_fp32_adamw_is_fused_only_where_every_parameter_is_on_cuda(monkeypatch):
+    """CUDA parameters get torch's fused AdamW (a quarter of the foreach step's passes over memory); CPU ones keep
+    torch's default, so CPU runs keep their bits. CUDA is stood in for by the parameters' is_cuda."""
+    from minifloat.training.optimizer import adamw, fused_on_cuda
+
+    model = nn.Linear(4, 4)
+    groups = [{"params": list(model.parameters())}]
+    assert fused_on_cuda(groups) == {} and fused_on_cuda([]) == {}
+    cpu = adamw(model, groups, lr=1e-3, state_formats=("fp32", "fp32"), master="fp32", seed=0)
+    assert not cpu.defaults.get("fused")
+
+    class OnCuda:  # a parameter that says it lives on a GPU
+        is_cuda = True
+
+    assert fused_on_cuda([{"params": [OnCuda(), OnCuda()]}]) == {"fused": True}
+    assert fused_on_cuda([{"params": [OnCuda()]}, {"params": list(model.parameters())}]) == {}  # mixed: not fused
+    monkeypatch.setattr("minifloat.training.optimizer.fused_on_cuda", lambda groups: {"fused": True})
+    fused = adamw(model, groups, lr=1e-3, state_formats=("fp32", "fp32"), master="fp32", seed=0)
+    assert fused.defaults["fused"] is True  # the run's optimizer takes what fused_on_cuda says

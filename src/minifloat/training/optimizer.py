@@ -61,7 +61,7 @@ def adamw(model: nn.Module, groups: list[dict], *, lr: float, state_formats: tup
         The optimizer; for the bf16 modes a LowPrecisionWeightOptimizer, whose `param_groups` are its inner AdamW's.
     """
     if tuple(state_formats) == ("fp32", "fp32"):
-        cls, kwargs = torch.optim.AdamW, {}
+        cls, kwargs = torch.optim.AdamW, fused_on_cuda(groups)
     else:
         # the fp32-state rule finds norms and embeddings by their parameters' ids: they are fp32 islands, stepped
         # directly (not through temporaries), so the ids it collects from `model` are the ones it steps
@@ -70,6 +70,14 @@ def adamw(model: nn.Module, groups: list[dict], *, lr: float, state_formats: tup
     if update is None:
         return cls(groups, lr=lr, betas=ADAMW_BETAS, **kwargs)
     return LowPrecisionWeightOptimizer(cls, groups, update=update, seed=seed, lr=lr, betas=ADAMW_BETAS, **kwargs)
+
+
+def fused_on_cuda(groups: list[dict]) -> dict:
+    """torch.optim.AdamW's arguments for `groups`: the fused kernel (one pass over each parameter's tensors instead of
+    a dozen foreach passes: the optimizer step of a billion parameters takes a quarter of the time) where every
+    parameter is on a CUDA device. Elsewhere torch's default, so CPU runs keep their bits."""
+    params = [p for group in groups for p in group["params"]]
+    return {"fused": True} if params and all(p.is_cuda for p in params) else {}
 
 
 def grad_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
