@@ -5,6 +5,7 @@ clipping, the lr schedule and the low-precision AdamW's fp32-state rule reach th
 from __future__ import annotations
 
 import dataclasses
+import json
 import pathlib
 
 import pytest
@@ -197,3 +198,19 @@ def test_the_fp32_adamw_is_fused_only_where_every_parameter_is_on_cuda(monkeypat
     monkeypatch.setattr("minifloat.training.optimizer.fused_on_cuda", lambda groups: {"fused": True})
     fused = adamw(model, groups, lr=1e-3, state_formats=("fp32", "fp32"), master="fp32", seed=0)
     assert fused.defaults["fused"] is True  # the run's optimizer takes what fused_on_cuda says
+
+
+@pytest.mark.parametrize("master", ["fp32", "bf16-sr", "bf16-kahan"])
+def test_every_master_mode_trains_and_resumes_bitwise_with_the_fused_adamw(tmp_path, monkeypatch, master):
+    """The fused AdamW a CUDA run gets (forced here on the CPU, where torch has the kernel too) steps every master
+    mode's weights (fp32 parameters, or the bf16 modes' fp32 temporaries) and resumes bitwise."""
+    monkeypatch.setattr("minifloat.training.optimizer.fused_on_cuda", lambda groups: {"fused": True})
+    whole = _config(steps=4, checkpoint_every=4, master=master, out=str(tmp_path / "a"))
+    result = train(whole, progress=False)
+    half = dataclasses.replace(whole, steps=2, checkpoint_every=2, lr_decay_steps=4, out=str(tmp_path / "b"))
+    first = train(half, progress=False)
+    second = train(dataclasses.replace(half, steps=4, lr_decay_steps=None, resume=True), progress=False)
+    assert result.losses[-1] < result.losses[0]
+    assert first.losses + second.losses == result.losses
+    manifest = json.loads((pathlib.Path(whole.out) / CHECKPOINT_DIR / "manifest.json").read_text())
+    assert '"fused": true' in json.dumps(manifest), "the run's optimizer was not the fused one"
