@@ -463,3 +463,13 @@ def test_aligned_copies_only_what_is_misaligned():
     assert aligned(buffer[4]).data_ptr() == buffer[4].data_ptr()  # 16 bytes in: itself
     moved = aligned(buffer[1])
     assert moved.data_ptr() % 16 == 0 and moved.data_ptr() != buffer[1].data_ptr() and moved.item() == 1.0
+
+
+def test_aligned_leaves_fake_tensors_alone():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from minifloat.fp8.native import aligned
+
+    with FakeTensorMode():
+        view = torch.empty(8)[1]
+        assert aligned(view) is view  # no data pointer read (fake tensors have none), no copy traced

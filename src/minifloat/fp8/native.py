@@ -12,6 +12,7 @@ import dataclasses
 import os
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 
 from minifloat.numerics.granularity import Granularity, granularity_info
 from minifloat.numerics.quantize import Quantized
@@ -195,7 +196,8 @@ ALIGNMENT = 16  # bytes: cuBLASLt's FP8 kernels refuse any pointer (data, scale,
 def aligned(t: torch.Tensor) -> torch.Tensor:
     """t itself where its data starts on a 16-byte boundary, else a copy that does (a view at an odd offset into a
     larger tensor, e.g. one role's 0-d scale in a layer's (roles,) buffer, is refused by cuBLASLt with
-    CUBLAS_STATUS_NOT_SUPPORTED). Under torch.compile the compiler allocates the operands and this is the identity."""
-    if torch.compiler.is_compiling() or t.data_ptr() % ALIGNMENT == 0:
+    CUBLAS_STATUS_NOT_SUPPORTED). Under torch.compile (and on fake tensors, which have no memory) the compiler
+    allocates the operands and this is the identity."""
+    if torch.compiler.is_compiling() or isinstance(t, FakeTensor) or t.data_ptr() % ALIGNMENT == 0:
         return t
     return t.clone()
