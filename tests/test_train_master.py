@@ -39,6 +39,26 @@ def _checkpoint_tensors(out: str) -> dict[str, torch.Tensor]:
     return load_file(str(pathlib.Path(out) / CHECKPOINT_DIR / TENSORS_FILE))
 
 
+def _whole_and_resumed(tmp_path: pathlib.Path, **fields) -> tuple[TrainConfig, TrainConfig]:
+    """4 steps in one go (run "a") against 2 + a resume to 4 (run "b"): asserts the loss falls and the resumed
+    losses are the whole run's; returns both configs (their checkpoints are at step 4)."""
+    whole = _config(steps=4, checkpoint_every=4, out=str(tmp_path / "a"), **fields)
+    result = train(whole, progress=False)
+    half = dataclasses.replace(whole, steps=2, checkpoint_every=2, lr_decay_steps=4, out=str(tmp_path / "b"))
+    first = train(half, progress=False)
+    second = train(dataclasses.replace(half, steps=4, lr_decay_steps=None, resume=True), progress=False)
+    assert result.losses[-1] < result.losses[0]
+    assert first.losses + second.losses == result.losses
+    return whole, half
+
+
+def _differing(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    """The names whose tensors differ in dtype or in any bit (every name must be in both)."""
+    assert a.keys() == b.keys()
+    bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731  (float8 has no ==; NaN == NaN bitwise)
+    return [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(bits(a[k]), bits(b[k]))]
+
+
 @pytest.fixture(scope="module")
 def half_run(tmp_path_factory) -> TrainConfig:
     """A bf16-sr run stopped at step 3 of a 6-step plan, with its checkpoint (left unchanged by the tests)."""
@@ -56,19 +76,9 @@ MODES = [("bf16-sr", "fp32,fp32"), ("bf16-kahan", "fp32,fp32"), ("bf16-sr", "e4m
 def test_bf16_weights_train_and_resume_bitwise(tmp_path, master, states):
     """4 steps in one go against 2 + a resume to 4: the same losses, and the final checkpoints hold bitwise the same
     tensors (weights, inner AdamW state, compensation / generator state, in the same dtypes)."""
-    whole = _config(steps=4, checkpoint_every=4, master=master, optimizer_state=states, out=str(tmp_path / "a"))
-    result = train(whole, progress=False)
-    half = dataclasses.replace(whole, steps=2, checkpoint_every=2, lr_decay_steps=4, out=str(tmp_path / "b"))
-    first = train(half, progress=False)
-    second = train(dataclasses.replace(half, steps=4, lr_decay_steps=None, resume=True), progress=False)
-
-    assert result.losses[-1] < result.losses[0]
-    assert first.losses + second.losses == result.losses
+    whole, half = _whole_and_resumed(tmp_path, master=master, optimizer_state=states)
     a, b = _checkpoint_tensors(whole.out), _checkpoint_tensors(half.out)
-    assert a.keys() == b.keys()
-    bits = lambda t: t.reshape(-1).view(torch.uint8)  # noqa: E731  (float8 has no ==; NaN == NaN bitwise)
-    differ = [k for k in a if a[k].dtype != b[k].dtype or not torch.equal(bits(a[k]), bits(b[k]))]
-    assert not differ, differ
+    assert not _differing(a, b)
     weights = {k.removeprefix("model/"): t.dtype for k, t in a.items() if k.startswith("model/")}
     assert {k: d for k, d in weights.items() if _is_island(k)} == {k: torch.float32 for k in weights if _is_island(k)}
     assert {d for k, d in weights.items() if not _is_island(k)} == {torch.bfloat16}
@@ -205,12 +215,7 @@ def test_every_master_mode_trains_and_resumes_bitwise_with_the_fused_adamw(tmp_p
     """The fused AdamW a CUDA run gets (forced here on the CPU, where torch has the kernel too) steps every master
     mode's weights (fp32 parameters, or the bf16 modes' fp32 temporaries) and resumes bitwise."""
     monkeypatch.setattr("minifloat.training.optimizer.fused_on_cuda", lambda groups: {"fused": True})
-    whole = _config(steps=4, checkpoint_every=4, master=master, out=str(tmp_path / "a"))
-    result = train(whole, progress=False)
-    half = dataclasses.replace(whole, steps=2, checkpoint_every=2, lr_decay_steps=4, out=str(tmp_path / "b"))
-    first = train(half, progress=False)
-    second = train(dataclasses.replace(half, steps=4, lr_decay_steps=None, resume=True), progress=False)
-    assert result.losses[-1] < result.losses[0]
-    assert first.losses + second.losses == result.losses
+    whole, half = _whole_and_resumed(tmp_path, master=master)
+    assert not _differing(_checkpoint_tensors(whole.out), _checkpoint_tensors(half.out))
     manifest = json.loads((pathlib.Path(whole.out) / CHECKPOINT_DIR / "manifest.json").read_text())
     assert '"fused": true' in json.dumps(manifest), "the run's optimizer was not the fused one"
