@@ -190,7 +190,7 @@ def _moment_dtypes(model, optimizer: LowPrecisionWeightOptimizer) -> dict[str, t
 
 
 def test_the_fp32_adamw_is_fused_only_where_every_parameter_is_on_cuda(monkeypatch):
-    """CUDA parameters get torch's fused AdamW (a quarter of the foreach step's passes over memory); CPU ones keep
+    """CUDA parameters get torch's fused AdamW (one pass per tensor instead of foreach's several); CPU ones keep
     torch's default, so CPU runs keep their bits. CUDA is stood in for by the parameters' is_cuda."""
     from minifloat.training.optimizer import adamw, fused_on_cuda
 
