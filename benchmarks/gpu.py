@@ -212,6 +212,11 @@ def compile_model(model: nn.Module) -> nn.Module:
     return torch.compile(model, mode=COMPILE_MODE["mode"])
 
 
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """The MLP's and the Llama's AdamW: fused on CUDA, as the trainer's (minifloat.training.optimizer)."""
+    return torch.optim.AdamW(model.parameters(), lr=1e-4, **fused_on_cuda([{"params": list(model.parameters())}]))
+
+
 def gemm_workload(shape, variant: str, device: torch.device, compiled: bool) -> Workload:
     m, k, n = shape
     a = torch.randn(m, k, device=device).to(torch.bfloat16)  # (M, K)
@@ -286,7 +291,7 @@ def mlp_workload(shape: dict, variant: Variant, device: torch.device, compiled: 
         y = forward(x)
         return y, F.mse_loss(y.float(), target)
 
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused_on_cuda([{"params": list(model.parameters())}]))
+    opt = adamw(model)
     flops = 6.0 * shape["tokens"] * 3 * shape["d_model"] * shape["ffn"] * shape["blocks"]
     return Workload(train_step(with_loss, opt, device, x), shape["tokens"], flops, model)
 
@@ -309,7 +314,7 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
     if variant.torchao is not None:  # on the linears minifloat's presets convert
         model = to_fp8(model, variant, {name for name, kind in plan.items() if kind == "fp8"})
     forward = compile_model(model) if compiled else model
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **fused_on_cuda([{"params": list(model.parameters())}]))
+    opt = adamw(model)
     return Workload(train_step(forward, opt, device, idx, targets), tokens, flops, model)
 
 
