@@ -473,3 +473,21 @@ def test_aligned_leaves_fake_tensors_alone():
     with FakeTensorMode():
         view = torch.empty(8)[1]
         assert aligned(view) is view  # no data pointer read (fake tensors have none), no copy traced
+
+
+def test_a_delayed_layers_cached_scales_are_16_byte_aligned_themselves():
+    """The delayed state lays its cached scales out one role per 16 bytes, so the native GEMM never has to copy them
+    (native_mm's `aligned` would, silently, on every GEMM)."""
+    from minifloat.fp8.recipes import ROLES
+    from minifloat.fp8.scaling import ROLE_INDEX, scaling_states
+
+    model = mf.convert(nn.Sequential(nn.Linear(64, 64)), recipe=mf.DelayedScaling(), keep_first_last=False)
+    x = torch.randn(32, 64, requires_grad=True)
+    for _ in range(2):  # seeded roles: the steady state's cached reciprocals
+        model(x).sum().backward()
+        mf.fp8_step(model)
+    (state,) = scaling_states(model)
+    for role in ROLES:
+        dscale, multiplier, _ = state.delayed_cast_scales(ROLE_INDEX[role], lambda: None, mf.E4M3)
+        assert dscale.data_ptr() % 16 == 0 and multiplier.data_ptr() % 16 == 0, role
+        assert torch.equal(dscale, state.scale[ROLE_INDEX[role]].reciprocal())
