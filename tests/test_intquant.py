@@ -19,6 +19,9 @@ from minifloat.numerics.intquant import (
 )
 
 FP32_SLACK = 1e-6  # relative slack for the float32 divide / multiply around the integer rounding
+# a block whose scale amax/qmax is subnormal in float32 holds it to within half a subnormal ulp (2^-150) absolutely,
+# not relatively, so qmax codes can decode up to qmax·2^-150 above amax (amax 1.18e-38 at int8: 1.7e-43 above)
+SUBNORMAL_SCALE_ERROR = 2.0**-150
 
 
 def reference_dynamic_map(signed: bool, total_bits: int = 8, max_exponent_bits: int = 7) -> list[float]:
@@ -45,6 +48,7 @@ blocks = st.integers(1, 4).flatmap(lambda n: st.integers(1, 16).flatmap(lambda b
 
 @settings(max_examples=60, deadline=None)
 @given(xb=blocks, bits=st.sampled_from([8, 4]), signed=st.booleans())
+@example(xb=torch.tensor([[0.0, 1.1754943508222875e-38]]), bits=8, signed=False)  # a subnormal scale (found in CI)
 def test_linear_round_trip_within_half_a_step(xb, bits, signed):
     if not signed:
         xb = xb.abs()
@@ -53,7 +57,8 @@ def test_linear_round_trip_within_half_a_step(xb, bits, signed):
     amax = xb.abs().amax(dim=-1, keepdim=True)
     step = amax / linear_qmax(bits, signed=signed)  # the code spacing: amax/127 (int8), amax/7 (int4)
     assert ((back - xb).abs() <= step / 2 * (1 + FP32_SLACK) + 1e-30).all()
-    assert (back.abs().amax(dim=-1, keepdim=True) <= amax * (1 + FP32_SLACK)).all()
+    qmax = linear_qmax(bits, signed=signed)
+    assert (back.abs().amax(dim=-1, keepdim=True) <= amax * (1 + FP32_SLACK) + qmax * SUBNORMAL_SCALE_ERROR).all()
 
 
 @pytest.mark.parametrize("name, bits, signed, dtype, lo, hi", [
