@@ -28,9 +28,10 @@ SYNC_OPS = frozenset({"_local_scalar_dense", "item", "is_nonzero", "equal", "non
                       # torch.tensor / as_tensor of Python data: on a GPU, a copy from pageable host memory, which
                       # waits for the copy (device constants made once and cached do not reach it per step)
                       "lift_fresh"})
-# (file under src/minifloat, function): the reads a CPU step may make: ScalingState.record's check for a non-finite
-# amax, which warns at once (a CPU waits for nothing; on a GPU the check is skipped)
-CPU_ONLY_READS = frozenset({("fp8/scaling.py", "record")})
+# (file under src/minifloat, function): the reads a CPU step may make: ScalingState's checks for a non-finite amax
+# (`record`'s, and `warn_if_nonfinite`'s after a cast recorded its own), which warn at once (a CPU waits for nothing;
+# on a GPU the checks are skipped)
+CPU_ONLY_READS = frozenset({("fp8/scaling.py", "record"), ("fp8/scaling.py", "warn_if_nonfinite")})
 DIM, HIDDEN, TOKENS = 128, 256, 32
 WARMUP = 3  # steps before the counted one: scales seeded (delayed), every role's host mirror set
 

@@ -427,3 +427,24 @@ def test_telemetry_counts_nonfinite_elements_and_outlives_the_skip():
     first_input = [r for r in tel.records if r.layer == model[0].fp8_name and r.role == "input"]
     assert [r.nonfinite for r in first_input] == [2]  # elements, not casts: the inf and the NaN
     assert model[0].fp8_state.nonfinite.tolist() == [0, 0, 0]  # the guard restored the counter with the state
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling(), mf.CurrentScaling(granularity="row")],
+                         ids=["delayed", "current", "row"])
+def test_a_nonfinite_input_on_the_cpu_is_said_once(caplog, recipe):
+    """On the CPU a cast that meets inf says so once per layer (a GPU leaves it to NonfiniteWatch, which reads the
+    counters without a sync per cast), whether the cast recorded its amax itself (per tensor) or through `record`
+    (rows); the history keeps only finite amaxes and the counter counts each such cast."""
+    torch.manual_seed(SEED)
+    layer = mf.Fp8Linear(D_IN, D_OUT, recipe=recipe)
+    x = torch.randn(BATCH, D_IN)
+    bad = x.clone()
+    bad[BAD_AT] = math.inf
+    with eager_kernels(), caplog.at_level("WARNING", logger="minifloat"):
+        for inputs in (x, bad, bad):
+            layer(inputs)
+    said = [r for r in caplog.records if "non-finite values in input" in r.getMessage()]
+    assert len(said) == 1
+    col = ROLES.index(Role.INPUT)
+    assert int(layer.fp8_state.nonfinite[col]) == 2
+    assert float(layer.fp8_state.amax_history[0, col]) == float(x.abs().amax())

@@ -67,12 +67,20 @@ for name, mode in modes.items():
     constants.update(mode)
     signature = dict(blocks, x_ptr="*u8" if mode.get("FROM_FP8") else "*bf16")
     out["blocks-" + name] = report(triton_blocks._kernel(), signature, constants, triton_blocks.NUM_WARPS)
+record = {"slot_ptr": "*fp32", "counter_ptr": "*i64", "scratch_ptr": "*i32"}
 cast = {"x_ptr": "*bf16", "q_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*i32",
-        "dscale_ptr": "*fp32", "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"}
-for name, from_amax in (("given-scale", False), ("from-amax", True)):
+        "dscale_ptr": "*fp32", **record, "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"}
+for name, from_amax, recording in (("given-scale", False, False), ("from-amax", True, False),
+                                   ("given-scale-recording", False, True)):
     constants = dict(ALONG=1 if from_amax else 0, WRITE=True, WRITE_T=True, AMAX=not from_amax,
-                     FROM_AMAX=from_amax, BLOCK_M=triton_cast.BLOCK_M, BLOCK_K=triton_cast.BLOCK_K, **fp8)
+                     FROM_AMAX=from_amax, RECORD=recording, BLOCK_M=triton_cast.BLOCK_M, BLOCK_K=triton_cast.BLOCK_K,
+                     **fp8)
     out["cast-" + name] = report(triton_cast._kernel(), cast, constants, triton_cast.NUM_WARPS)
+amax = {"x_ptr": "*bf16", "amax_ptr": "*i32", **record, "M": "i32", "K": "i32", "stride_xm": "i32",
+        "stride_xk": "i32"}
+for name, recording in (("amax", False), ("amax-recording", True)):
+    out["cast-" + name] = report(triton_cast._amax_kernel(), amax, dict(RECORD=recording, BLOCK_M=triton_cast.BLOCK_M,
+                                 BLOCK_K=triton_cast.BLOCK_K), 4)
 from minifloat.numerics import triton_rows
 amax_kernel, cast_kernel = triton_rows._kernels()
 sizes = dict(BLOCK_M=triton_rows.BLOCK_M, BLOCK_K=triton_rows.BLOCK_K)
@@ -88,6 +96,7 @@ for name, from_fp8 in (("both-axes", False), ("from-fp8", True)):
 print(json.dumps(out))
 """
 KERNELS = ["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "cast-given-scale", "cast-from-amax",
+           "cast-given-scale-recording", "cast-amax", "cast-amax-recording",
            "rows-amax-both-axes", "rows-cast-both-axes", "rows-amax-from-fp8", "rows-cast-from-fp8"]
 
 

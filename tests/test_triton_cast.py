@@ -336,3 +336,85 @@ def test_tensors_of_2_31_elements_take_the_torch_path(monkeypatch):
     monkeypatch.setattr(triton_cast, "interpreted", lambda: True)
     assert triton_cast.available(torch.empty(2**16, 2**15 - 1, device="meta"))
     assert not triton_cast.available(torch.empty(2**16, 2**15, device="meta"))
+
+
+def _recording_cast(x, scale):
+    """A per-tensor E4M3 cast of `x` (a stored scale: delayed scaling; None: current scaling) recording its amax into
+    a fresh ScalingState's input slot; returns (the cast, the state's buffers, the slot's scratch)."""
+    from minifloat.fp8.recipes import Role
+    from minifloat.fp8.scaling import ScalingState
+
+    state = ScalingState(history_len=4)
+    state.amax_history[0] = 1.0
+    slot = state.amax_slot(Role.INPUT)
+    q = quantize(x, mf.E4M3, scale=scale, with_t=True, record=slot)
+    return q, state.state_dict(), slot.scratch.clone()
+
+
+@pytest.mark.parametrize("scale", [torch.tensor(0.37), None], ids=["delayed", "current"])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
+@pytest.mark.parametrize("shape", [(5, 24), (70, 200)], ids=["one-program", "twelve-programs"])
+def test_a_cast_records_its_amax_in_its_own_launch(monkeypatch, calls, scale, bad, shape):
+    """A per-tensor cast given a ScalingState's slot folds its amax in the launch that takes it (delayed: the cast
+    kernel; current: the amax pass), with no fold kernel and no zero-filled buffer: the state's bytes are the torch
+    path's (the history keeps the max of finite amaxes; a non-finite amax only bumps the counter, once per cast
+    however many programs saw it), the cast is the same, and the scratch is zero again for the next launch."""
+    x = awkward(*shape, torch.bfloat16, seed=5).nan_to_num(posinf=2.0, neginf=-2.0).clamp(-5.0, 5.0)
+    x[-1, -1] = 5.5  # the largest value, in the grid's last program
+    if bad is not None:
+        x[0, -1] = bad
+    folds = []
+    real = triton_cast.fold_amax
+    monkeypatch.setattr(triton_cast, "fold_amax", lambda *a: folds.append(1) or real(*a))
+    (ref, ref_state, _), (got, got_state, scratch) = both(monkeypatch, lambda: _recording_cast(x, scale))
+    assert calls == ["tensor"] and folds == [], "the amax was not recorded in the cast's own launch"
+    if bad is None or scale is not None:  # current scaling of a tensor holding inf or NaN: scale 1, data not compared
+        assert_same(ref, got, with_t=True)
+    assert torch.equal(bits(got.amax), bits(ref.amax))
+    for key in ref_state:
+        same = bits(got_state[key]) if got_state[key].is_floating_point() else got_state[key]
+        assert torch.equal(same, bits(ref_state[key]) if ref_state[key].is_floating_point() else ref_state[key]), key
+    assert int(got_state["nonfinite"][0]) == (0 if bad is None else 1)
+    assert float(got_state["amax_history"][0, 0]) == (5.5 if bad is None else 1.0)
+    assert not scratch.any(), "the scratch must be zero again for the next launch"
+
+
+def test_a_recording_cast_twice_in_a_row_records_both(monkeypatch):
+    """The scratch the last program resets is what the next launch starts from: two recording casts of different
+    tensors leave the larger amax, and a NaN one after them only the counter."""
+    from minifloat.fp8.recipes import Role
+    from minifloat.fp8.scaling import ScalingState
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    state = ScalingState(history_len=2)
+    slot = state.amax_slot(Role.GRAD_OUTPUT)
+    first = torch.full((40, 70), 3.0)
+    second = torch.full((40, 70), 0.5)
+    spoiled = second.clone()
+    spoiled[3, 3] = float("nan")
+    for x in (first, second, spoiled):
+        quantize(x, mf.E5M2, scale=torch.tensor(1.0), record=slot)
+    assert float(state.amax_history[0, 2]) == 3.0 and int(state.nonfinite[2]) == 1 and not slot.scratch.any()
+
+
+def test_recording_into_a_slot_is_per_tensor_only():
+    from minifloat.fp8.recipes import Role
+    from minifloat.fp8.scaling import ScalingState
+
+    slot = ScalingState().amax_slot(Role.INPUT)
+    with pytest.raises(ValueError, match="per tensor only"):
+        quantize(torch.ones(4, 32), mf.E4M3, granularity="row", record=slot)
+
+
+def test_self_check_covers_recording_in_the_casts_launch(monkeypatch, caplog):
+    """A cast kernel whose last program never folds (a GPU that orders the atomics wrongly would lose amaxes the same
+    way) turns the kernels off, with the reason named."""
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(triton_cast, "_checks", lambda device: iter(()))
+    assert triton_cast.self_check(torch.device("cpu"))
+    real = triton_cast.fused_cast
+    monkeypatch.setattr(triton_cast, "fused_cast", lambda *a, record=None, **k: real(*a, **k))  # records nothing
+    monkeypatch.setattr(triton_cast, "_CHECKED", {})
+    caplog.clear()
+    assert not triton_cast.self_check(torch.device("cpu"))
+    assert "recording an amax differs from the torch path" in caplog.text

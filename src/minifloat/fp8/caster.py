@@ -135,21 +135,25 @@ class LayerCaster:
                               power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
         if scale is not None:
             return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
+        # an eager per-tensor cast records its amax into the state itself (on a GPU in the launch that takes it); a
+        # compiled graph records with its own ops (`ScalingState.record`), which inductor fuses with the cast
+        slot = (self.state.amax_slot(role) if record and self.recording and not torch.compiler.is_compiling()
+                and (spec.delayed or granularity_info(spec.granularity).per_tensor) else None)
         if spec.delayed:
             dscale, multiplier, amax = self.state.delayed_cast_scales(
                 ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt, margin=spec.margin,
                 store=record and self.recording)
             q = quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=dscale, multiplier=multiplier, amax=amax,
-                         **out)
+                         record=slot, **out)
         else:
             if self.amax_reduce is not None and not granularity_info(spec.granularity).per_tensor:
                 raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not "
                                  f"'{spec.granularity}' ({role.value} of {self.name or 'a layer'})")
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
-                         amax=None if self.amax_reduce is None else self._whole_amax(t), **out)
+                         amax=None if self.amax_reduce is None else self._whole_amax(t), record=slot, **out)
         if record:
-            self._observe(role, t, q)
+            self._observe(role, t, q, recorded=slot is not None)
         return q
 
     def _both_axes_fused(self, role: Role, t: torch.Tensor) -> bool:
@@ -193,8 +197,11 @@ class LayerCaster:
         source = operand(q) if q.scale_folded else q.dequantize()
         return self.cast(role, source, record=False, transposed=True)
 
-    def _observe(self, role: Role, t: torch.Tensor, q: Quantized | NVFP4Quantized) -> None:
-        if self.recording:
+    def _observe(self, role: Role, t: torch.Tensor, q: Quantized | NVFP4Quantized, recorded: bool = False) -> None:
+        """Record q's amax (unless the cast did: `recorded`) and feed telemetry."""
+        if recorded:
+            self.state.warn_if_nonfinite(role, q.amax)
+        elif self.recording:
             self.state.record(role, q.amax)
         if telemetry.enabled():
             telemetry.observe(self.name, role.value, t, q)
@@ -240,9 +247,9 @@ class LayerCaster:
         if self.weights is None:
             return self.cast(Role.WEIGHT, weight, with_t=True)
         options = (self.recipe, self.backend, self.recording, self.state.generation)  # generation last: see peek
-        q, hit = self.weights.get("fprop", weight, options, lambda: self.cast(Role.WEIGHT, weight, with_t=True))
-        if hit and self.recording:
-            self.state.record(Role.WEIGHT, q.amax)  # a reentrant checkpoint's first recording forward may hit
+        # a hit needs no recording: the entry was made in this generation, recording, so its amax is in row 0 (which
+        # only a new generation clears; recording it again would change nothing, at a kernel launch per micro-batch)
+        q, _ = self.weights.get("fprop", weight, options, lambda: self.cast(Role.WEIGHT, weight, with_t=True))
         return q
 
     def observe_high_precision(self, role: Role, t: torch.Tensor) -> None:

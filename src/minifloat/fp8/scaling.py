@@ -24,6 +24,7 @@ one all-reduce (MAX).
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from typing import Callable
 
@@ -56,6 +57,7 @@ class ScalingState(nn.Module):
         self._warned = False
         self._seeded: list[bool] | None = None  # host mirror of `initialized`, so GPU runs avoid a sync per cast
         self._reciprocals: tuple | None = None  # (key of `scale`, 1 / scale, 1 / (1 / scale)): delayed_cast_scales
+        self._scratch: torch.Tensor | None = None  # amax_slot's scratch for the one-pass kernels (not a buffer)
         # bumped whenever the scales may change outside a cast (a step's end, a load or restore): casts cached
         # for the step (the weight's) are only valid for the generation they were made in
         self.generation = 0
@@ -181,25 +183,44 @@ class ScalingState(nn.Module):
         """Fold a cast's amax into this step's history row (max: recording the same tensor twice is a no-op).
 
         A non-finite amax never enters the history, so it can never reach a scale; it bumps `nonfinite` instead.
+        Sync-free on a GPU (one kernel launch where the one-pass kernels run, instead of eight to twelve torch ops).
+        A per-tensor cast can instead record in its own pass: `quantize(..., record=state.amax_slot(role))`.
         """
         col = ROLE_INDEX[role]
-        amax = amax.detach()
-        if amax.numel() and triton_cast.available(amax):  # one kernel launch instead of eight to twelve (a GPU)
-            on_cpu = amax.device.type == "cpu"  # Triton's interpreter: the warning below reads the counter
-            before = int(self.nonfinite[col]) if on_cpu else None
-            triton_cast.fold_amax(self.amax_history[0, col], self.nonfinite[col], amax)
-            finite = int(self.nonfinite[col]) == before if on_cpu else None
-        else:
-            amax = amax.float().amax()
-            finite = torch.isfinite(amax)
-            # sync-free: a non-finite amax leaves the history as it was and only bumps the counter
+        if torch.compiler.is_compiling():  # the graph's own ops (no scratch: no Python state for dynamo to guard on)
+            top = amax.detach().float().amax()
+            finite = torch.isfinite(top)
             row = self.amax_history[0, col]
-            self.amax_history[0, col] = torch.where(finite, torch.maximum(row, amax), row)
+            self.amax_history[0, col] = torch.where(finite, torch.maximum(row, top), row)
             self.nonfinite[col] += (~finite).long()
-        if not torch.compiler.is_compiling() and amax.device.type == "cpu" and not self._warned and not bool(finite):
-            log.warning("minifloat: non-finite values in %s; its amax was not recorded and its scale is kept",
-                        role.value)
-            self._warned = True
+            return
+        slot = self.amax_slot(role)
+        check = amax.device.type == "cpu" and not self._warned  # the counter's rise says it: two host reads
+        before = int(slot.nonfinite) if check else 0
+        triton_cast.record_amax(slot, amax)
+        if check and int(slot.nonfinite) != before:
+            self._warn_nonfinite(role)
+
+    def amax_slot(self, role: Role) -> triton_cast.AmaxSlot:
+        """Where a cast of `role` records its amax (`quantize`'s `record`): the role's entry of row 0 of the history,
+        its non-finite counter, and two int32 of scratch (zero between casts; not state: never saved) in which the
+        one-pass kernels merge their tiles' amaxes before the last of them folds the total in."""
+        col = ROLE_INDEX[role]
+        device = self.amax_history.device
+        if getattr(self, "_scratch", None) is None or self._scratch.device != device:  # (pickles of old states)
+            self._scratch = torch.zeros(len(ROLES), 4, dtype=torch.int32, device=device)  # 16 bytes a role
+        return triton_cast.AmaxSlot(self.amax_history[0, col], self.nonfinite[col], self._scratch[col, :2])
+
+    def warn_if_nonfinite(self, role: Role, amax: torch.Tensor) -> None:
+        """After a cast recorded its per-tensor `amax` itself (`amax_slot`): on the CPU, where reading it costs no
+        synchronisation, say once that a cast met NaN/inf (its amax was not recorded). On a GPU `NonfiniteWatch`
+        reads the counters once per step instead."""
+        if amax.device.type == "cpu" and not self._warned and not math.isfinite(amax.item()):
+            self._warn_nonfinite(role)
+
+    def _warn_nonfinite(self, role: Role) -> None:
+        log.warning("minifloat: non-finite values in %s; its amax was not recorded and its scale is kept", role.value)
+        self._warned = True
 
     def advance(self, recipe) -> None:
         """The end of an optimizer step: delayed recipes turn the history into new scales (TE rule); the history
@@ -213,11 +234,16 @@ class ScalingState(nn.Module):
 
         Roles with no amax recorded in the whole history keep their scale (fallback inside scale_from_amax).
         """
+        self.generation += 1
         _advance_one(self, (AmaxCompute(recipe.amax_compute), recipe.margin, tuple(formats[r].max for r in ROLES)))
 
     @torch.no_grad()
     def roll(self) -> None:
         """Move this step's amaxes into the history (oldest entry dropped) and clear row 0."""
+        self.generation += 1  # row 0 is cleared: a cached weight cast's amax is no longer recorded in it
+        self._roll()
+
+    def _roll(self) -> None:
         self.amax_history.copy_(torch.roll(self.amax_history, -1, 0))
         self.amax_history[0].zero_()
 
@@ -267,14 +293,14 @@ def advance_states(states: Sequence[ScalingState], recipes: Sequence) -> None:
 def _advance_one(state: ScalingState, rule: tuple | None) -> None:
     """One state's step end under `rule` ((amax compute, margin, the roles' format maxima), None: roll only)."""
     if rule is None:
-        state.roll()
+        state._roll()  # the caller counted the generation
         return
     compute, margin, maxima = rule
     amax = state.amax_history.amax(dim=0) if compute == AmaxCompute.MAX else state.amax_history[0]
     # the three roles' scales in one pass (their formats' maxima as a tensor); scale_from_amax keeps the previous
     # scale where amax is 0 (nothing recorded in the whole history)
     state.scale.copy_(scale_from_amax(amax, _format_maxima(maxima, amax.device), margin=margin, fallback=state.scale))
-    state.roll()
+    state._roll()
 
 
 def scaling_states(model: nn.Module) -> list[ScalingState]:
@@ -294,7 +320,8 @@ class NonfiniteWatch:
         counts = watch.rises().flatten().tolist()      # casts per (layer, role) since mark()
         watch.operands(counts)                         # (("blocks.0.mlp.up", Role.INPUT), ...)
 
-    A cast run twice (activation-checkpoint recompute, a weight cast reused by a later micro-batch) counts twice.
+    A cast run twice (activation-checkpoint recompute) counts twice; a weight cast reused from the layer's cache by a
+    later micro-batch is not a new cast and counts once.
     """
 
     def __init__(self, model: nn.Module):

@@ -285,7 +285,7 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
              scale: torch.Tensor | None = None, margin: int = 0, power_of_two: bool = False,
              mx_rule: str = "up", operand_dtype: torch.dtype | None = None, keep_data: bool = True,
              amax: torch.Tensor | None = None, with_t: bool = False,
-             multiplier: torch.Tensor | None = None) -> Quantized:
+             multiplier: torch.Tensor | None = None, record: triton_cast.AmaxSlot | None = None) -> Quantized:
     """Scale `x` per `granularity` and cast it onto `fmt` (saturating, RNE).
 
     Args:
@@ -309,6 +309,9 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         with_t: also keep `data_t`, the 2-D data's transpose in row-major order (the same pass on a GPU).
         multiplier: with `scale`, the quantization multiplier `1.0 / scale` (float32) the caller has already (delayed
             scaling keeps it per step): the cast uses it as given, and launches no division.
+        record: a ScalingState's slot for the cast's role (`ScalingState.amax_slot`, per-tensor casts only): the
+            amax (x's own, or the one given) is folded into it as `ScalingState.record` does, where the one-pass
+            kernels run in the very launch that takes it.
     Returns:
         Quantized with data of x's shape.
     """
@@ -331,6 +334,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
     if multiplier is not None and scale is None:
         raise ValueError("a multiplier goes with the scale it is the reciprocal of: pass scale= too")
+    if record is not None and not info.per_tensor:
+        raise ValueError(f"a cast records its amax into a slot per tensor only, not '{granularity}'")
     if scale is None and triton_blocks.takes(x, storage, operand_dtype, granularity):  # tiles, blocks: GPU, one pass
         block = granularity == Granularity.BLOCK
         out = triton_blocks.block_cast(x.detach(), fmt, rows=True, block=block, write_t=with_t and block,
@@ -346,10 +351,13 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
     fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
     qscale = None
+    recorded = False  # whether a kernel folded the amax into `record`
     if scale is None:
         if amax is None:
-            amax = triton_cast.tensor_amax(x) if fused and info.per_tensor else abs_max(
-                xb, None if info.per_tensor else (-3, -1) if xb.dim() > 2 else -1)
+            if fused and info.per_tensor:
+                amax, recorded = triton_cast.tensor_amax(x, record), record is not None
+            else:
+                amax = abs_max(xb, None if info.per_tensor else (-3, -1) if xb.dim() > 2 else -1)
         else:
             amax = amax.float().reshape(())
         if not fused:
@@ -365,16 +373,20 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     want_amax = amax is None and info.per_tensor and xb.numel() > 0
     data_t = None
     if fused:
+        in_pass = record if want_amax and not recorded else None
         data, data_t, kernel_amax, kernel_dscale = triton_cast.fused_cast(
             x.detach(), fmt, qscale, along="row" if info.per_row else "tensor", write_t=with_t, want_amax=want_amax,
-            amax=amax if qscale is None else None, margin=margin, power_of_two=power_of_two)
+            amax=amax if qscale is None else None, margin=margin, power_of_two=power_of_two, record=in_pass)
         dscale, operand = (dscale if qscale is not None else kernel_dscale), None
+        recorded = recorded or in_pass is not None
     else:
         fold = dscale if (folded and operand_dtype is not None) else None
         data, operand, kernel_amax = _cast_kernel_compiled(xb, qscale.reshape(()) if info.per_tensor else qscale,
                                                            fmt.name, storage, operand_dtype, fold, want_amax)
     if want_amax:
         amax = kernel_amax
+    if record is not None and not recorded and amax is not None:
+        triton_cast.record_amax(record, amax)
     shape = () if info.per_tensor else scale_shape(x.shape, granularity)
     dscale = dscale.reshape(shape)
     amax = None if amax is None else amax.reshape(shape)

@@ -21,9 +21,12 @@ torch's amax does.
 
 The multipliers come in computed (delayed scaling: from the stored scale) or are computed in the kernel from the
 amaxes by `scale_from_amax`'s rule, bit for bit (current scaling: `tensor_amax` takes the amax in one pass first;
-per-row amaxes come from one compiled reduction). `fold_amax` records an amax into a ScalingState in one launch.
-Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 41 (delayed), 160 to 32 (current) and 263
-to 69 (row scaling): benchmarks/launches.py counts them on any machine.
+per-row amaxes come from one compiled reduction). A per-tensor cast given a ScalingState's slot (`record`) also
+records its amax there in the same launch: each program merges its tile's amax into a scratch word and takes a ticket,
+and the program that finishes last folds the total into the history (or counts it as non-finite) and zeroes the
+scratch (`_record_fn`). `fold_amax` records any other cast's amaxes (rows, tiles) in one launch.
+Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 13 (delayed), 160 to 14 (current) and 263
+to 32 (row scaling): benchmarks/launches.py counts them on any machine (docs/benchmarks.md has the history).
 
 `quantize` and `quantize_t` call `fused_cast` for 2-D tensors cast per tensor, row or column to FP8 data without a
 bfloat16 operand, on CUDA when Triton imports (the native GEMM path) and `self_check` found the kernels give the
@@ -37,6 +40,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -166,6 +170,31 @@ def _folds_as_torch_does(device: torch.device) -> bool:
         expected = torch.where(finite, torch.maximum(torch.ones_like(top), top), torch.ones_like(top))
         if not (torch.equal(slot, expected) and int(counter) == int(~finite)):
             return False
+    return _records_in_pass_as_torch_does(device)
+
+
+def _records_in_pass_as_torch_does(device: torch.device) -> bool:
+    """A cast that records its amax in its own launch (delayed: given a scale; current: in the amax pass) over
+    several programs, finite or with an inf or a NaN: the slot and counter as `record_amax`'s torch ops leave them,
+    the amax returned, and the scratch back to zero."""
+    from minifloat.numerics.formats import E4M3
+    from minifloat.numerics.quantize import quantize
+
+    x = torch.linspace(-3.0, 3.0, 70 * 200).reshape(70, 200)
+    for bad in (None, float("inf"), float("nan")):
+        if bad is not None:
+            x[69, 199] = bad  # in the grid's last program
+        for given in (torch.tensor(2.0, device=device), None):
+            slot = AmaxSlot(torch.ones((), device=device), torch.zeros((), dtype=torch.int64, device=device),
+                            torch.zeros(2, dtype=torch.int32, device=device))
+            q = quantize(x.to(device), E4M3, scale=given, record=slot)
+            top = x.abs().amax()
+            finite = bool(torch.isfinite(top))
+            expected = max(1.0, float(top)) if finite else 1.0
+            if not (float(slot.amax) == expected and int(slot.nonfinite) == int(not finite)
+                    and torch.equal(q.amax.cpu().view(torch.int32), top.view(torch.int32))
+                    and not slot.scratch.any()):
+                return False
     return True
 
 
@@ -185,7 +214,7 @@ def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dty
 
 
 tl = None  # triton.language, bound by _kernel() where the kernels are built
-_larger = _scale = _code = None  # _larger_fn, _scale_fn and _code_fn once compiled by triton.jit
+_larger = _scale = _code = _record = None  # _larger_fn, _scale_fn, _code_fn and _record_fn once compiled by triton.jit
 
 
 @functools.cache
@@ -193,12 +222,13 @@ def _kernel():
     """The Triton kernel, built on first use, so TRITON_INTERPRET is read then, not at import. Its helpers are module
     globals (the kernel's source resolves names there; the interpreter runs tl's own library functions such as tl.max
     only when TRITON_INTERPRET was set before triton's import, hence the combine function of our own)."""
-    global tl, _larger, _scale, _code
+    global tl, _larger, _scale, _code, _record
     triton = _triton()
     tl = triton.language
     _larger = triton.jit(_larger_fn)
     _scale = triton.jit(_scale_fn)
     _code = triton.jit(_code_fn)
+    _record = triton.jit(_record_fn)
     return triton.jit(_cast_kernel_fn)
 
 
@@ -244,10 +274,12 @@ def _code_fn(y, FMT_MAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr):
     return code
 
 
-def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, dscale_ptr, M, K, stride_xm, stride_xk,
+def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, dscale_ptr, slot_ptr, counter_ptr, scratch_ptr, M, K,
+                    stride_xm, stride_xk,
                     ALONG: tl.constexpr, FMT_MAX: tl.constexpr, EMIN: tl.constexpr, MBITS: tl.constexpr,
                     WRITE: tl.constexpr, WRITE_T: tl.constexpr, AMAX: tl.constexpr, FROM_AMAX: tl.constexpr,
-                    MARGIN: tl.constexpr, POW2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+                    MARGIN: tl.constexpr, POW2: tl.constexpr, RECORD: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
     pid_m = tl.program_id(0)
     pid_k = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -278,12 +310,36 @@ def _cast_kernel_fn(x_ptr, q_ptr, out_ptr, out_t_ptr, amax_ptr, dscale_ptr, M, K
         tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(r8), mask=tl.trans(mask))
     if AMAX:
         a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        tl.atomic_max(amax_ptr, tl.reduce(tl.reduce(a, 1, _larger), 0, _larger))
+        tile = tl.reduce(tl.reduce(a, 1, _larger), 0, _larger)
+        if RECORD:
+            _record(tile, amax_ptr, slot_ptr, counter_ptr, scratch_ptr)
+        else:
+            tl.atomic_max(amax_ptr, tile)
+
+
+def _record_fn(tile, amax_ptr, slot_ptr, counter_ptr, scratch_ptr):
+    """Merge this program's tile amax (|x|'s float32 bits as int32) into the tensor's, and in the program that
+    finishes last write the tensor's amax to amax_ptr and fold it into a ScalingState as `ScalingState.record` does:
+    the history slot keeps max(slot, amax) when the amax is finite, else the non-finite counter goes up by one.
+
+    scratch_ptr holds two int32, zero between launches: the running amax and a count of programs done. Each program
+    merges its amax, then takes a ticket (atomics with acquire-release order, so the program holding the last ticket
+    sees every other program's amax); the last one folds and puts both back to zero for the next launch."""
+    tl.atomic_max(scratch_ptr, tile)
+    ticket = tl.atomic_add(scratch_ptr + 1, 1)
+    if ticket == tl.num_programs(0) * tl.num_programs(1) - 1:
+        total = tl.atomic_xchg(scratch_ptr, 0)
+        tl.atomic_xchg(scratch_ptr + 1, 0)
+        tl.store(amax_ptr, total)
+        finite = total < 0x7F800000  # +inf's bits; every NaN's are above them
+        slot = tl.load(slot_ptr)
+        tl.store(slot_ptr, tl.where(finite, tl.maximum(slot, total.to(tl.float32, bitcast=True)), slot))
+        tl.store(counter_ptr, tl.load(counter_ptr) + tl.where(finite, 0, 1).to(tl.int64))
 
 
 def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor | None, *, along: str = "tensor",
                write: bool = True, write_t: bool = False, want_amax: bool = False, amax: torch.Tensor | None = None,
-               margin: int = 0, power_of_two: bool = False
+               margin: int = 0, power_of_two: bool = False, record: AmaxSlot | None = None
                ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """cast(x · qscale) onto `fmt` for a 2-D `x`, in one pass over x.
 
@@ -297,6 +353,8 @@ def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor | None, 
         write: return the (M, K) row-major FP8 data.
         write_t: return the (K, M) row-major FP8 data of xᵀ (the same values).
         want_amax: return max |x| (float32, 0-dim; NaN if x holds one).
+        record: with want_amax, also fold that amax into a ScalingState's slot (`ScalingState.amax_slot`), as
+            `ScalingState.record` does, in the same launch (no zero-filled amax buffer, no second kernel).
     Returns:
         (data or None, data of xᵀ or None, amax or None, dequantization scales or None (the 1 / multiplier computed
         from `amax`, shaped like it)); bitwise what `quantize` computes from the same scales or amaxes.
@@ -306,32 +364,43 @@ def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor | None, 
                          f"{fmt.name}")
     if (qscale is None) == (amax is None):
         raise ValueError("fused_cast takes either qscale or amax")
+    if record is not None and not (want_amax and along == "tensor"):
+        raise ValueError("fused_cast records the amax it takes: pass want_amax=True, along='tensor'")
     m, k = x.shape
     q = (qscale if qscale is not None else amax).to(x.device, torch.float32).contiguous()  # a CPU 0-d scale too
     along_code = {"tensor": 0, "row": 1, "column": 2}[along]
     dtype = fmt.torch_dtype
     out = torch.empty((m, k), dtype=dtype, device=x.device) if write else None
     out_t = torch.empty((k, m), dtype=dtype, device=x.device) if write_t else None
-    amax_bits = torch.zeros((), dtype=torch.int32, device=x.device) if want_amax else None
+    # recording, the last program writes the amax (no fill); else every program merges into a zero
+    amax_bits = (torch.empty if record is not None else torch.zeros)((), dtype=torch.int32, device=x.device) \
+        if want_amax else None
     dscale = torch.empty_like(q) if qscale is None else None
     placeholder = (out if out is not None else out_t).view(torch.uint8)
+    slot, counter, scratch = record if record is not None else (q, q, q)
     grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
     _kernel()[grid](x, q, out.view(torch.uint8) if write else placeholder,
                     out_t.view(torch.uint8) if write_t else placeholder,
-                    amax_bits if want_amax else q, dscale if dscale is not None else q, m, k, x.stride(0),
-                    x.stride(1), ALONG=along_code, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits,
-                    WRITE=write, WRITE_T=write_t, AMAX=want_amax, FROM_AMAX=qscale is None, MARGIN=margin,
-                    POW2=power_of_two, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+                    amax_bits if want_amax else q, dscale if dscale is not None else q, slot, counter, scratch, m, k,
+                    x.stride(0), x.stride(1), ALONG=along_code, FMT_MAX=float(fmt.max), EMIN=fmt.emin,
+                    MBITS=fmt.mbits, WRITE=write, WRITE_T=write_t, AMAX=want_amax, FROM_AMAX=qscale is None,
+                    MARGIN=margin, POW2=power_of_two, RECORD=record is not None, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
+                    num_warps=NUM_WARPS)
     return out, out_t, amax_bits.view(torch.float32) if want_amax else None, dscale
 
 
-def _amax_fn(x_ptr, amax_ptr, M, K, stride_xm, stride_xk, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+def _amax_fn(x_ptr, amax_ptr, slot_ptr, counter_ptr, scratch_ptr, M, K, stride_xm, stride_xk, RECORD: tl.constexpr,
+            BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (rows[:, None] < M) & (cols[None, :] < K)
     x = tl.load(x_ptr + rows[:, None] * stride_xm + cols[None, :] * stride_xk, mask=mask, other=0.0)
     a = x.to(tl.float32).to(tl.int32, bitcast=True) & 0x7FFFFFFF
-    tl.atomic_max(amax_ptr, tl.reduce(tl.reduce(a, 1, _larger), 0, _larger))
+    tile = tl.reduce(tl.reduce(a, 1, _larger), 0, _larger)
+    if RECORD:
+        _record(tile, amax_ptr, slot_ptr, counter_ptr, scratch_ptr)
+    else:
+        tl.atomic_max(amax_ptr, tile)
 
 
 @functools.cache
@@ -340,13 +409,16 @@ def _amax_kernel():
     return _triton().jit(_amax_fn)
 
 
-def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+def tensor_amax(x: torch.Tensor, record: AmaxSlot | None = None) -> torch.Tensor:
     """max |x| of a non-empty 2-D tensor as a 0-dim float32 (NaN if x holds one), in one pass: the amax current
-    scaling needs before its cast."""
+    scaling needs before its cast. `record`: also fold it into a ScalingState's slot in the same launch (see
+    `fused_cast`)."""
     m, k = x.shape
-    bits = torch.zeros((), dtype=torch.int32, device=x.device)
-    _amax_kernel()[(-(-m // BLOCK_M), -(-k // BLOCK_K))](x, bits, m, k, x.stride(0), x.stride(1),
-                                                          BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K)
+    bits = (torch.empty if record is not None else torch.zeros)((), dtype=torch.int32, device=x.device)
+    slot, counter, scratch = record if record is not None else (bits, bits, bits)
+    _amax_kernel()[(-(-m // BLOCK_M), -(-k // BLOCK_K))](x, bits, slot, counter, scratch, m, k, x.stride(0),
+                                                          x.stride(1), RECORD=record is not None, BLOCK_M=BLOCK_M,
+                                                          BLOCK_K=BLOCK_K)
     return bits.view(torch.float32)
 
 
@@ -375,6 +447,27 @@ def _fold_kernel():
 
 
 FOLD_BLOCK = 1024
+
+
+class AmaxSlot(NamedTuple):
+    """Where a cast records its amax: one role's entry of a ScalingState (`ScalingState.amax_slot`)."""
+
+    amax: torch.Tensor  # float32, 0-dim: the role's entry in row 0 of the amax history
+    nonfinite: torch.Tensor  # int64, 0-dim: the role's count of casts that met a NaN/inf amax
+    scratch: torch.Tensor  # int32, (2,), zero between launches: where the one-pass kernels merge their tiles' amaxes
+
+
+def record_amax(slot: AmaxSlot, amax: torch.Tensor) -> None:
+    """slot.amax = max(slot.amax, max(amax)) where every amax is finite, else slot.nonfinite += 1 (the torch ops of
+    `ScalingState.record`, sync-free; one `fold_amax` launch where the kernels run)."""
+    amax = amax.detach()
+    if amax.numel() and available(amax):
+        fold_amax(slot.amax, slot.nonfinite, amax)
+        return
+    top = amax.float().amax()
+    finite = torch.isfinite(top)
+    slot.amax.copy_(torch.where(finite, torch.maximum(slot.amax, top), slot.amax))
+    slot.nonfinite.add_((~finite).long())
 
 
 def fold_amax(slot: torch.Tensor, counter: torch.Tensor, amax: torch.Tensor) -> None:
