@@ -25,7 +25,7 @@ per-row amaxes come from one compiled reduction). A per-tensor cast given a Scal
 records its amax there in the same launch: each program merges its tile's amax into a scratch word and takes a ticket,
 and the program that finishes last folds the total into the history (or counts it as non-finite) and zeroes the
 scratch (`_record_fn`). `fold_amax` records any other cast's amaxes (rows, tiles) in one launch.
-Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 13 (delayed), 160 to 14 (current) and 263
+Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 16 (delayed), 160 to 17 (current) and 263
 to 32 (row scaling): benchmarks/launches.py counts them on any machine (docs/benchmarks.md has the history).
 
 `quantize` and `quantize_t` call `fused_cast` for 2-D tensors cast per tensor, row or column to FP8 data without a
