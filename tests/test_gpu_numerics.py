@@ -370,3 +370,40 @@ def test_default_backend_fp8_linear_on_the_device_follows_the_cpu_emulation(devi
     for step, (g, b) in enumerate(zip(got, bf16)):
         sqnr = mf.sqnr_db(b["y"], g["y"])
         assert sqnr < QUANTIZED_VS_BF16_CEILING_DB, f"step {step}: {sqnr:.1f} dB from bf16: not quantized"
+
+
+@pytest.mark.parametrize("scale", [0.01, None], ids=["delayed", "current"])
+@pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
+def test_a_cast_recording_its_amax_in_its_launch_leaves_the_cpu_state(device, scale, bad):
+    """Hundreds of programs race to record one cast's amax (on a GPU for real, where the interpreter runs them one
+    after another): the last one must see every other's tile amax. Ten casts in a row, each with its largest value in
+    another place and a bad value in one of them: the state's history and counter are the CPU's bits, and the scratch
+    is zero again after each launch."""
+    from minifloat.fp8.recipes import Role
+    from minifloat.fp8.scaling import ScalingState
+
+    if device == "cuda":
+        assert triton_cast.self_check(torch.device(device)), "the one-pass Triton casts are off on this GPU"
+    g = torch.Generator().manual_seed(7)
+    casts = []
+    for i in range(10):
+        x = torch.rand(1000, 1100, generator=g) * (i + 1)
+        x.view(-1)[(i * 97_001) % x.numel()] = 20.0 + i  # the largest, somewhere else each time
+        if bad is not None and i == 4:
+            x[999, 1099] = bad
+        casts.append(x.to(torch.bfloat16))
+
+    def run(on):
+        state = ScalingState(history_len=2).to(on)
+        slot = state.amax_slot(Role.INPUT)
+        scratch_clean = []
+        for x in casts:
+            quantize(x.to(on), mf.E4M3, scale=None if scale is None else torch.tensor(scale, device=on),
+                     with_t=True, record=slot)
+            scratch_clean.append(not bool(slot.scratch.any()))
+        return state.state_dict(), scratch_clean
+
+    expected, _ = run("cpu")
+    got, clean = run(device)
+    assert all(clean)
+    assert_same_state(got, expected)

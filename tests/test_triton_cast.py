@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import minifloat as mf
-from minifloat.numerics import triton_cast
+from minifloat.numerics import triton_cast, triton_selfcheck
 from minifloat.numerics.other_axis import quantize_t
 from minifloat.numerics.quantize import quantize
 
@@ -319,7 +319,7 @@ def test_self_check_covers_recording_amaxes(monkeypatch, caplog):
     """A fold kernel that loses the amaxes past its first block (a GPU whose Triton compiles the loop wrongly) turns
     the kernels off, with the reason named."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_cast, "_checks", lambda device: iter(()))  # the casts' checks: the test above
+    monkeypatch.setattr(triton_selfcheck, "checks", lambda device: iter(()))  # the casts' checks: the test above
     assert triton_cast.self_check(torch.device("cpu"))  # the fold kernel as shipped passes
     real = triton_cast.fold_amax
     monkeypatch.setattr(triton_cast, "fold_amax", lambda slot, counter, amax: real(slot, counter,
@@ -410,7 +410,7 @@ def test_self_check_covers_recording_in_the_casts_launch(monkeypatch, caplog):
     """A cast kernel whose last program never folds (a GPU that orders the atomics wrongly would lose amaxes the same
     way) turns the kernels off, with the reason named."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    monkeypatch.setattr(triton_cast, "_checks", lambda device: iter(()))
+    monkeypatch.setattr(triton_selfcheck, "checks", lambda device: iter(()))
     assert triton_cast.self_check(torch.device("cpu"))
     real = triton_cast.fused_cast
     monkeypatch.setattr(triton_cast, "fused_cast", lambda *a, record=None, **k: real(*a, **k))  # records nothing

@@ -10,7 +10,6 @@ The rounding rules themselves (round-to-nearest-even and stochastic, both exact 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 
@@ -30,6 +29,7 @@ from minifloat.numerics.granularity import (
 )
 from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, reciprocal_rn, round_stochastic, round_to_grid
 from minifloat.numerics import triton_blocks, triton_cast
+from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
 
 MX_RULES = ("up", "floor")
 
@@ -309,9 +309,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         with_t: also keep `data_t`, the 2-D data's transpose in row-major order (the same pass on a GPU).
         multiplier: with `scale`, the quantization multiplier `1.0 / scale` (float32) the caller has already (delayed
             scaling keeps it per step): the cast uses it as given, and launches no division.
-        record: a ScalingState's slot for the cast's role (`ScalingState.amax_slot`, per-tensor casts only): the
-            amax (x's own, or the one given) is folded into it as `ScalingState.record` does, where the one-pass
-            kernels run in the very launch that takes it.
+        record: a ScalingState's slot (`ScalingState.amax_slot`; per tensor): the amax is recorded there as
+            `ScalingState.record` does, by the one-pass kernels in the launch that takes it.
     Returns:
         Quantized with data of x's shape.
     """
@@ -335,7 +334,7 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     if multiplier is not None and scale is None:
         raise ValueError("a multiplier goes with the scale it is the reciprocal of: pass scale= too")
     if record is not None and not info.per_tensor:
-        raise ValueError(f"a cast records its amax into a slot per tensor only, not '{granularity}'")
+        raise ValueError(f"a cast records its amax in a slot per tensor only, not '{granularity}'")
     if scale is None and triton_blocks.takes(x, storage, operand_dtype, granularity):  # tiles, blocks: GPU, one pass
         block = granularity == Granularity.BLOCK
         out = triton_blocks.block_cast(x.detach(), fmt, rows=True, block=block, write_t=with_t and block,
@@ -351,13 +350,12 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
     fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
     qscale = None
-    recorded = False  # whether a kernel folded the amax into `record`
+    recorded = False  # whether a kernel recorded the amax into `record`
     if scale is None:
         if amax is None:
-            if fused and info.per_tensor:
-                amax, recorded = triton_cast.tensor_amax(x, record), record is not None
-            else:
-                amax = abs_max(xb, None if info.per_tensor else (-3, -1) if xb.dim() > 2 else -1)
+            recorded = fused and info.per_tensor and record is not None
+            amax = triton_cast.tensor_amax(x, record) if fused and info.per_tensor else abs_max(
+                xb, None if info.per_tensor else (-3, -1) if xb.dim() > 2 else -1)
         else:
             amax = amax.float().reshape(())
         if not fused:
@@ -420,13 +418,3 @@ def _scales(amax: torch.Tensor, fmt: NumberFormat, info: GranularityInfo, margin
             mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
     """(quantization multipliers, dequantization scales) from block amaxes."""
     return _scales_compiled(amax, fmt.name, info.scale_fmt == E8M0, margin, power_of_two, mx_rule)
-
-
-def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
-    """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x-x̂)²) in dB, computed in float64."""
-    ref = reference.double()
-    noise = (ref - approx.double()).pow(2).sum().item()
-    signal = ref.pow(2).sum().item()
-    if noise == 0:
-        return math.inf
-    return 10.0 * math.log10(signal / noise) if signal > 0 else -math.inf

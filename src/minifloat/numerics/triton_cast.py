@@ -99,17 +99,19 @@ def self_check(device: torch.device) -> bool:
         problem = None
         _CHECKED[key] = True  # the check's own casts take the kernels
         try:
-            for name, cast in _checks(device):
+            from minifloat.numerics import triton_selfcheck  # (it imports this module)
+
+            for name, cast in triton_selfcheck.checks(device):
                 _CHECKING.append(1)
                 try:
                     with eager_kernels():  # the torch path's eager kernels: its bits, without compiling each
                         expected = cast()
                 finally:
                     _CHECKING.pop()
-                if not _same(expected, cast()):
+                if not triton_selfcheck.same(expected, cast()):
                     problem = f"{name} differs from the torch path's"
                     break
-            if problem is None and not _folds_as_torch_does(device):
+            if problem is None and not triton_selfcheck.folds_as_torch_does(device):
                 problem = "recording an amax differs from the torch path's"
         except Exception as err:  # noqa: BLE001 - any failure: the torch path instead
             problem = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"
@@ -118,92 +120,6 @@ def self_check(device: torch.device) -> bool:
             log.warning("minifloat: the one-pass Triton casts are off on %s (%s); casts run as compiled torch ops",
                         key, problem)
     return _CHECKED[key]
-
-
-def _checks(device: torch.device):
-    """(name, cast) pairs for `self_check`: each cast returns Quantized results, on the kernels unless _CHECKING."""
-    from minifloat.numerics.formats import E4M3, E5M2
-    from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_t
-    from minifloat.numerics.quantize import quantize
-
-    x = torch.linspace(-600.0, 600.0, 130 * 140, dtype=torch.float32).reshape(130, 140)
-    x[0, :8] = torch.tensor([0.0, -0.0, 1e-30, 2.0**-10, 3 * 2.0**-11, 1.0625, float("inf"), float("nan")])
-    x[129, 99] = 2.0**-20  # a last ragged row of one tiny value
-    x = x.to(device)
-    tiles = x[:, :100]  # two 128×128 programs per cast (each is ~0.5 s in Triton's interpreter)
-    for fmt in (E4M3, E5M2):
-        for options in (dict(granularity="row"), dict(scale=torch.tensor(2.0, device=device), with_t=True),
-                        dict(with_t=True)):
-            yield f"a {fmt.name} cast with {sorted(options)}", lambda f=fmt, o=options: quantize(x, f, **o)
-    # tiles and blocks: E4M3 only (the block recipe's one format; the rounding is the same code for E5M2, and each
-    # variant checked is one more kernel compiled before a GPU's first FP8 step)
-    for options in (dict(granularity="tile"), dict(granularity="block", with_t=True),
-                    dict(granularity="block", power_of_two=True, margin=1)):
-        yield f"an E4M3 cast with {options}", lambda o=options: quantize(tiles, E4M3, **o)
-    yield "an E4M3 cast of tiles down the columns", lambda: quantize_t(tiles, E4M3, granularity="tile")
-    yield "an E4M3 cast of tiles both ways", lambda: quantize_both(tiles, E4M3, granularity="tile", power_of_two=True)
-    saved = quantize(tiles, E4M3, granularity="tile", power_of_two=True)
-    yield "a re-quantization of FP8 tiles", lambda: requantize_t(saved, power_of_two=True)
-    # rows and columns in two passes (triton_rows), from high precision and from FP8 (E4M3: E5M2's rounding is the
-    # per-row cast's above)
-    yield "an E4M3 cast per row and per column", lambda: quantize_both(tiles, E4M3, granularity="row")
-    rows = quantize(tiles, E4M3, granularity="row")
-    yield "an E4M3 re-quantization of FP8 rows", lambda: requantize_t(rows)
-
-
-def _folds_as_torch_does(device: torch.device) -> bool:
-    """fold_amax against ScalingState.record's torch ops: one amax and many (more than one block of the kernel's
-    walk), all finite or with an inf or a NaN among them."""
-    g = torch.Generator().manual_seed(0)
-    many = torch.rand(2500, generator=g) * 4.0
-    cases = [torch.tensor(3.5), torch.tensor(0.25), many]
-    for bad in (float("inf"), float("nan")):
-        spoiled = many.clone()
-        spoiled[1700] = bad
-        cases += [torch.tensor(bad), spoiled]
-    for amax in cases:
-        amax = amax.to(device)
-        slot, counter = torch.ones((), device=device), torch.zeros((), dtype=torch.int64, device=device)
-        fold_amax(slot, counter, amax)
-        top = amax.float().amax()
-        finite = torch.isfinite(top)
-        expected = torch.where(finite, torch.maximum(torch.ones_like(top), top), torch.ones_like(top))
-        if not (torch.equal(slot, expected) and int(counter) == int(~finite)):
-            return False
-    return _records_in_pass_as_torch_does(device)
-
-
-def _records_in_pass_as_torch_does(device: torch.device) -> bool:
-    """A cast that records its amax in its own launch (delayed: given a scale; current: in the amax pass) over
-    several programs, finite or with an inf or a NaN: the slot and counter as `record_amax`'s torch ops leave them,
-    the amax returned, and the scratch back to zero."""
-    from minifloat.numerics.formats import E4M3
-    from minifloat.numerics.quantize import quantize
-
-    x = torch.linspace(-3.0, 3.0, 70 * 200).reshape(70, 200)
-    for bad in (None, float("inf"), float("nan")):
-        if bad is not None:
-            x[69, 199] = bad  # in the grid's last program
-        for given in (torch.tensor(2.0, device=device), None):
-            slot = AmaxSlot(torch.ones((), device=device), torch.zeros((), dtype=torch.int64, device=device),
-                            torch.zeros(2, dtype=torch.int32, device=device))
-            q = quantize(x.to(device), E4M3, scale=given, record=slot)
-            top = x.abs().amax()
-            finite = bool(torch.isfinite(top))
-            expected = max(1.0, float(top)) if finite else 1.0
-            if not (float(slot.amax) == expected and int(slot.nonfinite) == int(not finite)
-                    and torch.equal(q.amax.cpu().view(torch.int32), top.view(torch.int32))
-                    and not slot.scratch.any()):
-                return False
-    return True
-
-
-def _same(a, b) -> bool:
-    """Whether Quantized results (or tuples of them) hold the same data bytes and scales."""
-    if isinstance(a, tuple):
-        return all(_same(p, q) for p, q in zip(a, b))
-    return (torch.equal(a.data.view(torch.uint8), b.data.view(torch.uint8)) and torch.equal(a.scale, b.scale)
-            and (a.data_t is None or torch.equal(a.data_t.view(torch.uint8), b.data_t.view(torch.uint8))))
 
 
 def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dtype | None, unblocked: bool) -> bool:
