@@ -26,7 +26,7 @@ def test_the_counter_sees_each_kind_of_read():
     assert sum(syncs.sites.values()) == 3 and set(syncs.sites) == {("", "")}
     with HostSyncs() as syncs:
         sqnr_db(t, t + 1)  # returns a Python float: one read, made by minifloat
-    assert set(syncs.sites) == {("numerics/quantize.py", "sqnr_db")}
+    assert set(syncs.sites) == {("numerics/metrics.py", "sqnr_db")}
 
 
 @pytest.mark.parametrize("name", [name for name, _ in RECIPES])
