@@ -448,3 +448,29 @@ def test_a_nonfinite_input_on_the_cpu_is_said_once(caplog, recipe):
     col = ROLES.index(Role.INPUT)
     assert int(layer.fp8_state.nonfinite[col]) == 2
     assert float(layer.fp8_state.amax_history[0, col]) == float(x.abs().amax())
+
+
+def test_a_cached_weight_cast_is_recorded_once_per_step(monkeypatch):
+    """A later micro-batch reuses the step's weight cast without recording it again (its amax is already in this
+    step's row); the next step's first forward casts and records it anew."""
+    from minifloat.fp8 import caster
+
+    recorded = []
+    real = caster.quantize
+
+    def spy(t, *args, record=None, **kwargs):
+        if record is not None:
+            recorded.append(tuple(t.shape))
+        return real(t, *args, record=record, **kwargs)
+
+    monkeypatch.setattr(caster, "quantize", spy)
+    monkeypatch.setattr(ScalingState, "record", lambda self, role, amax: recorded.append(role))  # any other route
+    layer = mf.Fp8Linear(D_IN, D_OUT, recipe=mf.DelayedScaling(), bias=False)
+    x = torch.randn(BATCH, D_IN)
+    with eager_kernels():
+        layer(x)
+        layer(x)  # a second micro-batch: x recorded again, the cached weight not
+        fp8_step(layer)
+        layer(x)
+    weight = (D_OUT, D_IN)
+    assert recorded == [(BATCH, D_IN), weight, (BATCH, D_IN), (BATCH, D_IN), weight]
