@@ -380,6 +380,35 @@ def test_delayed_cast_scales_follow_every_change_of_the_scales():
             _f32_bits(1.0 / other.scale[col].clone()), _f32_bits(1.0 / (1.0 / other.scale[col].clone())))
 
 
+def test_amax_slots_are_made_once_and_follow_every_replaced_buffer():
+    """A cast's slot (views into row 0 of the history and the non-finite counter) is made once per set of buffers,
+    and a record through it lands in the buffers the state holds now: after a resize, a `.data` swap, `.to()` and a
+    load alike."""
+    from minifloat.numerics import triton_cast
+
+    state = ScalingState(4)
+    first = state.amax_slot(Role.INPUT)
+    assert state.amax_slot(Role.INPUT) is first  # no new views per cast
+    assert state.amax_slot(Role.WEIGHT) is not first
+
+    def records_into_the_state(value):
+        triton_cast.record_amax(state.amax_slot(Role.GRAD_OUTPUT), torch.tensor(value))
+        assert state.amax_history[0, 2].item() == value
+        triton_cast.record_amax(state.amax_slot(Role.GRAD_OUTPUT), torch.tensor(float("nan")))
+        return state.nonfinite[2].item()
+
+    assert records_into_the_state(3.0) == 1
+    state.resize(8)  # a new history tensor
+    assert records_into_the_state(5.0) == 2
+    state.amax_history.data = torch.zeros(8, 3)  # the same tensor object, new storage
+    state.nonfinite.data = torch.zeros(3, dtype=torch.int64)
+    assert records_into_the_state(7.0) == 1
+    state.to(torch.float64).to(torch.float32)  # module._apply: new buffers
+    assert records_into_the_state(9.0) == 2
+    state.load_state_dict(ScalingState(8).state_dict())  # copied into the buffers in place
+    assert records_into_the_state(11.0) == 1
+
+
 def test_a_seeded_delayed_cast_launches_no_division():
     """The layer's delayed casts take the stored reciprocals: after the first cast of a step, no reciprocal kernel
     runs (two per cast before), and the FP8 bytes are those of a cast given 1 / s."""

@@ -141,7 +141,7 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
             fast_accum: bool) -> torch.Tensor:
     fuse = bias is not None and fuses_bias(a, b, out_dtype)
     compiling = torch.compiler.is_compiling()
-    key = None if compiling else _refusal_key(a, b, out_dtype, bias)
+    key = None if compiling or not _REFUSED else _refusal_key(a, b, out_dtype, bias)  # (host time: only if any)
     if key in _REFUSED:  # refused before: straight to the emulation, without asking cuBLAS again each step
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
@@ -151,7 +151,7 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
         if compiling:
             raise
         # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once per shape
-        _REFUSED.add(key)
+        _REFUSED.add(_refusal_key(a, b, out_dtype, bias))
         _warn_native_refused(a, b, exc)
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     return out if bias is None or fuse else _epilogue(out, None, None, bias, out_dtype)

@@ -58,6 +58,7 @@ class ScalingState(nn.Module):
         self._seeded: list[bool] | None = None  # host mirror of `initialized`, so GPU runs avoid a sync per cast
         self._reciprocals: tuple | None = None  # (key of `scale`, 1 / scale, 1 / (1 / scale)): delayed_cast_scales
         self._scratch: torch.Tensor | None = None  # amax_slot's scratch for the one-pass kernels (not a buffer)
+        self._slots: tuple | None = None  # amax_slot's views, per set of buffers
         # bumped whenever the scales may change outside a cast (a step's end, a load or restore): casts cached
         # for the step (the weight's) are only valid for the generation they were made in
         self.generation = 0
@@ -174,9 +175,11 @@ class ScalingState(nn.Module):
             # one row of 16 bytes per role: each role's 0-d scale starts 16-byte aligned, as cuBLASLt's FP8 kernels
             # need of every pointer they read (a view at an odd float offset is refused: CUBLAS_STATUS_NOT_SUPPORTED).
             # An elementwise op on the expanded (roles, 4) view writes a dense result: no copy is launched for it.
+            # The roles' 0-d views are made here once, not per cast (indexing costs host time).
             inverse = reciprocal_rn(self.scale.unsqueeze(1).expand(-1, 4)).contiguous()
-            self._reciprocals = (key, inverse, reciprocal_rn(inverse).contiguous())
-        return self._reciprocals[1][col, 0], self._reciprocals[2][col, 0], now
+            multiplier = reciprocal_rn(inverse).contiguous()
+            self._reciprocals = (key, [(inverse[c, 0], multiplier[c, 0]) for c in range(len(inverse))])
+        return (*self._reciprocals[1][col], now)
 
     @torch.no_grad()
     def record(self, role: Role, amax: torch.Tensor) -> None:
@@ -205,11 +208,18 @@ class ScalingState(nn.Module):
         """Where a cast of `role` records its amax (`quantize`'s `record`): the role's entry of row 0 of the history,
         its non-finite counter, and two int32 of scratch (zero between casts; not state: never saved) in which the
         one-pass kernels merge their tiles' amaxes before the last of them folds the total in."""
-        col = ROLE_INDEX[role]
-        device = self.amax_history.device
-        if getattr(self, "_scratch", None) is None or self._scratch.device != device:  # (pickles of old states)
-            self._scratch = torch.zeros(len(ROLES), 4, dtype=torch.int32, device=device)  # 16 bytes a role
-        return triton_cast.AmaxSlot(self.amax_history[0, col], self.nonfinite[col], self._scratch[col, :2])
+        # the three views are made once per set of buffers (a cast asks for its slot at every call: indexing costs
+        # host time); a buffer replaced (resize, .to(), a `.data` swap) makes them again
+        history, nonfinite = self.amax_history, self.nonfinite
+        ptrs = (history.data_ptr(), nonfinite.data_ptr())
+        slots = getattr(self, "_slots", None)  # (history, nonfinite, their data pointers, the slots); old pickles: None
+        if slots is None or slots[0] is not history or slots[1] is not nonfinite or slots[2] != ptrs:
+            if getattr(self, "_scratch", None) is None or self._scratch.device != history.device:
+                self._scratch = torch.zeros(len(ROLES), 4, dtype=torch.int32, device=history.device)  # 16 bytes a role
+            slots = (history, nonfinite, ptrs, [triton_cast.AmaxSlot(history[0, col], nonfinite[col],
+                                                                     self._scratch[col, :2]) for col in range(len(ROLES))])
+            self._slots = slots
+        return slots[3][ROLE_INDEX[role]]
 
     def warn_if_nonfinite(self, role: Role, amax: torch.Tensor) -> None:
         """After a cast recorded its per-tensor `amax` itself (`amax_slot`): on the CPU, where reading it costs no

@@ -25,6 +25,7 @@ from minifloat.numerics.formats import NumberFormat, get_format
 from minifloat.numerics.granularity import Granularity, granularity_info, pad_to_multiple
 from minifloat.numerics import quantize as kernels  # its cast kernels by attribute: tests swap them in place
 from minifloat.numerics.quantize import Quantized, abs_max, quantize
+from minifloat.numerics.scales import block_scales
 
 
 def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
@@ -72,7 +73,7 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
         _, data_t, _, dscale = triton_cast.fused_cast(x, fmt, None, along="column", write=False, write_t=True,
                                                       amax=amax, margin=margin, power_of_two=power_of_two)
         return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
-    qscale, dscale = kernels._scales(amax, fmt, info, margin, power_of_two, mx_rule)
+    qscale, dscale = block_scales(amax, fmt, info, margin, power_of_two, mx_rule)
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None
     data, operand, _ = kernels._cast_kernel_compiled(view, qscale, fmt.name, storage, operand_dtype, fold, False)
@@ -167,7 +168,7 @@ def _decoded_columns(q: Quantized, margin: int, power_of_two: bool, mx_rule: str
     else:  # (MB, n, KB, n) · (MB, n, KB, 1): element (r, c) of block (mb, kb); amaxes down each n rows
         data, scale, dim = data.view(m // size, size, k // size, size), q.scale.view(m // size, size, -1, 1), -3
     amax = kernels.decoded_amax(data, scale, dim)
-    qscale, dscale = kernels._scales(amax, q.fmt, info, margin, power_of_two, mx_rule)
+    qscale, dscale = block_scales(amax, q.fmt, info, margin, power_of_two, mx_rule)
     storage = (q.fmt.torch_dtype or torch.float32) if keep_data else None
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None

@@ -15,10 +15,9 @@ import torch
 
 from minifloat.core.validate import check_choice
 from minifloat.numerics.compiling import maybe_compile
-from minifloat.numerics.formats import E8M0, FORMATS, NumberFormat, Special, get_format
+from minifloat.numerics.formats import FORMATS, NumberFormat, Special, get_format
 from minifloat.numerics.granularity import (
     Granularity,
-    GranularityInfo,
     blocked_view,
     expand_scale,
     from_blocks,
@@ -27,11 +26,11 @@ from minifloat.numerics.granularity import (
     to_blocks,
     whole_block_view,
 )
-from minifloat.numerics.rounding import ROUNDINGS, exact_pow2, reciprocal_rn, round_stochastic, round_to_grid
+from minifloat.numerics.rounding import ROUNDINGS, reciprocal_rn, round_stochastic, round_to_grid
 from minifloat.numerics import triton_blocks, triton_cast
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
+from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
 
-MX_RULES = ("up", "floor")
 
 
 # ---------------------------------------------------------------------------------------------------- rounding
@@ -65,48 +64,6 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
         u = torch.rand(y.shape, generator=generator, device=y.device) if uniform is None else uniform
         return round_stochastic(y, fmt, u).to(x.dtype)
     return round_to_grid(y, fmt).to(x.dtype)
-
-
-# ---------------------------------------------------------------------------------------------------- scales
-
-
-def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat | torch.Tensor, *, margin: int = 0,
-                    power_of_two: bool = False, fallback: torch.Tensor | float = 1.0) -> torch.Tensor:
-    """Quantization multiplier s = fmt.max / amax / 2^margin (values are stored as x·s); `fmt` may also be a float32
-    tensor of format maxima broadcasting with amax (several formats' scales in one pass, the same bits).
-
-    A zero, infinite or NaN amax yields `fallback` (Transformer Engine keeps the previous scale), so a bad tensor
-    can never make a scale non-finite. With `power_of_two`, s is rounded down to a power of two so nothing overflows
-    and dequantization (multiplying by 1/s) is exact.
-    """
-    amax = amax.float()
-    # clamp: for amax below ~fmt.max/3.4e38 the quotient overflows float32, yet the tensor deserves a huge scale
-    fmax = fmt if isinstance(fmt, torch.Tensor) else fmt.max  # fmax / amax is fmax · (1 / amax), as torch computes it
-    # · 2^-margin, not / 2^margin: the same bits (a power-of-two scaling), and no float32 division for inductor's
-    # Triton code to approximate (minifloat.numerics.rounding.div_rn)
-    s = (reciprocal_rn(amax) * fmax * 2.0**-margin).clamp(max=torch.finfo(torch.float32).max)
-    if power_of_two:  # 2^floor(log2 s), exactly: s = m·2^k with m in [0.5, 1) (frexp), so floor(log2 s) = k - 1
-        s = torch.where(torch.isfinite(s) & (s > 0), exact_pow2(torch.frexp(s)[1] - 1), s)
-    good = torch.isfinite(s) & (amax > 0) & (s > 0)  # a number `fallback` stays one: no copy from the host (a sync)
-    fallback = fallback.to(amax.device, torch.float32) if isinstance(fallback, torch.Tensor) else float(fallback)
-    return torch.where(good, s, fallback)
-
-
-def mx_scale(amax: torch.Tensor, fmt: NumberFormat, *, rule: str = "up") -> torch.Tensor:
-    """E8M0 dequantization scale 2^e of an MX block (x ≈ element · 2^e).
-
-    rule="up": e = ceil(log2(amax / fmt.max)), the smallest power of two that keeps every element <= fmt.max.
-    rule="floor": OCP MX v1.0 §6.3, e = floor(log2(amax)) - emax(fmt); the largest elements may saturate.
-    All-zero or non-finite blocks get e = 0. Exact: the exponent comes from frexp (float32 log2 of 8·(1 - 2^-24) is 3).
-    """
-    if rule not in MX_RULES:
-        raise ValueError(f"mx rule must be one of {MX_RULES}, got {rule!r}")
-    m, k = torch.frexp(amax.float())  # amax = m·2^k, m in [0.5, 1): floor(log2(amax)) = k - 1
-    e = (k - 1 - fmt.emax).float()  # the "floor" rule
-    if rule == "up":  # amax / 2^e = 2m·2^emax (exact); above fmt.max the block needs the next binade
-        e = e + (2.0 * m * 2.0**fmt.emax > fmt.max).float()
-    e = torch.where(torch.isfinite(amax) & (amax > 0), e, torch.zeros_like(e)).clamp(E8M0.emin, E8M0.emax)
-    return exact_pow2(e.to(torch.int32))
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -344,11 +301,11 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
                          scale_folded=info.folds(power_of_two), data_t=data_t)
     # (n_blocks, block_elements), one scale per row; 128×128 blocks of a tensor made of whole blocks are instead a
     # view (..., MB, 128, KB, 128) with scales (..., MB, 1, KB, 1): no copy into block order and back
-    two_d = info.block is not None and info.block[0] > 1 and x.dim() >= 2 and x.numel() > 0
-    xb = whole_block_view(x.detach(), granularity) if two_d else None
-    xb = to_blocks(x.detach(), granularity) if xb is None else xb
     # on a GPU, one Triton pass (minifloat.numerics.triton_cast): scales from the amax, both layouts, the amax
     fused = triton_cast.takes(x, storage, operand_dtype, info.block is None)
+    two_d = info.block is not None and info.block[0] > 1 and x.dim() >= 2 and x.numel() > 0
+    xb = whole_block_view(x.detach(), granularity) if two_d else None
+    xb = x if fused else to_blocks(x.detach(), granularity) if xb is None else xb  # the kernel reads x itself
     qscale = None
     recorded = False  # whether a kernel recorded the amax into `record`
     if scale is None:
@@ -357,15 +314,16 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
             amax = triton_cast.tensor_amax(x, record) if fused and info.per_tensor else abs_max(
                 xb, None if info.per_tensor else (-3, -1) if xb.dim() > 2 else -1)
         else:
-            amax = amax.float().reshape(())
+            amax = _float_0d(amax)
         if not fused:
-            qscale, dscale = _scales(amax, fmt, info, margin, power_of_two, mx_rule)
+            qscale, dscale = block_scales(amax, fmt, info, margin, power_of_two, mx_rule)
     else:
         if info.block is not None:  # a given scale must not depend on per-block amaxes the caller cannot see
             allowed = [g.value for g in Granularity if granularity_info(g).block is None]
             raise ValueError(f"an explicit scale is supported for {allowed} granularity, not '{granularity}'")
-        dscale = scale.float().reshape(-1, 1) if info.per_row else scale.float().reshape(())
-        qscale = reciprocal_rn(dscale) if multiplier is None else multiplier.float().reshape(dscale.shape)
+        dscale = scale.float().reshape(-1, 1) if info.per_row else _float_0d(scale)
+        qscale = reciprocal_rn(dscale) if multiplier is None else (
+            _float_0d(multiplier) if dscale.dim() == 0 else multiplier.float().reshape(dscale.shape))
 
     folded = info.folds(power_of_two)
     want_amax = amax is None and info.per_tensor and xb.numel() > 0
@@ -385,36 +343,28 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         amax = kernel_amax
     if record is not None and not recorded and amax is not None:
         triton_cast.record_amax(record, amax)
-    shape = () if info.per_tensor else scale_shape(x.shape, granularity)
-    dscale = dscale.reshape(shape)
-    amax = None if amax is None else amax.reshape(shape)
-    viewed = xb.dim() > 2  # to_blocks gives 2-D rows
-    data = None if data is None else _unblock(data, x.shape, granularity, viewed)
-    operand = None if operand is None else _unblock(operand, x.shape, granularity, viewed)
+    if not info.per_tensor:
+        shape = scale_shape(x.shape, granularity)
+        dscale = dscale.reshape(shape)
+        amax = None if amax is None else amax.reshape(shape)
+    else:  # (already 0-d: no reshape calls, a few µs of host time each)
+        dscale, amax = _float_0d(dscale, cast=False), None if amax is None else _float_0d(amax, cast=False)
+    if not fused:  # (the kernel wrote x's shape)
+        viewed = xb.dim() > 2  # to_blocks gives 2-D rows
+        data = None if data is None else _unblock(data, x.shape, granularity, viewed)
+        operand = None if operand is None else _unblock(operand, x.shape, granularity, viewed)
     if with_t and data_t is None and data is not None:
         data_t = data.t().contiguous()
     return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded, data_t=data_t)
 
 
+def _float_0d(t: torch.Tensor, cast: bool = True) -> torch.Tensor:
+    """`t` (one element) as a 0-d tensor, float32 where `cast`; itself when it is one already."""
+    if cast and t.dtype != torch.float32:
+        t = t.float()
+    return t if t.dim() == 0 else t.reshape(())
+
+
 def _unblock(y: torch.Tensor, shape: torch.Size, granularity: Granularity, viewed: bool) -> torch.Tensor:
     """A cast's output back to x's shape: a view when x was cast through `whole_block_view`, else `from_blocks`."""
     return y.view(shape) if viewed else from_blocks(y, shape, granularity)
-
-
-def _scales_kernel(amax: torch.Tensor, fmt_name: str, e8m0: bool, margin: int, power_of_two: bool,
-                   mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    fmt = FORMATS[fmt_name]
-    if e8m0:  # MX: power-of-two scales by the MX rule
-        dscale = mx_scale(amax, fmt, rule=mx_rule)
-        return reciprocal_rn(dscale), dscale
-    qscale = scale_from_amax(amax, fmt, margin=margin, power_of_two=power_of_two)
-    return qscale, reciprocal_rn(qscale)
-
-
-_scales_compiled = maybe_compile(_scales_kernel)  # one pass over a block-scaled tensor's amaxes, not ten
-
-
-def _scales(amax: torch.Tensor, fmt: NumberFormat, info: GranularityInfo, margin: int, power_of_two: bool,
-            mx_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(quantization multipliers, dequantization scales) from block amaxes."""
-    return _scales_compiled(amax, fmt.name, info.scale_fmt == E8M0, margin, power_of_two, mx_rule)
