@@ -372,13 +372,15 @@ def test_default_backend_fp8_linear_on_the_device_follows_the_cpu_emulation(devi
         assert sqnr < QUANTIZED_VS_BF16_CEILING_DB, f"step {step}: {sqnr:.1f} dB from bf16: not quantized"
 
 
-@pytest.mark.parametrize("scale", [0.01, None], ids=["delayed", "current"])
+@pytest.mark.parametrize("scale,granularity", [(0.01, "tensor"), (None, "tensor"), (None, "row"), (None, "tile"),
+                                               (None, "block")], ids=["delayed", "current", "row", "tile", "block"])
 @pytest.mark.parametrize("bad", [None, float("inf"), float("nan")], ids=["finite", "inf", "nan"])
-def test_a_cast_recording_its_amax_in_its_launch_leaves_the_cpu_state(device, scale, bad):
+def test_a_cast_recording_its_amax_in_its_launch_leaves_the_cpu_state(device, scale, granularity, bad):
     """Hundreds of programs race to record one cast's amax (on a GPU for real, where the interpreter runs them one
     after another): the last one must see every other's tile amax. Ten casts in a row, each with its largest value in
     another place and a bad value in one of them: the state's history and counter are the CPU's bits, and the scratch
-    is zero again after each launch."""
+    is zero again after each launch. Per tensor (the delayed cast, current scaling's amax pass), per row (the row amax
+    pass), in 1×128 tiles and 128×128 blocks (the block pass)."""
     from minifloat.fp8.recipes import Role
     from minifloat.fp8.scaling import ScalingState
 
@@ -399,7 +401,7 @@ def test_a_cast_recording_its_amax_in_its_launch_leaves_the_cpu_state(device, sc
         scratch_clean = []
         for x in casts:
             quantize(x.to(on), mf.E4M3, scale=None if scale is None else torch.tensor(scale, device=on),
-                     with_t=True, record=slot)
+                     granularity=granularity, with_t=granularity != "tile", record=slot)
             scratch_clean.append(not bool(slot.scratch.any()))
         return state.state_dict(), scratch_clean
 

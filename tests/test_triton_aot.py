@@ -57,13 +57,16 @@ def report(fn, signature, constants, num_warps):
 
 out = {}
 blocks = {"x_ptr": "*bf16", "lut_ptr": "*fp32", "xs_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8",
-          "ds_ptr": "*fp32", "ds_t_ptr": "*fp32", "am_ptr": "*fp32", "am_t_ptr": "*fp32", "M": "i32", "K": "i32",
+          "ds_ptr": "*fp32", "ds_t_ptr": "*fp32", "am_ptr": "*fp32", "am_t_ptr": "*fp32", "tamax_ptr": "*i32",
+          "slot_ptr": "*fp32", "counter_ptr": "*i64", "scratch_ptr": "*i32", "M": "i32", "K": "i32",
           "stride_xm": "i32", "stride_xk": "i32", "N_KB": "i32", "N_MB": "i32"}
 modes = {"rows": dict(ROWS=True), "both-axes": dict(ROWS=True, COLS=True),
-         "from-fp8": dict(COLS=True, FROM_FP8=True, FOLD_BF16=True), "block": dict(ROWS=True, BLOCK=True, WRITE_T=True)}
+         "from-fp8": dict(COLS=True, FROM_FP8=True, FOLD_BF16=True), "block": dict(ROWS=True, BLOCK=True, WRITE_T=True),
+         "rows-recording": dict(ROWS=True, RECORD=True), "both-axes-recording": dict(ROWS=True, COLS=True, RECORD=True),
+         "block-recording": dict(ROWS=True, BLOCK=True, WRITE_T=True, RECORD=True)}
 for name, mode in modes.items():
     constants = dict(FROM_FP8=False, FOLD_BF16=False, ROWS=False, COLS=False, BLOCK=False, WRITE_T=False,
-                     T=triton_blocks.TILE, SUB=triton_blocks.SUB, **fp8)
+                     RECORD=False, T=triton_blocks.TILE, SUB=triton_blocks.SUB, **fp8)
     constants.update(mode)
     signature = dict(blocks, x_ptr="*u8" if mode.get("FROM_FP8") else "*bf16")
     out["blocks-" + name] = report(triton_blocks._kernel(), signature, constants, triton_blocks.NUM_WARPS)
@@ -84,20 +87,25 @@ for name, recording in (("amax", False), ("amax-recording", True)):
 from minifloat.numerics import triton_rows
 amax_kernel, cast_kernel = triton_rows._kernels()
 sizes = dict(BLOCK_M=triton_rows.BLOCK_M, BLOCK_K=triton_rows.BLOCK_K)
-for name, from_fp8 in (("both-axes", False), ("from-fp8", True)):
+for name, from_fp8, cols, recording in (("both-axes", False, True, False), ("from-fp8", True, True, False),
+                                        ("rows-recording", False, False, True)):
     x = "*u8" if from_fp8 else "*bf16"
     common = {"x_ptr": x, "lut_ptr": "*fp32", "xs_ptr": "*fp32", "row_ptr": "*i32", "col_ptr": "*i32"}
     shape = {"M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"}
-    flags = dict(FROM_FP8=from_fp8, ROWS=not from_fp8, COLS=True)
-    out["rows-amax-" + name] = report(amax_kernel, dict(common, **shape), dict(flags, **sizes), triton_rows.NUM_WARPS)
+    flags = dict(FROM_FP8=from_fp8, ROWS=not from_fp8, COLS=cols)
+    amax_args = dict(common, tamax_ptr="*i32", **record, **shape)
+    out["rows-amax-" + name] = report(amax_kernel, amax_args, dict(flags, RECORD=recording, **sizes),
+                                      triton_rows.NUM_WARPS)
     outputs = {"out_ptr": "*u8", "out_t_ptr": "*u8", "ds_ptr": "*fp32", "ds_t_ptr": "*fp32"}
     out["rows-cast-" + name] = report(cast_kernel, dict(common, **outputs, **shape), dict(flags, **sizes, **fp8),
                                       triton_rows.NUM_WARPS)
 print(json.dumps(out))
 """
-KERNELS = ["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "cast-given-scale", "cast-from-amax",
+KERNELS = ["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "blocks-rows-recording",
+           "blocks-both-axes-recording", "blocks-block-recording", "cast-given-scale", "cast-from-amax",
            "cast-given-scale-recording", "cast-amax", "cast-amax-recording",
-           "rows-amax-both-axes", "rows-cast-both-axes", "rows-amax-from-fp8", "rows-cast-from-fp8"]
+           "rows-amax-both-axes", "rows-cast-both-axes", "rows-amax-from-fp8", "rows-cast-from-fp8",
+           "rows-amax-rows-recording", "rows-cast-rows-recording"]
 
 
 @pytest.fixture(scope="module")

@@ -111,9 +111,20 @@ def test_nan_propagates_to_amax(monkeypatch, calls):
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 @pytest.mark.parametrize("power_of_two", [False, True])
 def test_row_scales(monkeypatch, calls, fmt, power_of_two):
+    """Per-row casts from the rows' amaxes take triton_rows' two passes (an amax pass, a cast pass); given per-row
+    scales, this kernel (along="row"). Both give the torch path's bits."""
+    from minifloat.numerics import triton_rows
+
+    rows = []
+    real = triton_rows.row_col_cast
+    monkeypatch.setattr(triton_rows, "row_col_cast", lambda *a, **k: rows.append(k.get("cols")) or real(*a, **k))
     x = awkward(65, 129, torch.bfloat16, seed=1)
     ref, got = both(monkeypatch, lambda: quantize(x, fmt, granularity="row", power_of_two=power_of_two))
-    assert calls == ["row"]
+    assert calls == [] and rows == [False]
+    assert_same(ref, got)
+    scale = ref.scale * 1.5
+    ref, got = both(monkeypatch, lambda: quantize(x, fmt, granularity="row", scale=scale))
+    assert calls == ["row"] and rows == [False]
     assert_same(ref, got)
 
 
@@ -278,18 +289,22 @@ def test_fold_amax_refuses_no_amax():
 def test_scales_from_edge_amaxes(monkeypatch, calls, power_of_two, margin):
     """Scales computed in the kernel from amaxes where `scale_from_amax` takes its branches: a zero row and an
     infinite one (fallback 1), a tiny one (the quotient overflows: clamped to float32's max), a huge one (with a
-    margin of 8 the scale is float32-subnormal, whose power of two needs the 2^64 detour)."""
+    margin of 8 the scale is float32-subnormal, whose power of two needs the 2^64 detour). Per row of x (triton_rows'
+    passes) and per column of xᵀ (this kernel, along="column")."""
     x = awkward(8, 40, torch.float32, seed=4).nan_to_num(posinf=1.0, neginf=-1.0)
     x[1] = 0.0
     x[2, 3] = float("inf")
     x[3] = 1e-38
     x[4, 5] = 3e38
-    ref, got = both(monkeypatch, lambda: quantize(x, mf.E4M3, granularity="row", margin=margin,
-                                                  power_of_two=power_of_two))
-    assert calls == ["row"]
-    assert_same(ref, got)
-    if margin == 8:
-        assert 0 < ref.scale[4] and 1.0 / ref.scale[4] < torch.finfo(torch.float32).tiny  # the subnormal case ran
+    options = dict(granularity="row", margin=margin, power_of_two=power_of_two)
+    for cast, kernel in ((lambda: quantize(x, mf.E4M3, **options), []),
+                         (lambda: quantize_t(x.t().contiguous(), mf.E4M3, **options), ["column"])):
+        ref, got = both(monkeypatch, cast)
+        assert calls == kernel
+        assert_same(ref, got)
+        if margin == 8:
+            assert 0 < ref.scale[4] and 1.0 / ref.scale[4] < torch.finfo(torch.float32).tiny  # the subnormal case ran
+        calls.clear()
 
 
 def test_self_check_passes_and_turns_broken_kernels_off(monkeypatch, caplog):
@@ -397,13 +412,52 @@ def test_a_recording_cast_twice_in_a_row_records_both(monkeypatch):
     assert float(state.amax_history[0, 2]) == 3.0 and int(state.nonfinite[2]) == 1 and not slot.scratch.any()
 
 
-def test_recording_into_a_slot_is_per_tensor_only():
+@pytest.mark.parametrize("granularity,both_axes,bad", [
+    *[(g, both_axes, None) for g, both_axes in (("row", False), ("row", True), ("tile", False), ("tile", True),
+                                                ("block", False), ("mx", False))],
+    ("row", False, float("nan")),
+    *[pytest.param(g, False, bad, marks=pytest.mark.slow)  # (the default suite keeps to its 10 minutes)
+      for g, bad in (("row", float("inf")), ("tile", float("nan")), ("block", float("nan")))]])
+def test_row_and_block_casts_record_their_amax_in_their_own_launch(monkeypatch, granularity, both_axes, bad):
+    """A cast per row (triton_rows' amax pass), in 1×128 tiles or 128×128 blocks (triton_blocks' pass), alone or
+    both ways at once (`quantize_both`, the output gradient's casts), records the tensor's amax into a ScalingState's
+    slot in its own launch: the state's bytes are what the torch path's `record_amax` of the cast's amaxes leaves, no
+    fold kernel runs, and the scratch is zero again. MX blocks have no such kernel: one fold launch records them."""
     from minifloat.fp8.recipes import Role
     from minifloat.fp8.scaling import ScalingState
+    from minifloat.numerics.other_axis import quantize_both
 
-    slot = ScalingState().amax_slot(Role.INPUT)
-    with pytest.raises(ValueError, match="per tensor only"):
-        quantize(torch.ones(4, 32), mf.E4M3, granularity="row", record=slot)
+    x = awkward(140, 150, torch.bfloat16, seed=6).nan_to_num(posinf=2.0, neginf=-2.0).clamp(-5.0, 5.0)
+    x[-1, -1] = 5.5  # the largest value, in the grid's last program
+    if bad is not None:
+        x[0, -1] = bad
+
+    def recording_cast():
+        state = ScalingState(history_len=4)
+        state.amax_history[0] = 1.0
+        slot = state.amax_slot(Role.GRAD_OUTPUT)
+        if both_axes:
+            q, q_t = quantize_both(x, mf.E4M3, granularity=granularity, record=slot)
+        else:
+            q, q_t = quantize(x, mf.E4M3, granularity=granularity, record=slot), None
+        return q, q_t, state.state_dict(), slot.scratch.clone()
+
+    folds = []
+    real = triton_cast.fold_amax
+    monkeypatch.setattr(triton_cast, "fold_amax", lambda *a: folds.append(1) or real(*a))
+    (ref, ref_t, ref_state, _), (got, got_t, got_state, scratch) = both(monkeypatch, recording_cast)
+    assert folds == ([1] if granularity == "mx" else []), "the amax was not recorded in the cast's own launch"
+    assert got.data.dtype == mf.E4M3.torch_dtype and torch.equal(bits(got.amax), bits(ref.amax))
+    if bad is None:
+        assert_same(ref, got)
+        if both_axes:
+            assert torch.equal(bits(got_t.data), bits(ref_t.data.contiguous()))
+    for key in ref_state:
+        same = bits(got_state[key]) if got_state[key].is_floating_point() else got_state[key]
+        assert torch.equal(same, bits(ref_state[key]) if ref_state[key].is_floating_point() else ref_state[key]), key
+    assert int(got_state["nonfinite"][2]) == (0 if bad is None else 1)
+    assert float(got_state["amax_history"][0, 2]) == (5.5 if bad is None else 1.0)
+    assert not scratch.any(), "the scratch must be zero again for the next launch"
 
 
 def test_self_check_covers_recording_in_the_casts_launch(monkeypatch, caplog):

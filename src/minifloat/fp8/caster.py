@@ -135,10 +135,9 @@ class LayerCaster:
                               power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
         if scale is not None:
             return quantize(t, spec.fmt, granularity=Granularity.TENSOR, scale=scale, **out)
-        # an eager per-tensor cast records its amax into the state itself (on a GPU in the launch that takes it); a
-        # compiled graph records with its own ops (`ScalingState.record`), which inductor fuses with the cast
-        slot = (self.state.amax_slot(role) if record and self.recording and not torch.compiler.is_compiling()
-                and (spec.delayed or granularity_info(spec.granularity).per_tensor) else None)
+        # an eager cast records its amax into the state itself (on a GPU in the launch that takes it); a compiled
+        # graph records with its own ops (`ScalingState.record`), which inductor fuses with the cast
+        slot = self._slot(role, record)
         if spec.delayed:
             dscale, multiplier, amax = self.state.delayed_cast_scales(
                 ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt, margin=spec.margin,
@@ -156,6 +155,11 @@ class LayerCaster:
             self._observe(role, t, q, recorded=slot is not None)
         return q
 
+    def _slot(self, role: Role, record: bool = True):
+        """Where an eager cast of `role` records its amax (`quantize`'s `record`), or None (not recording; compiled)."""
+        recording = record and self.recording and not torch.compiler.is_compiling()
+        return self.state.amax_slot(role) if recording else None
+
     def _both_axes_fused(self, role: Role, t: torch.Tensor) -> bool:
         """Whether `role`'s casts are per row or in 1×128 tiles, current scaling, for the native backend: a GPU then
         makes the cast along the other axis in the same passes (`quantize_both`) or from the FP8 bytes
@@ -171,9 +175,10 @@ class LayerCaster:
         exactly, else a new cast (recording nothing), made in the first one's passes for rows and tiles on a GPU."""
         if self._both_axes_fused(role, t):
             spec = self.recipe.spec(role)
+            slot = self._slot(role)
             q, q_t = quantize_both(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
-                                   power_of_two=spec.power_of_two)
-            self._observe(role, t, q)
+                                   power_of_two=spec.power_of_two, record=slot)
+            self._observe(role, t, q, recorded=slot is not None)
             return q, q_t
         q = self.cast(role, t, with_t=True)
         if granularity_info(q.granularity).transposes_exactly:

@@ -222,10 +222,12 @@ class ScalingState(nn.Module):
         return slots[3][ROLE_INDEX[role]]
 
     def warn_if_nonfinite(self, role: Role, amax: torch.Tensor) -> None:
-        """After a cast recorded its per-tensor `amax` itself (`amax_slot`): on the CPU, where reading it costs no
-        synchronisation, say once that a cast met NaN/inf (its amax was not recorded). On a GPU `NonfiniteWatch`
-        reads the counters once per step instead."""
-        if amax.device.type == "cpu" and not self._warned and not math.isfinite(amax.item()):
+        """After a cast recorded its `amax` (one, or a row's or block's each) itself (`amax_slot`): on the CPU, where
+        reading it costs no synchronisation, say once that a cast met NaN/inf (its amax was not recorded). On a GPU
+        `NonfiniteWatch` reads the counters once per step instead."""
+        if amax.device.type != "cpu" or self._warned:
+            return
+        if not (math.isfinite(amax.item()) if amax.numel() == 1 else bool(torch.isfinite(amax).all())):
             self._warn_nonfinite(role)
 
     def _warn_nonfinite(self, role: Role) -> None:

@@ -97,22 +97,22 @@ def _as_transpose(data, operand, amax, dscale, m: int, k: int, fmt: NumberFormat
 
 def quantize_both(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granularity | str, margin: int = 0,
                   power_of_two: bool = False, mx_rule: str = "up", operand_dtype: torch.dtype | None = None,
-                  keep_data: bool = True) -> tuple[Quantized, Quantized]:
-    """(quantize(x, ...), quantize_t(x, ...)) of a 2-D x: its casts along each axis. On a GPU, 1×128 tiles take one
-    Triton pass for both (each with its own scales and amaxes) and rows two passes, where the casts alone take two
-    each."""
+                  keep_data: bool = True, record: triton_cast.AmaxSlot | None = None) -> tuple[Quantized, Quantized]:
+    """(quantize(x, ..., record=record), quantize_t(x, ...)) of a 2-D x: its casts along each axis. On a GPU, 1×128
+    tiles take one Triton pass for both (each with its own scales and amaxes) and rows two passes, where the casts
+    alone take two each; `record` (a ScalingState's slot) is then folded in the first pass."""
     fmt = get_format(fmt)
     granularity = Granularity.parse(granularity)
     storage = fmt.torch_dtype if keep_data else None
-    options = dict(margin=margin, power_of_two=power_of_two)
+    options = dict(margin=margin, power_of_two=power_of_two, record=record)
     if triton_rows.takes(x, storage, operand_dtype, granularity):
         out = triton_rows.row_col_cast(x.detach(), fmt, **options)
     elif granularity == Granularity.TILE and triton_blocks.takes(x, storage, operand_dtype, granularity):
         out = triton_blocks.block_cast(x.detach(), fmt, rows=True, cols=True, **options)
     else:
-        options = dict(options, granularity=granularity, mx_rule=mx_rule, operand_dtype=operand_dtype,
-                       keep_data=keep_data)
-        return quantize(x, fmt, **options), quantize_t(x, fmt, **options)
+        options = dict(margin=margin, power_of_two=power_of_two, granularity=granularity, mx_rule=mx_rule,
+                       operand_dtype=operand_dtype, keep_data=keep_data)
+        return quantize(x, fmt, record=record, **options), quantize_t(x, fmt, **options)
     folded = granularity_info(granularity).folds(power_of_two)
     return (Quantized(out["data"], out["scale"], fmt, granularity, out["amax"], scale_folded=folded),
             Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"], scale_folded=folded))

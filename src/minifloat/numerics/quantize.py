@@ -27,7 +27,7 @@ from minifloat.numerics.granularity import (
     whole_block_view,
 )
 from minifloat.numerics.rounding import ROUNDINGS, reciprocal_rn, round_stochastic, round_to_grid
-from minifloat.numerics import triton_blocks, triton_cast
+from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
 from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
 
@@ -266,8 +266,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         with_t: also keep `data_t`, the 2-D data's transpose in row-major order (the same pass on a GPU).
         multiplier: with `scale`, the quantization multiplier `1.0 / scale` (float32) the caller has already (delayed
             scaling keeps it per step): the cast uses it as given, and launches no division.
-        record: a ScalingState's slot (`ScalingState.amax_slot`; per tensor): the amax is recorded there as
-            `ScalingState.record` does, by the one-pass kernels in the launch that takes it.
+        record: a ScalingState's slot (`ScalingState.amax_slot`): x's amax is recorded there as `ScalingState.record`
+            does with the cast's amaxes; on a GPU by the one-pass kernels, in the launch that takes it.
     Returns:
         Quantized with data of x's shape.
     """
@@ -290,12 +290,15 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         raise ValueError(f"with_t needs a 2-D tensor, got shape {tuple(x.shape)}")
     if multiplier is not None and scale is None:
         raise ValueError("a multiplier goes with the scale it is the reciprocal of: pass scale= too")
-    if record is not None and not info.per_tensor:
-        raise ValueError(f"a cast records its amax in a slot per tensor only, not '{granularity}'")
+    out = None
     if scale is None and triton_blocks.takes(x, storage, operand_dtype, granularity):  # tiles, blocks: GPU, one pass
         block = granularity == Granularity.BLOCK
         out = triton_blocks.block_cast(x.detach(), fmt, rows=True, block=block, write_t=with_t and block,
-                                       margin=margin, power_of_two=power_of_two)
+                                       margin=margin, power_of_two=power_of_two, record=record)
+    elif scale is None and amax is None and triton_rows.takes(x, storage, operand_dtype, granularity):
+        out = triton_rows.row_col_cast(x.detach(), fmt, cols=False, margin=margin, power_of_two=power_of_two,
+                                       record=record)  # rows: GPU, an amax pass (recording) and a cast pass
+    if out is not None:
         data_t = out["data_t"] if "data_t" in out else out["data"].t().contiguous() if with_t else None
         return Quantized(out["data"], out["scale"], fmt, granularity, out["amax"],
                          scale_folded=info.folds(power_of_two), data_t=data_t)

@@ -37,7 +37,7 @@ from minifloat.numerics.granularity import TILE, Granularity
 
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 tl = None  # triton.language, bound by _kernel()
-_larger = _scale = _code = _load = None  # jitted helpers, bound by _kernel()
+_larger = _scale = _code = _load = _record = None  # jitted helpers, bound by _kernel()
 # Rows of a tile a program holds in registers at once, and its warps. Compiled for SM 9.0 (Triton 3.9, ptxas 13.4, on
 # a CPU: tests/test_triton_aot.py) these use 78-115 registers per thread, no spills; a whole 128×128 tile in registers
 # took all 255 and spilled. Not yet timed on a GPU.
@@ -56,10 +56,10 @@ def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dty
 @functools.cache
 def _kernel():
     """The kernel, built on first use (TRITON_INTERPRET is read then); its helpers are triton_cast's."""
-    global tl, _larger, _scale, _code, _load
+    global tl, _larger, _scale, _code, _load, _record
     triton_cast._kernel()
     tl = triton_cast.tl
-    _larger, _scale, _code = triton_cast._larger, triton_cast._scale, triton_cast._code
+    _larger, _scale, _code, _record = triton_cast._larger, triton_cast._scale, triton_cast._code, triton_cast._record
     _load = triton_cast._triton().jit(_load_fn)
     return triton_cast._triton().jit(_block_kernel_fn)
 
@@ -84,11 +84,11 @@ def _load_fn(x_ptr, lut_ptr, xs_ptr, rows, cols, M, K, stride_xm, stride_xk, N_K
 
 
 def _block_kernel_fn(x_ptr, lut_ptr, xs_ptr, out_ptr, out_t_ptr, ds_ptr, ds_t_ptr, am_ptr, am_t_ptr,
-                     M, K, stride_xm, stride_xk, N_KB, N_MB,
+                     tamax_ptr, slot_ptr, counter_ptr, scratch_ptr, M, K, stride_xm, stride_xk, N_KB, N_MB,
                      FROM_FP8: tl.constexpr, FOLD_BF16: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
                      BLOCK: tl.constexpr, WRITE_T: tl.constexpr, FMT_MAX: tl.constexpr, EMIN: tl.constexpr,
-                     MBITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr, T: tl.constexpr,
-                     SUB: tl.constexpr):
+                     MBITS: tl.constexpr, MARGIN: tl.constexpr, POW2: tl.constexpr, RECORD: tl.constexpr,
+                     T: tl.constexpr, SUB: tl.constexpr):
     # One program per 128×128 tile, walked in (SUB, 128) slices so that few values live in registers at once: the
     # first walk casts the row pieces (each slice holds whole rows) and takes the column (or tile) amaxes; the
     # second, where columns or the whole tile set the scales, reads the slices again (from cache) and casts them.
@@ -100,7 +100,7 @@ def _block_kernel_fn(x_ptr, lut_ptr, xs_ptr, out_ptr, out_t_ptr, ds_ptr, ds_t_pt
         rows = pid_m * T + i + tl.arange(0, SUB)
         x = _load(x_ptr, lut_ptr, xs_ptr, rows, cols, M, K, stride_xm, stride_xk, N_KB, pid_k, FROM_FP8, FOLD_BF16)
         a = x.to(tl.int32, bitcast=True) & 0x7FFFFFFF
-        if COLS or BLOCK:
+        if COLS or BLOCK or RECORD:
             col_bits = tl.maximum(col_bits, tl.reduce(a, 0, _larger))
         if ROWS and not BLOCK:  # one scale per row piece: 1×128 tiles along K
             amax_r = tl.reduce(a, 1, _larger).to(tl.float32, bitcast=True)
@@ -130,6 +130,8 @@ def _block_kernel_fn(x_ptr, lut_ptr, xs_ptr, out_ptr, out_t_ptr, ds_ptr, ds_t_pt
                 tl.store(out_ptr + rows[:, None] * K + cols[None, :], c8, mask=mask)
             if COLS or WRITE_T:
                 tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(c8), mask=tl.trans(mask))
+    if RECORD:  # the whole tensor's amax into a ScalingState's slot (triton_cast._record_fn), in this launch
+        _record(tl.reduce(col_bits, 0, _larger), tamax_ptr, slot_ptr, counter_ptr, scratch_ptr)
 
 
 @functools.cache
@@ -140,7 +142,8 @@ def _decode_table(dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 
 def block_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = False, cols: bool = False, block: bool = False,
                write_t: bool = False, margin: int = 0, power_of_two: bool = False,
-               row_scales: torch.Tensor | None = None, fold_bf16: bool = False) -> dict[str, torch.Tensor]:
+               row_scales: torch.Tensor | None = None, fold_bf16: bool = False,
+               record: triton_cast.AmaxSlot | None = None) -> dict[str, torch.Tensor]:
     """Cast a 2-D `x` to `fmt` in 1×128 tiles along its rows and/or columns, or in 128×128 blocks, in one pass.
 
     Args:
@@ -153,6 +156,8 @@ def block_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = False, cols: 
         margin, power_of_two: `scale_from_amax`'s options.
         row_scales: x is FP8 data (float8 dtype) and these are its (M, ceil(K/128)) dequantization scales: the values
             cast are data · row_scales (rounded to bfloat16 with `fold_bf16`), as the torch path's dequantization.
+        record: a ScalingState's slot (`ScalingState.amax_slot`): x's amax is also folded into it, as
+            `ScalingState.record` does with the cast's amaxes, in this launch (`triton_cast.fused_cast`'s scheme).
     Returns:
         a dict with "data", "scale", "amax" (rows or block: (M, K), (M, KB) / (MB, KB)) and "data_t", "scale_t",
         "amax_t" (cols: (K, M), (K, MB); block with write_t: "data_t" only), float32 scales and amaxes.
@@ -187,10 +192,12 @@ def block_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = False, cols: 
         t = out.get(name)
         return (any_data if u8 else any_f32) if t is None else (t.view(torch.uint8) if u8 else t)
 
+    slot, counter, scratch = record if record is not None else (any_f32, any_f32, any_f32)
+    tamax = torch.empty((), dtype=torch.int32, device=device) if record is not None else any_f32
     _kernel()[(n_mb, n_kb)](
         source, lut, row_scales.float().contiguous() if from_fp8 else any_f32, arg("data", True), arg("data_t", True),
-        arg("scale"), arg("scale_t"), arg("amax"), arg("amax_t"), m, k, x.stride(0), x.stride(1), n_kb, n_mb,
-        FROM_FP8=from_fp8, FOLD_BF16=fold_bf16, ROWS=rows, COLS=cols, BLOCK=block,
+        arg("scale"), arg("scale_t"), arg("amax"), arg("amax_t"), tamax, slot, counter, scratch, m, k, x.stride(0),
+        x.stride(1), n_kb, n_mb, FROM_FP8=from_fp8, FOLD_BF16=fold_bf16, ROWS=rows, COLS=cols, BLOCK=block,
         WRITE_T=write_t, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, MARGIN=margin,
-        POW2=power_of_two, T=TILE, SUB=SUB_INTERPRETED if triton_cast.interpreted() else SUB, num_warps=NUM_WARPS)
+        POW2=power_of_two, RECORD=record is not None, T=TILE, SUB=SUB_INTERPRETED if triton_cast.interpreted() else SUB, num_warps=NUM_WARPS)
     return out

@@ -30,7 +30,7 @@ BLOCK_M = 32
 BLOCK_K = 64
 NUM_WARPS = 8
 tl = None  # triton.language, bound by _kernels()
-_larger = _scale = _code = _load = None  # jitted helpers, bound by _kernels()
+_larger = _scale = _code = _load = _record = None  # jitted helpers, bound by _kernels()
 
 
 def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dtype | None,
@@ -43,17 +43,18 @@ def takes(x: torch.Tensor, storage: torch.dtype | None, operand_dtype: torch.dty
 @functools.cache
 def _kernels():
     """(amax kernel, cast kernel), built on first use (TRITON_INTERPRET is read then)."""
-    global tl, _larger, _scale, _code, _load
+    global tl, _larger, _scale, _code, _load, _record
     triton_blocks._kernel()
     tl = triton_cast.tl
     _larger, _scale, _code, _load = triton_cast._larger, triton_cast._scale, triton_cast._code, triton_blocks._load
+    _record = triton_cast._record
     jit = triton_cast._triton().jit
     return jit(_amax_kernel_fn), jit(_cast_kernel_fn)
 
 
-def _amax_kernel_fn(x_ptr, lut_ptr, xs_ptr, row_ptr, col_ptr, M, K, stride_xm, stride_xk,
-                    FROM_FP8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_K: tl.constexpr):
+def _amax_kernel_fn(x_ptr, lut_ptr, xs_ptr, row_ptr, col_ptr, tamax_ptr, slot_ptr, counter_ptr, scratch_ptr, M, K,
+                    stride_xm, stride_xk, FROM_FP8: tl.constexpr, ROWS: tl.constexpr, COLS: tl.constexpr,
+                    RECORD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     x = _load(x_ptr, lut_ptr, xs_ptr, rows, cols, M, K, stride_xm, stride_xk, 1, 0, FROM_FP8, False)
@@ -62,6 +63,8 @@ def _amax_kernel_fn(x_ptr, lut_ptr, xs_ptr, row_ptr, col_ptr, M, K, stride_xm, s
         tl.atomic_max(row_ptr + rows, tl.reduce(a, 1, _larger), mask=rows < M)
     if COLS:
         tl.atomic_max(col_ptr + cols, tl.reduce(a, 0, _larger), mask=cols < K)
+    if RECORD:  # the whole tensor's amax into a ScalingState's slot (triton_cast._record_fn), in this launch
+        _record(tl.reduce(tl.reduce(a, 1, _larger), 0, _larger), tamax_ptr, slot_ptr, counter_ptr, scratch_ptr)
 
 
 def _cast_kernel_fn(x_ptr, lut_ptr, xs_ptr, row_ptr, col_ptr, out_ptr, out_t_ptr, ds_ptr, ds_t_ptr, M, K,
@@ -89,7 +92,8 @@ def _cast_kernel_fn(x_ptr, lut_ptr, xs_ptr, row_ptr, col_ptr, out_ptr, out_t_ptr
 
 
 def row_col_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = True, cols: bool = True, margin: int = 0,
-                 power_of_two: bool = False, row_scales: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                 power_of_two: bool = False, row_scales: torch.Tensor | None = None,
+                 record: triton_cast.AmaxSlot | None = None) -> dict[str, torch.Tensor]:
     """Cast a 2-D `x` to `fmt` scaled per row and/or per column (written as xᵀ), in an amax pass and a cast pass.
 
     Args:
@@ -100,6 +104,8 @@ def row_col_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = True, cols:
         margin, power_of_two: `scale_from_amax`'s options.
         row_scales: x is FP8 data (a float8 dtype) and these its (M, 1) dequantization scales: the values cast are
             data · row_scales in float32, as the torch path's dequantization computes them.
+        record: a ScalingState's slot (`ScalingState.amax_slot`): the amax pass also folds x's amax into it, as
+            `ScalingState.record` does with the cast's amaxes (`triton_cast.fused_cast`'s scheme).
     Returns:
         a dict with "data", "scale", "amax" (rows: (M, K), (M, 1), (M, 1)) and "data_t", "scale_t", "amax_t" (cols:
         (K, M), (K, 1), (K, 1)); float32 scales and amaxes.
@@ -118,8 +124,10 @@ def row_col_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = True, cols:
     amax_kernel, cast_kernel = _kernels()
     grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
     sizes = dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
-    amax_kernel[grid](source, lut, xs, row_bits, col_bits, m, k, x.stride(0), x.stride(1), FROM_FP8=from_fp8,
-                      ROWS=rows, COLS=cols, **sizes)
+    slot, counter, scratch = record if record is not None else (row_bits, row_bits, row_bits)
+    tamax = torch.empty((), dtype=torch.int32, device=device) if record is not None else row_bits
+    amax_kernel[grid](source, lut, xs, row_bits, col_bits, tamax, slot, counter, scratch, m, k, x.stride(0),
+                      x.stride(1), FROM_FP8=from_fp8, ROWS=rows, COLS=cols, RECORD=record is not None, **sizes)
     out: dict[str, torch.Tensor] = {}
     if rows:
         out.update(data=torch.empty((m, k), dtype=fmt.torch_dtype, device=device),

@@ -63,26 +63,31 @@ def folds_as_torch_does(device: torch.device) -> bool:
 
 
 def records_in_pass_as_torch_does(device: torch.device) -> bool:
-    """A cast that records its amax in its own launch (delayed: given a scale; current: in the amax pass) over
-    several programs, finite or with an inf or a NaN: the slot and counter as `record_amax`'s torch ops leave them,
-    the amax returned, and the scratch back to zero."""
+    """A cast that records its amax in its own launch over several programs, finite or with an inf or a NaN: per
+    tensor (delayed: given a scale; current: in the amax pass), and, finite or with a NaN, per row (triton_rows' amax
+    pass) and in 128×128 blocks (triton_blocks' pass; its tiles record by the same code). The slot and counter as
+    `record_amax`'s torch ops leave them, a per-tensor cast's amax returned, and the scratch back to zero."""
     from minifloat.numerics.formats import E4M3
     from minifloat.numerics.quantize import quantize
 
-    x = torch.linspace(-3.0, 3.0, 70 * 200).reshape(70, 200)
-    for bad in (None, float("inf"), float("nan")):
-        if bad is not None:
-            x[69, 199] = bad  # in the grid's last program
-        for given in (torch.tensor(2.0, device=device), None):
+    casts = [(lambda x, slot, s=s: quantize(x, E4M3, scale=s, record=slot), (70, 200), "inf nan")
+             for s in (torch.tensor(2.0, device=device), None)]
+    casts += [(lambda x, slot: quantize(x, E4M3, granularity="row", record=slot), (50, 130), "nan"),
+              (lambda x, slot: quantize(x, E4M3, granularity="block", record=slot), (40, 130), "nan")]
+    for cast, (m, k), spoilers in casts:
+        for bad in (None, *(float(v) for v in spoilers.split())):
+            x = torch.linspace(-3.0, 3.0, m * k).reshape(m, k)
+            if bad is not None:
+                x[m - 1, k - 1] = bad  # in the grid's last program
             slot = triton_cast.AmaxSlot(torch.ones((), device=device),
                                         torch.zeros((), dtype=torch.int64, device=device),
                                         torch.zeros(2, dtype=torch.int32, device=device))
-            q = quantize(x.to(device), E4M3, scale=given, record=slot)
+            q = cast(x.to(device), slot)
             top = x.abs().amax()
             finite = bool(torch.isfinite(top))
             expected = max(1.0, float(top)) if finite else 1.0
             if not (float(slot.amax) == expected and int(slot.nonfinite) == int(not finite)
-                    and torch.equal(q.amax.cpu().view(torch.int32), top.view(torch.int32))
+                    and (q.amax.dim() or torch.equal(q.amax.cpu().view(torch.int32), top.view(torch.int32)))
                     and not slot.scratch.any()):
                 return False
     return True
