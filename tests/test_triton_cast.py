@@ -17,7 +17,7 @@ import torch
 import minifloat as mf
 from minifloat.numerics import triton_cast, triton_selfcheck
 from minifloat.numerics.other_axis import quantize_t
-from minifloat.numerics.quantize import quantize
+from minifloat.numerics.quantize import Quantized, quantize
 
 pytest.importorskip("triton", reason="the Triton interpreter needs `pip install triton` (in the dev extras)")
 
@@ -130,10 +130,16 @@ def test_row_scales(monkeypatch, calls, fmt, power_of_two):
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=lambda f: f.name)
 def test_column_scales_written_transposed(monkeypatch, calls, fmt):
-    """quantize_t per row of xᵀ: the kernel writes xᵀ's row-major data directly (the torch path returns a view)."""
+    """quantize_t per row of xᵀ: triton_rows' column passes write xᵀ's row-major data directly (the torch path returns
+    a view)."""
+    from minifloat.numerics import triton_rows
+
+    passes = []
+    real = triton_rows.row_col_cast
+    monkeypatch.setattr(triton_rows, "row_col_cast", lambda *a, **k: passes.append(k.get("rows")) or real(*a, **k))
     x = awkward(130, 70, torch.bfloat16, seed=2)
     ref, got = both(monkeypatch, lambda: quantize_t(x, fmt, granularity="row"))
-    assert calls == ["column"]
+    assert calls == [] and passes == [False]
     assert got.data.is_contiguous() and not ref.data.is_contiguous()
     assert_same(ref, got)
 
@@ -210,7 +216,12 @@ def _train(recipe, steps: int = 2):
 def test_layer_on_the_native_path_copies_no_operand(monkeypatch, calls, native_on_cpu, recipe):
     """The native path with the one-pass casts: every GEMM operand arrives row-major (x, W and dy cast once with
     their transposed copies; column scales written transposed), fprop alone asks for fast accumulation, and the
-    layer's results are bitwise the emulated path's."""
+    layer's results are bitwise the emulated path's. (Row scaling's casts are triton_rows' passes: this kernel's
+    spy sees none of them; tests/test_triton_rows.py follows them.)"""
+    from minifloat.numerics import triton_rows
+
+    real = triton_rows.row_col_cast
+    monkeypatch.setattr(triton_rows, "row_col_cast", lambda *a, **k: calls.append("rows") or real(*a, **k))
     expected = _train(recipe)  # TRITON_INTERPRET unset: the torch casts
     assert calls == [] and len(native_on_cpu) == 6
     native_on_cpu.clear()
@@ -289,16 +300,26 @@ def test_fold_amax_refuses_no_amax():
 def test_scales_from_edge_amaxes(monkeypatch, calls, power_of_two, margin):
     """Scales computed in the kernel from amaxes where `scale_from_amax` takes its branches: a zero row and an
     infinite one (fallback 1), a tiny one (the quotient overflows: clamped to float32's max), a huge one (with a
-    margin of 8 the scale is float32-subnormal, whose power of two needs the 2^64 detour). Per row of x (triton_rows'
-    passes) and per column of xᵀ (this kernel, along="column")."""
+    margin of 8 the scale is float32-subnormal, whose power of two needs the 2^64 detour). Per row of x and per
+    column of xᵀ (triton_rows' passes), and this kernel given the rows' amaxes (along="row": its scales from amaxes)."""
     x = awkward(8, 40, torch.float32, seed=4).nan_to_num(posinf=1.0, neginf=-1.0)
     x[1] = 0.0
     x[2, 3] = float("inf")
     x[3] = 1e-38
     x[4, 5] = 3e38
     options = dict(granularity="row", margin=margin, power_of_two=power_of_two)
+    amax = x.abs().amax(-1, keepdim=True)
+
+    def kernel_from_amaxes():
+        if triton_cast.interpreted():
+            data, _, _, dscale = triton_cast.fused_cast(x, mf.E4M3, None, along="row", amax=amax, margin=margin,
+                                                        power_of_two=power_of_two)
+            return Quantized(data, dscale.reshape(-1, 1), mf.E4M3, "row", amax)
+        return quantize(x, mf.E4M3, **options)
+
     for cast, kernel in ((lambda: quantize(x, mf.E4M3, **options), []),
-                         (lambda: quantize_t(x.t().contiguous(), mf.E4M3, **options), ["column"])):
+                         (lambda: quantize_t(x.t().contiguous(), mf.E4M3, **options), []),
+                         (kernel_from_amaxes, ["row"])):
         ref, got = both(monkeypatch, cast)
         assert calls == kernel
         assert_same(ref, got)

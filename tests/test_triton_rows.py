@@ -75,15 +75,16 @@ def test_row_col_cast_refuses_what_it_cannot_do():
 
 def test_row_recipe_layer_on_the_native_path(monkeypatch, casts, native_on_cpu):
     """CurrentScaling(granularity="row") on the native path: x and W cast per row in two passes each (an amax pass
-    that records, a cast pass), dy per row and per column in two passes, xᵀ from x's saved FP8 bytes; every GEMM
-    operand row-major; outputs and gradients bitwise the torch path's."""
+    that records, a cast pass), dy per row and per column in two passes, W per column for dgrad (two passes, written
+    as Wᵀ), xᵀ from x's saved FP8 bytes; every GEMM operand row-major; outputs and gradients bitwise the torch
+    path's."""
     recipe = mf.CurrentScaling(granularity="row")
     expected = _train(recipe)  # TRITON_INTERPRET unset: the torch casts, the same native decisions
     assert casts == [] and len(native_on_cpu) == 6
     native_on_cpu.clear()
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     got = _train(recipe)
-    assert casts == ["rows", "rows", "rows+cols", "cols+from-fp8"] * 2, casts
+    assert casts == ["rows", "rows", "rows+cols", "cols", "cols+from-fp8"] * 2, casts
     assert native_on_cpu == [(True, True)] * 6
     for e, g in zip(expected, got):
         assert torch.equal(bits(g), bits(e))

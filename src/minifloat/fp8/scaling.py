@@ -227,7 +227,7 @@ class ScalingState(nn.Module):
         `NonfiniteWatch` reads the counters once per step instead."""
         if amax.device.type != "cpu" or self._warned:
             return
-        if not (math.isfinite(amax.item()) if amax.numel() == 1 else bool(torch.isfinite(amax).all())):
+        if not math.isfinite((amax if amax.numel() == 1 else amax.amax()).item()):  # (NaN propagates through amax)
             self._warn_nonfinite(role)
 
     def _warn_nonfinite(self, role: Role) -> None:

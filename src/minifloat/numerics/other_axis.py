@@ -62,6 +62,9 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
         out = triton_blocks.block_cast(x, fmt, cols=True, margin=margin, power_of_two=power_of_two)
         return Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"],
                          scale_folded=info.folds(power_of_two))
+    if triton_rows.takes(x, storage, operand_dtype, granularity):  # per column, written as xᵀ: two passes (GPU)
+        out = triton_rows.row_col_cast(x, fmt, rows=False, margin=margin, power_of_two=power_of_two)
+        return Quantized(out["data_t"], out["scale_t"], fmt, granularity, out["amax_t"])
     if info.block is None:  # one scale per row of xᵀ, i.e. per column of x
         view = x
     else:
