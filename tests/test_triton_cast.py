@@ -374,6 +374,17 @@ def test_tensors_of_2_31_elements_take_the_torch_path(monkeypatch):
     assert not triton_cast.available(torch.empty(2**16, 2**15, device="meta"))
 
 
+def assert_recorded_as_torch_does(got_state, ref_state, scratch, col, *, finite, largest):
+    """A recording cast left the ScalingState's bytes the torch path's: the role's history entry the largest finite
+    amax (else the starting 1.0), its counter up by one if the tensor held NaN/inf, and the scratch zero again."""
+    for key in ref_state:
+        same = bits(got_state[key]) if got_state[key].is_floating_point() else got_state[key]
+        assert torch.equal(same, bits(ref_state[key]) if ref_state[key].is_floating_point() else ref_state[key]), key
+    assert int(got_state["nonfinite"][col]) == (0 if finite else 1)
+    assert float(got_state["amax_history"][0, col]) == (largest if finite else 1.0)
+    assert not scratch.any(), "the scratch must be zero again for the next launch"
+
+
 def _recording_cast(x, scale):
     """A per-tensor E4M3 cast of `x` (a stored scale: delayed scaling; None: current scaling) recording its amax into
     a fresh ScalingState's input slot; returns (the cast, the state's buffers, the slot's scratch)."""
@@ -407,12 +418,7 @@ def test_a_cast_records_its_amax_in_its_own_launch(monkeypatch, calls, scale, ba
     if bad is None or scale is not None:  # current scaling of a tensor holding inf or NaN: scale 1, data not compared
         assert_same(ref, got, with_t=True)
     assert torch.equal(bits(got.amax), bits(ref.amax))
-    for key in ref_state:
-        same = bits(got_state[key]) if got_state[key].is_floating_point() else got_state[key]
-        assert torch.equal(same, bits(ref_state[key]) if ref_state[key].is_floating_point() else ref_state[key]), key
-    assert int(got_state["nonfinite"][0]) == (0 if bad is None else 1)
-    assert float(got_state["amax_history"][0, 0]) == (5.5 if bad is None else 1.0)
-    assert not scratch.any(), "the scratch must be zero again for the next launch"
+    assert_recorded_as_torch_does(got_state, ref_state, scratch, 0, finite=bad is None, largest=5.5)
 
 
 def test_a_recording_cast_twice_in_a_row_records_both(monkeypatch):
@@ -473,12 +479,7 @@ def test_row_and_block_casts_record_their_amax_in_their_own_launch(monkeypatch, 
         assert_same(ref, got)
         if both_axes:
             assert torch.equal(bits(got_t.data), bits(ref_t.data.contiguous()))
-    for key in ref_state:
-        same = bits(got_state[key]) if got_state[key].is_floating_point() else got_state[key]
-        assert torch.equal(same, bits(ref_state[key]) if ref_state[key].is_floating_point() else ref_state[key]), key
-    assert int(got_state["nonfinite"][2]) == (0 if bad is None else 1)
-    assert float(got_state["amax_history"][0, 2]) == (5.5 if bad is None else 1.0)
-    assert not scratch.any(), "the scratch must be zero again for the next launch"
+    assert_recorded_as_torch_does(got_state, ref_state, scratch, 2, finite=bad is None, largest=5.5)
 
 
 def test_self_check_covers_recording_in_the_casts_launch(monkeypatch, caplog):
