@@ -37,7 +37,9 @@ Measured, per variant, one at a time (built from the same seed: same weights and
   * compiled runs: dynamo's graph count and graph breaks (with their reasons).
 A variant that fails (out of memory, a compile error) gets a row saying why, and the run goes on. --profile PATH
 also profiles 2 steps of every run (torch.profiler) and writes its op table (top 25 by GPU self time) to PATH, and
-the kernels launched and the GPU's busy time per step to the JSON: where the time goes, in the same call.
+the kernels launched, the GPU's busy time and the host's syncs per step to the JSON: where the time goes, in the same
+call. For the host's side it adds the ops and CUDA runtime calls by CPU self time and the Python functions by their
+own time (cProfile over 2 more steps): what a host-bound step (the 100m section) spends its time on.
 
 Usage:
     python benchmarks/gpu.py                                      # everything, under ~8 minutes on one H100
@@ -377,13 +379,22 @@ def time_steps(step: Callable, n: int, device: torch.device) -> tuple[list[float
 
 PROFILE_STEPS = 2
 PROFILE_ROWS = 25
+HOST_ROWS = 30  # Python functions listed per run by the host profile (cProfile), by their own time
 
 
 def profile_steps(step: Callable, device: torch.device, title: str, path: pathlib.Path) -> dict:
     """Profile PROFILE_STEPS steps with torch.profiler; append the op table (top PROFILE_ROWS by the device's self
     time on a GPU, by CPU self time on a CPU) under `title` to `path`. Returns per-step figures: the kernels launched
     and the GPU's busy time (their summed durations), so that busy time against step time says how much of the step
-    the GPU idles (waiting on the host)."""
+    the GPU idles (waiting on the host), and the host's synchronisations with the GPU per step.
+
+    Where the host's time goes is appended too: on a GPU the same ops and CUDA runtime calls by CPU self time
+    (kernel launches, `torch._scaled_mm`'s setup, synchronisations), and on every device the Python functions by
+    their own time over PROFILE_STEPS more steps (cProfile: the caster, `quantize`, Triton's launcher, autograd)."""
+    import cProfile
+    import io
+    import pstats
+
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
@@ -394,14 +405,34 @@ def profile_steps(step: Callable, device: torch.device, title: str, path: pathli
             torch.cuda.synchronize(device)
     kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     busy_us = sum(e.time_range.elapsed_us() for e in kernels)
-    sort = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    cuda = device.type == "cuda"
+    sort = "self_device_time_total" if cuda else "self_cpu_time_total"
+    # cudaStreamSynchronize (.item(), a copy to the host), cudaDeviceSynchronize, cudaEventSynchronize; the one
+    # torch.cuda.synchronize after the steps above is not the steps'
+    syncs = sum("Synchronize" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
     figures = {"kernels_per_step": len(kernels) / PROFILE_STEPS if kernels else None,
-               "gpu_busy_ms": busy_us / 1e3 / PROFILE_STEPS if kernels else None}
+               "gpu_busy_ms": busy_us / 1e3 / PROFILE_STEPS if kernels else None,
+               "host_syncs_per_step": max(syncs - 1, 0) / PROFILE_STEPS if cuda else None}
+    python = cProfile.Profile()
+    python.enable()
+    for _ in range(PROFILE_STEPS):
+        step()
+    if cuda:
+        torch.cuda.synchronize(device)
+    python.disable()
+    listing = io.StringIO()
+    pstats.Stats(python, stream=listing).sort_stats("tottime").print_stats(HOST_ROWS)
     with path.open("a") as f:
         f.write(f"\n=== {title}: {PROFILE_STEPS} steps"
                 + (f", {figures['kernels_per_step']:.0f} kernels and {figures['gpu_busy_ms']:.2f} ms of kernel time "
-                   f"per step" if kernels else "") + " ===\n")
+                   f"per step, {figures['host_syncs_per_step']:.1f} host syncs per step" if kernels else "") + " ===\n")
         f.write(prof.key_averages().table(sort_by=sort, row_limit=PROFILE_ROWS, max_name_column_width=70))
+        if cuda:
+            f.write(f"\n--- {title}: the host's side, by CPU self time (launches, runtime calls, syncs) ---\n")
+            f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS,
+                                              max_name_column_width=70))
+        f.write(f"\n--- {title}: host Python over {PROFILE_STEPS} more steps (cProfile, by own time) ---\n")
+        f.write(listing.getvalue())
     return figures
 
 

@@ -152,8 +152,9 @@ def test_a_run_stopped_partway_keeps_what_it_measured(bench, tmp_path, monkeypat
 
 
 def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
-    """--profile: one titled op table per run in one text file (a GPU run adds kernels and busy time per step to the
-    JSON); the markdown has the host-time column; an existing profile file is refused without --overwrite."""
+    """--profile: one titled op table and one host Python listing per run in one text file (a GPU run adds kernels,
+    busy time and host syncs per step to the JSON); the markdown has the host-time column; an existing profile file is
+    refused without --overwrite."""
     prof, out, md = tmp_path / "p.txt", tmp_path / "r.json", tmp_path / "r.md"
     args = ("--smoke", "--device", "cpu", "--sections", "linear", "--variants", "current", "--no-compile",
             "--json", str(out), "--markdown", str(md), "--profile", str(prof))
@@ -167,6 +168,9 @@ def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
         title = f"=== linear {r['shape']} {r['variant']} eager: 2 steps"
         assert text.count(title) == 1, title
     assert text.count("Self CPU time total") == len(runs)
+    # the host's Python, per run: cProfile's listing of the steps' functions
+    assert text.count("host Python over 2 more steps (cProfile, by own time)") == len(runs)
+    assert text.count("function calls") == len(runs) and text.count("tottime") == len(runs)
     assert "| host ms |" in md.read_text()
     again = run_script(*args)
     assert again.returncode == 2 and "--overwrite" in again.stderr and prof.read_text() == text
