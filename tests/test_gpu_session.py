@@ -1,0 +1,81 @@
+"""benchmarks/gpu_session.py, the prepared device calls, checked on any machine: each call fits one device call's
+time, every pytest step selects tests that exist, every benchmark step's arguments are ones benchmarks/gpu.py takes,
+and running a call writes each step's log and a summary (a step past its limit is stopped and reported)."""
+
+import importlib.util
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+def _load(name: str):
+    """benchmarks/<name>.py as a module (registered, as its dataclasses need, under a name of its own)."""
+    key = f"benchmarks_{name}"
+    if key not in sys.modules:
+        spec = importlib.util.spec_from_file_location(key, ROOT / "benchmarks" / f"{name}.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[key] = module
+        spec.loader.exec_module(module)
+    return sys.modules[key]
+
+
+session = _load("gpu_session")
+
+
+@pytest.mark.parametrize("number", sorted(session.CALLS))
+def test_a_call_fits_one_device_call(number):
+    steps = session.CALLS[number]
+    assert sum(s.timeout_s for s in steps) <= session.CALL_LIMIT_S < 600
+    assert len({s.name for s in steps}) == len(steps), "two steps would write the same log"
+
+
+@pytest.mark.parametrize("step", [s for c in session.CALLS.values() for s in c if "pytest" in s.argv],
+                         ids=lambda s: s.name)
+def test_each_pytest_step_selects_existing_tests(step, tmp_path):
+    argv = session.command(step, tmp_path)
+    files = [a for a in argv if a.startswith("tests/")]
+    assert files and all((ROOT / f).exists() for f in files), files
+    keep = [a for a in argv[3:] if a not in ("-v", "-rfE", "--tb=line") and not a.startswith("--durations")]
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *keep], cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    selected = [line for line in done.stdout.splitlines() if "::" in line]
+    assert done.returncode == 0 and selected, done.stdout[-2000:] + done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("step", [s for c in session.CALLS.values() for s in c if "benchmarks/gpu.py" in s.argv],
+                         ids=lambda s: s.name)
+def test_each_benchmark_step_is_a_valid_gpu_py_command(step, tmp_path):
+    bench = _load("gpu")
+    argv = session.command(step, tmp_path)
+    args = bench.parse_args(argv[2:])
+    known = {v.name for v in bench.VARIANTS}
+    for option in (args.variants, args.compile_variants):
+        assert {v for v in option.split(",") if v} <= known | {"all"}, option
+    assert str(tmp_path) in args.json, "the results must land in the call's output folder"
+
+
+def test_running_a_call_logs_each_step_and_stops_one_past_its_limit(monkeypatch, tmp_path, capsys):
+    py = sys.executable
+    monkeypatch.setitem(session.CALLS, 9, (
+        session.Step("fine", 30, (py, "-c", "print('=== 3 passed in 0.1s ===')")),
+        session.Step("slow", 1, (py, "-c", "import time; time.sleep(30)")),
+        session.Step("writes", 30, (py, "-c", "import sys; open(sys.argv[1] + '/r.txt', 'w').write('x')", "{out}")),
+    ))
+    assert session.run_call(9, tmp_path) == 1  # one step failed: the call says so
+    summary = (tmp_path / "summary.txt").read_text().splitlines()
+    assert [line.split()[0] for line in summary] == ["fine", "slow", "writes"]
+    assert "exit   0" in summary[0] and "3 passed" in summary[0]
+    assert "exit 124" in summary[1]
+    assert (tmp_path / "r.txt").read_text() == "x" and (tmp_path / "fine.log").exists()
+    assert capsys.readouterr().out.count("exit") == 3
+
+
+def test_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys):
+    assert session.main(["1", "--dry-run", "--out", str(tmp_path / "o")]) == 0
+    printed = capsys.readouterr().out
+    assert printed.count("\n") == len(session.CALLS[1]) and str(tmp_path / "o") in printed
+    assert not (tmp_path / "o").exists()
