@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass
 
 CALL_LIMIT_S = 540  # one device call runs at most 600 s; the rest is start-up, install and copying $OUT back
+ROOT = pathlib.Path(__file__).resolve().parents[1]  # every step runs from the repository root
 
 
 @dataclass(frozen=True)
@@ -85,7 +86,7 @@ def run_call(number: int, out: pathlib.Path) -> int:
         t0 = time.monotonic()
         with log.open("w") as f:
             try:
-                code = subprocess.run(command(step, out), stdout=f, stderr=subprocess.STDOUT, env=env,
+                code = subprocess.run(command(step, out), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
                                       timeout=step.timeout_s).returncode
             except subprocess.TimeoutExpired:
                 code = 124
@@ -104,7 +105,7 @@ def main(argv=None) -> int:
                    help="folder for the logs and results (default: $OUT, else runs/gpu_session)")
     p.add_argument("--dry-run", action="store_true", help="print the commands and their time limits, run nothing")
     args = p.parse_args(argv)
-    out = pathlib.Path(args.out)
+    out = pathlib.Path(args.out).resolve()  # (the steps run from the repository root)
     if args.dry_run:
         for step in CALLS[args.call]:
             print(f"[{step.timeout_s:3d} s] {step.name}: {' '.join(command(step, out))}")
