@@ -409,6 +409,18 @@ def test_amax_slots_are_made_once_and_follow_every_replaced_buffer():
     assert records_into_the_state(11.0) == 1
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "row", "tile", "block", "mx"])
+def test_a_recording_cast_of_an_empty_tensor_records_nothing(granularity):
+    """An empty batch cast per row or block has no amaxes: the cast records nothing and raises nothing."""
+    from minifloat.numerics.quantize import quantize
+
+    state = ScalingState(2)
+    before = {k: v.clone() for k, v in state.state_dict().items()}
+    q = quantize(torch.zeros(0, 64), E4M3, granularity=granularity, record=state.amax_slot(Role.INPUT))
+    assert q.data.shape == (0, 64)
+    assert all(torch.equal(v, before[k]) for k, v in state.state_dict().items())
+
+
 def test_a_seeded_delayed_cast_launches_no_division():
     """The layer's delayed casts take the stored reciprocals: after the first cast of a step, no reciprocal kernel
     runs (two per cast before), and the FP8 bytes are those of a cast given 1 / s."""

@@ -375,9 +375,12 @@ class AmaxSlot(NamedTuple):
 
 def record_amax(slot: AmaxSlot, amax: torch.Tensor) -> None:
     """slot.amax = max(slot.amax, max(amax)) where every amax is finite, else slot.nonfinite += 1 (the torch ops of
-    `ScalingState.record`, sync-free; one `fold_amax` launch where the kernels run)."""
+    `ScalingState.record`, sync-free; one `fold_amax` launch where the kernels run). No amaxes (an empty tensor's
+    cast per row or block): nothing to record."""
     amax = amax.detach()
-    if amax.numel() and available(amax):
+    if not amax.numel():
+        return
+    if available(amax):
         fold_amax(slot.amax, slot.nonfinite, amax)
         return
     top = amax.float().amax()
