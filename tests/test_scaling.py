@@ -409,6 +409,20 @@ def test_amax_slots_are_made_once_and_follow_every_replaced_buffer():
     assert records_into_the_state(11.0) == 1
 
 
+def test_amax_slots_of_fake_tensors_read_no_memory():
+    """Fake tensors (shape tracing) have no memory: a slot is made without asking for a data pointer (torch warns, and
+    will raise, where one is read)."""
+    import warnings
+
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    with FakeTensorMode(), warnings.catch_warnings():
+        warnings.simplefilter("error")
+        state = ScalingState(4)
+        assert isinstance(state.amax_slot(Role.INPUT).amax, FakeTensor)
+        assert isinstance(state.amax_slot(Role.INPUT).nonfinite, FakeTensor)
+
+
 @pytest.mark.parametrize("granularity", ["tensor", "row", "tile", "block", "mx"])
 def test_a_recording_cast_of_an_empty_tensor_records_nothing(granularity):
     """An empty batch cast per row or block has no amaxes: the cast records nothing and raises nothing."""

@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import FakeTensor
 
 from minifloat.core.rng import named_seed
 from minifloat.numerics import triton_cast
@@ -211,9 +212,10 @@ class ScalingState(nn.Module):
         # the three views are made once per set of buffers (a cast asks for its slot at every call: indexing costs
         # host time); a buffer replaced (resize, .to(), a `.data` swap) makes them again
         history, nonfinite = self.amax_history, self.nonfinite
-        ptrs = (history.data_ptr(), nonfinite.data_ptr())
+        # (fake tensors have no memory to point at: their views are made afresh, as cheap as they are there)
+        ptrs = None if isinstance(history, FakeTensor) else (history.data_ptr(), nonfinite.data_ptr())
         slots = getattr(self, "_slots", None)  # (history, nonfinite, their data pointers, the slots); old pickles: None
-        if slots is None or slots[0] is not history or slots[1] is not nonfinite or slots[2] != ptrs:
+        if slots is None or slots[0] is not history or slots[1] is not nonfinite or ptrs is None or slots[2] != ptrs:
             if getattr(self, "_scratch", None) is None or self._scratch.device != history.device:
                 self._scratch = torch.zeros(len(ROLES), 4, dtype=torch.int32, device=history.device)  # 16 bytes a role
             slots = (history, nonfinite, ptrs, [triton_cast.AmaxSlot(history[0, col], nonfinite[col],
