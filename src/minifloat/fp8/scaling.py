@@ -188,7 +188,7 @@ class ScalingState(nn.Module):
 
         A non-finite amax never enters the history, so it can never reach a scale; it bumps `nonfinite` instead.
         Sync-free on a GPU (one kernel launch where the one-pass kernels run, instead of eight to twelve torch ops).
-        A per-tensor cast can instead record in its own pass: `quantize(..., record=state.amax_slot(role))`.
+        A cast can instead record in its own pass: `quantize(..., record=state.amax_slot(role))`.
         """
         col = ROLE_INDEX[role]
         if torch.compiler.is_compiling():  # the graph's own ops (no scratch: no Python state for dynamo to guard on)

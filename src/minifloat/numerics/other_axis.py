@@ -72,10 +72,6 @@ def quantize_t(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granula
         view = pad_to_multiple(x, size, dim=-2)
         view = view.reshape(view.shape[0] // size, size, k)  # (MB, size, K): blocks down the columns
     amax = abs_max(view, -2) if m else torch.zeros(view.shape[:-2] + (1, k), device=x.device)
-    if triton_cast.takes(x, storage, operand_dtype, info.block is None):  # scaled per column, written as xᵀ (GPU)
-        _, data_t, _, dscale = triton_cast.fused_cast(x, fmt, None, along="column", write=False, write_t=True,
-                                                      amax=amax, margin=margin, power_of_two=power_of_two)
-        return Quantized(data_t, dscale.reshape(k, 1), fmt, granularity, amax.reshape(k, 1))
     qscale, dscale = block_scales(amax, fmt, info, margin, power_of_two, mx_rule)
     folded = info.folds(power_of_two)
     fold = dscale if (folded and operand_dtype is not None) else None

@@ -32,7 +32,6 @@ from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defi
 from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
 
 
-
 # ---------------------------------------------------------------------------------------------------- rounding
 
 

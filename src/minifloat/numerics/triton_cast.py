@@ -26,10 +26,10 @@ records its amax there in the same launch: each program merges its tile's amax i
 and the program that finishes last folds the total into the history (or counts it as non-finite) and zeroes the
 scratch (`_record_fn`). `fold_amax` records any other cast's amaxes (rows, tiles) in one launch.
 Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 16 (delayed), 160 to 17 (current) and 263
-to 32 (row scaling): benchmarks/launches.py counts them on any machine (docs/benchmarks.md has the history).
+to 29 (row scaling): benchmarks/launches.py counts them on any machine (docs/benchmarks.md has the history).
 
-`quantize` and `quantize_t` call `fused_cast` for 2-D tensors cast per tensor, row or column to FP8 data without a
-bfloat16 operand, on CUDA when Triton imports (the native GEMM path) and `self_check` found the kernels give the
+`quantize` calls `fused_cast` for 2-D tensors cast per tensor (or per row with given scales; per row and per column
+from their amaxes, minifloat.numerics.triton_rows' two passes) to FP8 data without a bfloat16 operand, on CUDA when Triton imports (the native GEMM path) and `self_check` found the kernels give the
 torch path's bits on that device (else one warning, and the torch path). Under torch.compile they do not: the graph's own
 ops are left to inductor, which fuses them itself. The kernels are built on first use, so TRITON_INTERPRET=1 set
 before then runs them on CPU tensors (tests/test_triton_cast.py).
