@@ -292,6 +292,30 @@ def test_native_granularity_is_off_on_cpu_and_for_emulated():
         assert not native_granularity(torch.device("cuda", 0), g, "emulated")
 
 
+def test_a_compiled_graph_does_not_guard_on_the_capability_cache(monkeypatch):
+    """A graph traced before the device's capability was cached (a compiled model's first step in a fresh process)
+    is not recompiled once an eager call fills the cache: on a GPU a fullgraph compile with error_on_recompile failed
+    at its second step on exactly that (dynamo guards on a dict's keys)."""
+    from minifloat.fp8 import native
+
+    def f(x):
+        return x + (1.0 if native.device_capability(0) is None else 2.0)
+
+    torch._dynamo.reset()
+    try:
+        g = torch.compile(f, fullgraph=True, backend="eager")
+        x = torch.ones(3)
+        want = f(x)
+        monkeypatch.setattr(native, "_CAPABILITY", {})
+        assert torch.equal(g(x), want)  # traced with the cache empty
+        native.device_capability(0)  # an eager call fills it
+        assert 0 in native._CAPABILITY
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.equal(g(x), want)
+    finally:
+        torch._dynamo.reset()
+
+
 # (name, granularity, side, expected shape (from M, K), expected strides (from M, K)): the layouts torch._scaled_mm
 # checks (torch's ScaledBlas.cpp: is_blockwise_1x128_scaling / is_blockwise_128x128_scaling, applied to a and bᵀ)
 SCALE_LAYOUTS = [

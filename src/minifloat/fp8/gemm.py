@@ -141,8 +141,10 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
             fast_accum: bool) -> torch.Tensor:
     fuse = bias is not None and fuses_bias(a, b, out_dtype)
     compiling = torch.compiler.is_compiling()
+    # refused before: straight to the emulation, without asking cuBLAS again each step. A compiled region never
+    # reads the set (dynamo would guard on its contents: a refusal in eager code would recompile every graph)
     key = None if compiling or not _REFUSED else _refusal_key(a, b, out_dtype, bias)  # (host time: only if any)
-    if key in _REFUSED:  # refused before: straight to the emulation, without asking cuBLAS again each step
+    if key is not None and key in _REFUSED:
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
         out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None,

@@ -71,8 +71,9 @@ _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 _BLOCKWISE_TORCH = hasattr(torch.nn.functional, "ScalingType")
-# per CUDA device index, read once (a plain dict: a constant to dynamo once filled, where a functools.cache is traced
-# through on every compile)
+# per CUDA device index, read once in eager code. A compiled region never reads it: dynamo guards on a dict's keys,
+# so a graph traced before the entry existed (a compiled model's first step on a fresh process) was recompiled once
+# an eager call filled it (a fullgraph compile with error_on_recompile failed at its second step on a GPU)
 _CAPABILITY: dict[int, tuple[int, int] | None] = {}
 
 
@@ -83,12 +84,18 @@ def blockwise_torch() -> bool:
 
 def device_capability(device_index: int = 0) -> tuple[int, int] | None:
     """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm."""
+    if torch.compiler.is_compiling():  # constants to dynamo (it evaluates both while tracing); no dict, no guard
+        return _read_capability(device_index)
     if device_index not in _CAPABILITY:
-        available = torch.cuda.is_available() and hasattr(torch, "_scaled_mm")
-        # get_device_properties: dynamo evaluates it while tracing (a first call inside a compiled region)
-        props = torch.cuda.get_device_properties(device_index) if available else None
-        _CAPABILITY[device_index] = (props.major, props.minor) if available else None
+        _CAPABILITY[device_index] = _read_capability(device_index)
     return _CAPABILITY[device_index]
+
+
+def _read_capability(device_index: int) -> tuple[int, int] | None:
+    if not (torch.cuda.is_available() and hasattr(torch, "_scaled_mm")):
+        return None
+    props = torch.cuda.get_device_properties(device_index)
+    return props.major, props.minor
 
 
 def native_fp8_available(device_index: int = 0) -> bool:
