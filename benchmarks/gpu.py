@@ -75,6 +75,7 @@ from torch._dynamo.utils import counters
 import minifloat as mf
 from minifloat.core.autocast import cuda_fp32_matmuls
 from minifloat.fp8.native import native_scale
+from minifloat.numerics import triton_tiles
 from minifloat.training.model import Llama, LlamaConfig, SwiGLU
 from minifloat.training.optimizer import fused_on_cuda
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops
@@ -720,7 +721,7 @@ def main(argv=None) -> int:
         rows = [dict(r) for r in rows]
         add_speedups(rows)
         result = {"command": step_time.command_line(), "config": config, "machine": info, "notes": NOTES,
-                  "skipped": skipped, "complete": complete,
+                  "skipped": skipped, "complete": complete, "tilings": triton_tiles.picked(),
                   "sections": {s: [r for r in rows if r["section"] == s] for s in args.sections},
                   "wall_s": time.perf_counter() - args.start}
         tmp = json_path.with_name(f".{json_path.name}.tmp")

@@ -409,3 +409,34 @@ def test_a_cast_recording_its_amax_in_its_launch_leaves_the_cpu_state(device, sc
     got, clean = run(device)
     assert all(clean)
     assert_same_state(got, expected)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row"])
+def test_a_large_cast_takes_the_autotuned_tiling_and_the_cpus_bits(device, granularity):
+    """A tensor of TUNE_FROM elements or more picks its tiling by timing the candidates (triton_tiles): the trials
+    run the kernel on the real buffers, so each must leave the amax history's slot and the non-finite counter as it
+    found them. With an inf in x, the counter goes up by exactly one; data, both layouts and the state are the
+    CPU's bits."""
+    from minifloat.fp8.recipes import Role
+    from minifloat.fp8.scaling import ScalingState
+    from minifloat.numerics import triton_tiles
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(2048, 2304, generator=g) * 3.0).to(torch.bfloat16)
+    assert x.numel() >= triton_tiles.TUNE_FROM
+    x[1000, 7] = float("inf")
+    x[5, 2300] = -700.0
+
+    def run(on):
+        state = ScalingState(history_len=2).to(on)
+        q = quantize(x.to(on), mf.E4M3, granularity=granularity, with_t=True, record=state.amax_slot(Role.INPUT))
+        return q, state.state_dict()
+
+    want_q, want_state = run("cpu")
+    got_q, got_state = run(device)
+    assert_same_bits(got_q.data.view(torch.uint8), want_q.data.view(torch.uint8), "data")
+    assert_same_bits(got_q.data_t.view(torch.uint8), want_q.data_t.view(torch.uint8), "data_t")
+    assert_same_bits(got_q.scale, want_q.scale, "scale")
+    assert_same_state(got_state, want_state)
+    if device == "cuda":
+        assert triton_tiles.picked(), "no tiling was autotuned"

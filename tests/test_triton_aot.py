@@ -20,6 +20,8 @@ import pytest
 
 triton = pytest.importorskip("triton", reason="needs `pip install triton` (in the dev extras)")
 
+from minifloat.numerics import triton_tiles  # noqa: E402 - the tilings the autotuner may pick, each compiled
+
 pytestmark = pytest.mark.slow
 
 try:
@@ -73,20 +75,24 @@ for name, mode in modes.items():
 record = {"slot_ptr": "*fp32", "counter_ptr": "*i64", "scratch_ptr": "*i32"}
 cast = {"x_ptr": "*bf16", "q_ptr": "*fp32", "out_ptr": "*u8", "out_t_ptr": "*u8", "amax_ptr": "*i32",
         "dscale_ptr": "*fp32", **record, "M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"}
+from minifloat.numerics import triton_tiles
+
+def tiled(name, fn, signature, constants, candidates):  # every tiling the autotuner may pick, the first unnamed
+    for i, (bm, bk, warps) in enumerate(candidates):
+        out[name + ("" if i == 0 else f"@{bm}x{bk}w{warps}")] = report(fn, signature,
+                                                                        dict(constants, BLOCK_M=bm, BLOCK_K=bk), warps)
+
 for name, from_amax, recording in (("given-scale", False, False), ("from-amax", True, False),
                                    ("given-scale-recording", False, True)):
     constants = dict(ALONG=1 if from_amax else 0, WRITE=True, WRITE_T=True, AMAX=not from_amax,
-                     FROM_AMAX=from_amax, RECORD=recording, BLOCK_M=triton_cast.BLOCK_M, BLOCK_K=triton_cast.BLOCK_K,
-                     **fp8)
-    out["cast-" + name] = report(triton_cast._kernel(), cast, constants, triton_cast.NUM_WARPS)
+                     FROM_AMAX=from_amax, RECORD=recording, **fp8)
+    tiled("cast-" + name, triton_cast._kernel(), cast, constants, triton_tiles.CAST_TILES)
 amax = {"x_ptr": "*bf16", "amax_ptr": "*i32", **record, "M": "i32", "K": "i32", "stride_xm": "i32",
         "stride_xk": "i32"}
 for name, recording in (("amax", False), ("amax-recording", True)):
-    out["cast-" + name] = report(triton_cast._amax_kernel(), amax, dict(RECORD=recording, BLOCK_M=triton_cast.BLOCK_M,
-                                 BLOCK_K=triton_cast.BLOCK_K), 4)
+    tiled("cast-" + name, triton_cast._amax_kernel(), amax, dict(RECORD=recording), triton_tiles.AMAX_TILES)
 from minifloat.numerics import triton_rows
 amax_kernel, cast_kernel = triton_rows._kernels()
-sizes = dict(BLOCK_M=triton_rows.BLOCK_M, BLOCK_K=triton_rows.BLOCK_K)
 for name, from_fp8, cols, recording in (("both-axes", False, True, False), ("from-fp8", True, True, False),
                                         ("rows-recording", False, False, True)):
     x = "*u8" if from_fp8 else "*bf16"
@@ -94,18 +100,24 @@ for name, from_fp8, cols, recording in (("both-axes", False, True, False), ("fro
     shape = {"M": "i32", "K": "i32", "stride_xm": "i32", "stride_xk": "i32"}
     flags = dict(FROM_FP8=from_fp8, ROWS=not from_fp8, COLS=cols)
     amax_args = dict(common, tamax_ptr="*i32", **record, **shape)
-    out["rows-amax-" + name] = report(amax_kernel, amax_args, dict(flags, RECORD=recording, **sizes),
-                                      triton_rows.NUM_WARPS)
+    tiled("rows-amax-" + name, amax_kernel, amax_args, dict(flags, RECORD=recording), triton_tiles.CAST_TILES)
     outputs = {"out_ptr": "*u8", "out_t_ptr": "*u8", "ds_ptr": "*fp32", "ds_t_ptr": "*fp32"}
-    out["rows-cast-" + name] = report(cast_kernel, dict(common, **outputs, **shape), dict(flags, **sizes, **fp8),
-                                      triton_rows.NUM_WARPS)
+    tiled("rows-cast-" + name, cast_kernel, dict(common, **outputs, **shape), dict(flags, **fp8),
+          triton_tiles.CAST_TILES)
 print(json.dumps(out))
 """
-KERNELS = ["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "blocks-rows-recording",
-           "blocks-both-axes-recording", "blocks-block-recording", "cast-given-scale", "cast-from-amax",
-           "cast-given-scale-recording", "cast-amax", "cast-amax-recording",
-           "rows-amax-both-axes", "rows-cast-both-axes", "rows-amax-from-fp8", "rows-cast-from-fp8",
-           "rows-amax-rows-recording", "rows-cast-rows-recording"]
+
+def _tilings(names: list[str], candidates) -> list[str]:
+    return [name + ("" if i == 0 else f"@{bm}x{bk}w{warps}") for name in names
+            for i, (bm, bk, warps) in enumerate(candidates)]
+
+
+KERNELS = (["blocks-rows", "blocks-both-axes", "blocks-from-fp8", "blocks-block", "blocks-rows-recording",
+            "blocks-both-axes-recording", "blocks-block-recording"]
+           + _tilings(["cast-given-scale", "cast-from-amax", "cast-given-scale-recording"], triton_tiles.CAST_TILES)
+           + _tilings(["cast-amax", "cast-amax-recording"], triton_tiles.AMAX_TILES)
+           + _tilings(["rows-amax-both-axes", "rows-cast-both-axes", "rows-amax-from-fp8", "rows-cast-from-fp8",
+                       "rows-amax-rows-recording", "rows-cast-rows-recording"], triton_tiles.CAST_TILES))
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import minifloat as mf
-from minifloat.numerics import triton_cast, triton_selfcheck
+from minifloat.numerics import triton_cast, triton_selfcheck, triton_tiles
 from minifloat.numerics.other_axis import quantize_t
 from minifloat.numerics.quantize import Quantized, quantize
 
@@ -497,3 +497,55 @@ def test_self_check_covers_recording_in_the_casts_launch(monkeypatch, caplog):
     caplog.clear()
     assert not triton_cast.self_check(torch.device("cpu"))
     assert "recording an amax differs from the torch path" in caplog.text
+
+
+@pytest.mark.parametrize("index", [pytest.param(i, marks=() if i == 1 else pytest.mark.slow)  # seconds each
+                                   for i in range(1, triton_tiles.candidates_most())])
+def test_every_tiling_the_autotuner_may_pick_gives_the_torch_paths_bits(monkeypatch, calls, index):
+    """On a GPU a large tensor's cast takes whichever tiling the autotuner timed fastest (triton_tiles): each one
+    gives the torch path's bits, on ragged edges, per tensor (amax and scale in the kernel, or a given scale), per
+    row and column, recording its amax like `ScalingState.record`."""
+    from minifloat.numerics import triton_rows
+    from minifloat.numerics.other_axis import quantize_both
+
+    x = awkward(70, 260, torch.bfloat16, seed=index)
+    rows_calls = []
+    real_rows = triton_rows.row_col_cast
+    monkeypatch.setattr(triton_rows, "row_col_cast", lambda *a, **k: rows_calls.append(1) or real_rows(*a, **k))
+
+    def slot():
+        return triton_cast.AmaxSlot(torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+
+    def cases():
+        current, given = slot(), slot()
+        with triton_tiles.forced(index):
+            out = (quantize(x, mf.E4M3, with_t=True, record=current),
+                   quantize(x, mf.E5M2, scale=torch.tensor(0.5), with_t=True, record=given),
+                   quantize_both(x, mf.E4M3, granularity="row"))
+        return out, [(s.amax.item(), s.nonfinite.item(), s.scratch.tolist()) for s in (current, given)]
+
+    (ref, ref_slots), (got, got_slots) = both(monkeypatch, cases)
+    assert calls and rows_calls, "the kernels did not run"
+    assert_same(ref[0], got[0], with_t=True)
+    assert_same(ref[1], got[1], with_t=True)
+    for r, g in zip(ref[2], got[2]):
+        assert_same(r, g)
+    assert got_slots == ref_slots and got_slots[0][1] == 1  # x holds an inf: counted once, scratch back to zero
+
+
+def test_small_tensors_and_the_interpreter_take_the_first_tiling(monkeypatch):
+    """Only a CUDA tensor of TUNE_FROM elements or more is autotuned; the rest launch the first candidate."""
+    seen = []
+
+    class Kernel:
+        def __getitem__(self, grid):
+            return lambda *args, **kw: seen.append((grid, kw["BLOCK_M"], kw["BLOCK_K"], kw["num_warps"]))
+
+    x = torch.zeros(100, 300)
+    triton_tiles.launch(Kernel(), triton_tiles.CAST_TILES, x, (), {})
+    bm, bk, warps = triton_tiles.CAST_TILES[0]
+    assert seen == [((-(-100 // bm), -(-300 // bk)), bm, bk, warps)]
+    with triton_tiles.forced(99):  # past the list: its last tiling
+        triton_tiles.launch(Kernel(), triton_tiles.AMAX_TILES, x, (), {})
+    bm, bk, warps = triton_tiles.AMAX_TILES[-1]
+    assert seen[-1] == ((-(-100 // bm), -(-300 // bk)), bm, bk, warps)

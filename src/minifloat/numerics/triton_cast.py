@@ -45,13 +45,9 @@ from typing import NamedTuple
 import torch
 
 from minifloat.numerics.compiling import eager_kernels
+from minifloat.numerics import triton_tiles
 from minifloat.numerics.formats import NumberFormat
 
-# A program's tile and warps. Compiled for SM 9.0 (tests/test_triton_aot.py, on a CPU) a 32×64 tile on 8 warps uses
-# 57-89 registers per thread and spills nothing; 64×64 on 4 warps used 185-221 (two programs of 4 warps per SM).
-BLOCK_M = 32
-BLOCK_K = 64
-NUM_WARPS = 8
 _MAGIC = 12582912.0  # 1.5 · 2^23: v + MAGIC - MAGIC rounds |v| < 2^22 to an integer, ties to even
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 log = logging.getLogger("minifloat")
@@ -294,15 +290,19 @@ def fused_cast(x: torch.Tensor, fmt: NumberFormat, qscale: torch.Tensor | None, 
     dscale = torch.empty_like(q) if qscale is None else None
     placeholder = (out if out is not None else out_t).view(torch.uint8)
     slot, counter, scratch = record if record is not None else (q, q, q)
-    grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
-    _kernel()[grid](x, q, out.view(torch.uint8) if write else placeholder,
-                    out_t.view(torch.uint8) if write_t else placeholder,
-                    amax_bits if want_amax else q, dscale if dscale is not None else q, slot, counter, scratch, m, k,
-                    x.stride(0), x.stride(1), ALONG=along_code, FMT_MAX=float(fmt.max), EMIN=fmt.emin,
-                    MBITS=fmt.mbits, WRITE=write, WRITE_T=write_t, AMAX=want_amax, FROM_AMAX=qscale is None,
-                    MARGIN=margin, POW2=power_of_two, RECORD=record is not None, BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K,
-                    num_warps=NUM_WARPS)
+    args = (x, q, out.view(torch.uint8) if write else placeholder, out_t.view(torch.uint8) if write_t else placeholder,
+            amax_bits if want_amax else q, dscale if dscale is not None else q, slot, counter, scratch, m, k,
+            x.stride(0), x.stride(1))
+    triton_tiles.launch(_kernel(), triton_tiles.CAST_TILES, x, args,
+                        dict(ALONG=along_code, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, WRITE=write,
+                             WRITE_T=write_t, AMAX=want_amax, FROM_AMAX=qscale is None, MARGIN=margin,
+                             POW2=power_of_two, RECORD=record is not None),
+                        restore=_RESTORE, key=("ALONG", "WRITE", "WRITE_T", "AMAX", "FROM_AMAX", "RECORD"))
     return out, out_t, amax_bits.view(torch.float32) if want_amax else None, dscale
+
+
+# what a launch updates in place, restored after each of the autotuner's trials (the amax merges by max: idempotent)
+_RESTORE = ("amax_ptr", "slot_ptr", "counter_ptr")
 
 
 def _amax_fn(x_ptr, amax_ptr, slot_ptr, counter_ptr, scratch_ptr, M, K, stride_xm, stride_xk, RECORD: tl.constexpr,
@@ -332,9 +332,9 @@ def tensor_amax(x: torch.Tensor, record: AmaxSlot | None = None) -> torch.Tensor
     m, k = x.shape
     bits = (torch.empty if record is not None else torch.zeros)((), dtype=torch.int32, device=x.device)
     slot, counter, scratch = record if record is not None else (bits, bits, bits)
-    _amax_kernel()[(-(-m // BLOCK_M), -(-k // BLOCK_K))](x, bits, slot, counter, scratch, m, k, x.stride(0),
-                                                          x.stride(1), RECORD=record is not None, BLOCK_M=BLOCK_M,
-                                                          BLOCK_K=BLOCK_K)
+    triton_tiles.launch(_amax_kernel(), triton_tiles.AMAX_TILES, x,
+                        (x, bits, slot, counter, scratch, m, k, x.stride(0), x.stride(1)),
+                        dict(RECORD=record is not None), restore=_RESTORE, key=("RECORD",))
     return bits.view(torch.float32)
 
 

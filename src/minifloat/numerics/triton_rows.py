@@ -22,13 +22,10 @@ import functools
 
 import torch
 
-from minifloat.numerics import triton_blocks, triton_cast
+from minifloat.numerics import triton_blocks, triton_cast, triton_tiles
 from minifloat.numerics.formats import NumberFormat
 from minifloat.numerics.granularity import Granularity
 
-BLOCK_M = 32
-BLOCK_K = 64
-NUM_WARPS = 8
 tl = None  # triton.language, bound by _kernels()
 _larger = _scale = _code = _load = _record = None  # jitted helpers, bound by _kernels()
 
@@ -122,12 +119,14 @@ def row_col_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = True, cols:
     lut = triton_blocks._decode_table(x.dtype, device) if from_fp8 else row_bits
     xs = row_scales.float().contiguous() if from_fp8 else row_bits
     amax_kernel, cast_kernel = _kernels()
-    grid = (-(-m // BLOCK_M), -(-k // BLOCK_K))
-    sizes = dict(BLOCK_M=BLOCK_M, BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     slot, counter, scratch = record if record is not None else (row_bits, row_bits, row_bits)
     tamax = torch.empty((), dtype=torch.int32, device=device) if record is not None else row_bits
-    amax_kernel[grid](source, lut, xs, row_bits, col_bits, tamax, slot, counter, scratch, m, k, x.stride(0),
-                      x.stride(1), FROM_FP8=from_fp8, ROWS=rows, COLS=cols, RECORD=record is not None, **sizes)
+    flags = dict(FROM_FP8=from_fp8, ROWS=rows, COLS=cols)
+    triton_tiles.launch(amax_kernel, triton_tiles.CAST_TILES, x,
+                        (source, lut, xs, row_bits, col_bits, tamax, slot, counter, scratch, m, k, x.stride(0),
+                         x.stride(1)), dict(flags, RECORD=record is not None),
+                        restore=("row_ptr", "col_ptr", "tamax_ptr", "slot_ptr", "counter_ptr"),
+                        key=("FROM_FP8", "ROWS", "COLS", "RECORD"))
     out: dict[str, torch.Tensor] = {}
     if rows:
         out.update(data=torch.empty((m, k), dtype=fmt.torch_dtype, device=device),
@@ -139,9 +138,10 @@ def row_col_cast(x: torch.Tensor, fmt: NumberFormat, *, rows: bool = True, cols:
                    amax_t=col_bits.view(torch.float32).reshape(k, 1))
     any_data = out.get("data", out.get("data_t")).view(torch.uint8)  # placeholders for pointers not used
     any_scale = out.get("scale", out.get("scale_t"))
-    cast_kernel[grid](source, lut, xs, row_bits, col_bits, out["data"].view(torch.uint8) if rows else any_data,
-                      out["data_t"].view(torch.uint8) if cols else any_data, out.get("scale", any_scale),
-                      out.get("scale_t", any_scale), m, k, x.stride(0), x.stride(1), FROM_FP8=from_fp8, ROWS=rows,
-                      COLS=cols, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, MARGIN=margin,
-                      POW2=power_of_two, **sizes)
+    triton_tiles.launch(cast_kernel, triton_tiles.CAST_TILES, x,
+                        (source, lut, xs, row_bits, col_bits, out["data"].view(torch.uint8) if rows else any_data,
+                         out["data_t"].view(torch.uint8) if cols else any_data, out.get("scale", any_scale),
+                         out.get("scale_t", any_scale), m, k, x.stride(0), x.stride(1)),
+                        dict(flags, FMT_MAX=float(fmt.max), EMIN=fmt.emin, MBITS=fmt.mbits, MARGIN=margin,
+                             POW2=power_of_two), key=("FROM_FP8", "ROWS", "COLS"))
     return out

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from minifloat.numerics import triton_cast
+from minifloat.numerics import triton_cast, triton_tiles
 
 
 def checks(device: torch.device):
@@ -38,6 +38,18 @@ def checks(device: torch.device):
     yield "an E4M3 cast per row and per column", lambda: quantize_both(tiles, E4M3, granularity="row")
     rows = quantize(tiles, E4M3, granularity="row")
     yield "an E4M3 re-quantization of FP8 rows", lambda: requantize_t(rows)
+    # every other tiling the autotuner may pick for a large tensor (triton_tiles), on ragged edges here
+    for i in range(1, triton_tiles.candidates_most()):
+        for name, cast in (("an E4M3 cast with its amax, both ways", lambda: quantize(x, E4M3, with_t=True)),
+                           ("an E5M2 cast with a given scale, both ways",
+                            lambda: quantize(x, E5M2, scale=torch.tensor(2.0, device=device), with_t=True)),
+                           ("an E4M3 cast per row and per column", lambda: quantize_both(x, E4M3, granularity="row"))):
+            yield f"{name} in tiling {i}", lambda c=cast, i=i: _in_tiling(i, c)
+
+
+def _in_tiling(index: int, cast):
+    with triton_tiles.forced(index):
+        return cast()
 
 
 def folds_as_torch_does(device: torch.device) -> bool:
