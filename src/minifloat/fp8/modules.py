@@ -180,14 +180,18 @@ class Fp8Linear(nn.Linear):
         recording = (self.training and torch.is_grad_enabled()) or state.calibrating
         # a compiled graph casts the weight in the graph: no WeightCache, whose entries (filled by eager forwards,
         # emptied at each FP8 step) and generation dynamo would otherwise guard on, recompiling the next steps
-        weights = self._weights if self.cache_weight and not torch.compiler.is_compiling() else None
-        caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state,
-                             self.fp8_name, state.backend if state.backend is not None else self.backend,
-                             recording, weights, self.amax_reduce)
+        compiling = torch.compiler.is_compiling()
+        weights = self._weights if self.cache_weight and not compiling else None
+        # nor does a compiled graph read the layer's name (messages and telemetry only): dynamo would guard on the
+        # string, and the blocks of a model compiled one by one (regional compilation) would each compile again
+        name = "" if compiling else self.fp8_name
+        caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state, name,
+                             state.backend if state.backend is not None else self.backend, recording, weights,
+                             self.amax_reduce)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
         if caster.recipe.four_bit:
-            _add_random_state(self.fp8_state, caster.recipe, self.fp8_name)  # present unless autocast brought it
+            _add_random_state(self.fp8_state, caster.recipe, name)  # present unless autocast brought it
             return Fp4LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
         return Fp8LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
 
