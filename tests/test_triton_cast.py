@@ -554,3 +554,14 @@ def test_small_tensors_and_the_interpreter_take_the_first_tiling(monkeypatch):
         triton_tiles.launch(Kernel(), triton_tiles.AMAX_TILES, x, (), {})
     bm, bk, warps = triton_tiles.AMAX_TILES[-1]
     assert seen[-1] == ((-(-100 // bm), -(-300 // bk)), bm, bk, warps)
+
+    class Big:  # a large CUDA tensor, as launch sees it
+        shape, is_cuda = (4096, 4096), True
+
+        def numel(self):
+            return 4096 * 4096
+
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
+    triton_tiles.launch(Kernel(), triton_tiles.CAST_TILES, Big(), (), {})  # capturing a CUDA graph: no timing
+    bm, bk, warps = triton_tiles.CAST_TILES[0]
+    assert seen[-1] == ((4096 // bm, 4096 // bk), bm, bk, warps)

@@ -7,7 +7,8 @@ not depend on the order they are merged in), so the tiling is a matter of speed 
 too few bytes to cover the memory's latency. Which tiling is fastest depends on the GPU and the shape, so on a GPU a
 tensor of at least TUNE_FROM elements has its tiling picked by timing each candidate once per kernel variant and
 shape (Triton's autotuner: a few tenths of a second, once; the buffers a launch updates in place, an amax history's
-slot and its non-finite counter, are restored after every trial). Smaller tensors, the interpreter and
+slot and its non-finite counter, are restored after every trial; the timing synchronises the device once, so warm a
+step up before capturing it in a CUDA graph, as one must anyway). Smaller tensors, the interpreter and
 `triton_cast.self_check`'s own casts take the first candidate, the tiling the kernels were first written for; the
 self-check runs every candidate too (`forced`), so a tiling this GPU's compiler refuses turns the kernels off before
 use, not in the middle of a run.
@@ -52,7 +53,9 @@ def launch(kernel, candidates: tuple[tuple[int, int, int], ...], x: torch.Tensor
     forced tiling, else on a GPU for a large `x` the fastest of `candidates` (timed once per `key` values and shape;
     `restore` names the arguments a trial updates in place), else the first candidate."""
     m, k = x.shape
-    if _FORCED or not (x.is_cuda and x.numel() >= TUNE_FROM):
+    # (timing synchronises the device: never while a CUDA graph is being captured, where a first launch of a shape
+    # takes the first tiling; the same bits)
+    if _FORCED or not (x.is_cuda and x.numel() >= TUNE_FROM) or torch.cuda.is_current_stream_capturing():
         bm, bk, warps = candidates[min(_FORCED[-1], len(candidates) - 1)] if _FORCED else candidates[0]
         kernel[(-(-m // bm), -(-k // bk))](*args, **consts, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         return
