@@ -55,8 +55,8 @@ def test_every_setting_has_one_definition_and_one_flag():
     # the resume tables are derived from the settings, not written out again
     assert {n for n, _ in RESUME_FIXED} == {n for n, f in SETTINGS.items() if f.metadata["resume"] == "fixed"}
     assert set(RESUME_ABSENT) <= {n for n, _ in RESUME_FIXED}
-    assert set(NOT_INHERITED) == {"out", "resume", "overwrite", "device", "compile", "compile_mode", "tf32",
-                                  "lr_decay_steps"}
+    assert set(NOT_INHERITED) == {"out", "resume", "overwrite", "device", "compile", "compile_mode", "compile_scope",
+                                  "tf32", "lr_decay_steps"}
 
 
 def test_help_shows_each_default_from_the_config():
@@ -135,8 +135,11 @@ def test_compile_mode_reaches_torch_compile(tmp_path, monkeypatch):
     monkeypatch.setattr(loop.torch, "compile", lambda module, **options: seen.append(options) or module)
     config = _parse(["--compile", "--compile-mode", "reduce-overhead", "--steps", "1", "--out", str(tmp_path / "r"),
                      "--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--max-bytes", "50000"])
-    assert config.compile_mode == "reduce-overhead"
+    assert config.compile_mode == "reduce-overhead" and config.compile_scope == "blocks"
     train(config, progress=False)
+    assert seen == [{"mode": "reduce-overhead"}] * 2  # each of the tiny Llama's two blocks (--compile-scope blocks)
+    seen.clear()
+    train(dataclasses.replace(config, compile_scope="model", out=str(tmp_path / "whole")), progress=False)
     assert seen == [{"mode": "reduce-overhead"}]
 
 
@@ -297,7 +300,7 @@ def test_checkpoints_keep_the_flat_record_of_earlier_releases():
     other's checkpoints; a resume reads the record's spellings and lists, and names a change in flag spelling."""
     config = config_from({"out": "runs/old"}, OLD_RECORD)  # as a resume inherits it (out is fresh)
     assert config.precision.keep_blocks == (0, 1) and config.optimizer_state == ("e4m3", "bf16")
-    newer = {"tf32"}  # settings newer than the record: fresh ones, never read back from a checkpoint
+    newer = {"tf32", "compile_scope"}  # settings newer than the record: fresh ones, never read back from a checkpoint
     assert all(SETTINGS[name].metadata["resume"] == "fresh" for name in newer)
     assert {k: v for k, v in {**config.flat(), "nan_steps": []}.items() if k not in newer} == OLD_RECORD
     config.check_resume(OLD_RECORD, 3, where="ckpt")

@@ -74,7 +74,7 @@ def _summarize(result: TrainResult) -> dict:
 # the settings a comparison's command line restates: what makes its runs (compare's own flags, minifloat.cli.compare)
 COMMAND_SETTINGS = ("model", "steps", "batch_size", "seq_len", "seed", "data", "max_bytes", "tokenizer", "attention",
                     "lr", "min_lr", "warmup", "grad_accum", "eval_every", "eval_batches", "compile", "compile_mode",
-                    "tf32", "shadow_every", "shadow_threshold")
+                    "compile_scope", "tf32", "shadow_every", "shadow_threshold")
 ON_OFF = ("tf32",)  # of those, the settings whose flag takes on|off
 
 

@@ -23,6 +23,7 @@ NOT_RECORDED = object()
 PARALLEL = [p.value for p in Parallel]  # Parallelism.parallel
 DEVICE_PATTERN = re.compile(r"auto|cpu|meta|cuda(:\d+)?")  # Parallelism.device
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune")  # Parallelism.compile_mode: torch.compile's modes
+COMPILE_SCOPES = ("blocks", "model")  # Parallelism.compile_scope: what one compiled graph holds
 STATE_FORMATS = [f.value for f in StateFormat]  # OptimizerSettings.optimizer_state, each moment
 
 _SAME_BATCHES = "changes the tokens per step and the batches the run sees from here"
@@ -193,6 +194,10 @@ class Parallelism:
         "default", "torch.compile's mode with --compile: default, reduce-overhead (CUDA graphs: for small steps, "
                    "where launching kernels costs more than running them) or max-autotune", resume="fresh",
         choices=COMPILE_MODES)
+    compile_scope: str = setting(
+        "blocks", "what --compile compiles: blocks (each transformer block on its own, one graph per distinct block "
+                  "reused by the others: minutes less compiling for an FP8 model; embedding, head and loss stay "
+                  "eager) or model (the whole forward in one graph)", resume="fresh", choices=COMPILE_SCOPES)
     device: str = setting("auto", "auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N; meta "
                                   "for shapes only", resume="fresh")
     tf32: bool = setting(True, "on a CUDA GPU, run the float32 matmuls (the policy's fp32 head, --attention fp32) on "
@@ -213,6 +218,7 @@ class Parallelism:
         check_bool("compile", self.compile)
         check_bool("tf32", self.tf32)
         check_choice("compile_mode", self.compile_mode, list(COMPILE_MODES))
+        check_choice("compile_scope", self.compile_scope, list(COMPILE_SCOPES))
         if not isinstance(self.device, str) or not DEVICE_PATTERN.fullmatch(self.device):
             raise ValueError(f"device must be auto, cpu, cuda, cuda:N or meta, got {self.device!r}")
         check_int("nproc", self.nproc, low=1)
