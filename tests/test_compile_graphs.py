@@ -39,9 +39,10 @@ BACKEND = "aot_eager"
 # the trainer's run: the tiny Llama on a small slice of the corpus, evaluated eagerly every other step
 RUN = TrainConfig(model="tiny", preset="fp8-delayed", steps=STEPS, batch_size=4, seq_len=32, eval_every=2,
                   eval_batches=1, checkpoint_every=0, max_bytes=200_000, seed=0, compile=True, compile_scope="model")
-# fp8-delayed (state that changes every step) by default; each of the others costs another ~20 s on 2 cores
-PRESETS = ["fp8-delayed"] + [pytest.param(p, marks=pytest.mark.slow)
-                             for p in ("fp8-current", "fp8-block", "mxfp8", "nvfp4")]
+# the whole-model scope (--compile-scope model; the default compiles by blocks, checked by default below): all under
+# -m slow, ~15-20 s each on 2 cores
+PRESETS = [pytest.param(p, marks=pytest.mark.slow)
+           for p in ("fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4")]
 
 
 @pytest.fixture(autouse=True)
@@ -94,26 +95,27 @@ def test_trainer_compiles_the_llama_once_in_one_graph(tmp_path, frames_per_call,
 def test_trainer_compiles_each_kind_of_block_once(tmp_path, monkeypatch):
     """--compile-scope blocks (the default): each block's forward is compiled on its own and the graph is reused by
     every block of the same structure; nothing compiles again after the first step (evaluations stay eager). The
-    10m preset's six blocks under fp8-delayed are two kinds (the policy keeps the first block's attention
+    10m preset's six blocks under fp8-delayed are two kinds (the policy keeps some of the first block's
     projections in high precision), so two frames; a guard on a layer's own Python state (its name, say) compiled
     all six."""
-    from minifloat.training import loop
+    from minifloat.training import compiled
 
     real_compile, counter, frames = torch.compile, CompileCounterWithBackend(BACKEND), []
+
     def compile_(fn, **options):  # the blocks' compiles counted; minifloat's own kernels' pass through
         if getattr(fn, "__name__", "") != "_call_impl":
             return real_compile(fn, **options)
         return real_compile(fn, backend=counter, **options)
 
     monkeypatch.setattr(torch, "compile", compile_)
-    real_call = loop._CompiledBlocks.__call__
+    real_call = compiled.CompiledBlocks.__call__
 
     def call(self, *args, **kwargs):
         out = real_call(self, *args, **kwargs)
         frames.append(counter.frame_count)
         return out
 
-    monkeypatch.setattr(loop._CompiledBlocks, "__call__", call)
+    monkeypatch.setattr(compiled.CompiledBlocks, "__call__", call)
     config = dataclasses.replace(RUN, model="10m", batch_size=2, steps=4, compile_scope="blocks", out=str(tmp_path))
     result = train(config, progress=False)
     assert len(result.losses) == 4 and len(frames) == 4

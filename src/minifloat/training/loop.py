@@ -43,6 +43,7 @@ from minifloat.core.files import write_json
 from minifloat.core.version import __version__
 from minifloat.safety.shadow import Mode
 from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
+from minifloat.training.compiled import compiled_forward
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, load_corpus, require_windows
 from minifloat.training.optimizer import grad_param_groups
@@ -325,7 +326,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     else:
         log_rows, val_rows = Discard(), Discard()
     loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, _tensorboard(out) if world.is_main else None,
-                 _compiled(run.train_module, config) if config.compile else run.train_module,
+                 compiled_forward(run.train_module, config) if config.compile else run.train_module,
                  resume_at=[start_step, loader.position])
     # the bar is labelled with the preset: `minifloat compare` draws one bar per preset
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
@@ -359,38 +360,6 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         _write_run_file(out, config, run, measured={"device": result.device, "mfu": result.mfu,
                                                     "peak_memory": result.peak_memory, "last_step": result.last_step})
     return result
-
-
-def _compiled(module: torch.nn.Module, config: TrainConfig):
-    """The training forward of `module` under torch.compile in the config's mode and scope (the same parameters and
-    buffers): the whole module, or (scope "blocks") each of the Llama's blocks (`_CompiledBlocks`)."""
-    options = {} if config.compile_mode == "default" else {"mode": config.compile_mode}
-    blocks = getattr(getattr(module, "module", module), "blocks", None)  # (DDP holds the model as .module)
-    if config.compile_scope == "model" or not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
-        return torch.compile(module, **options)
-    return _CompiledBlocks(module, list(blocks), options)
-
-
-class _CompiledBlocks:
-    """Calls `module` with each block running its compiled forward (regional compilation): dynamo compiles a block's
-    code once and reuses the graph for every block of the same structure, where a whole FP8 model is one graph many
-    times larger (the 6-block `10m` Llama under fp8-delayed: 334 s to compile whole on 2 CPU cores, 18 s by blocks).
-    Only this call compiles: outside it (evaluation, the shadow check's BF16 pass) the blocks run eagerly, as they
-    do under the whole model's compile. Each block's compiled call is `nn.Module.compile`'s (`_compiled_call_impl`),
-    set for the call and cleared after; the backward of what it computed is the compiled graph's either way."""
-
-    def __init__(self, module: torch.nn.Module, blocks: list[torch.nn.Module], options: dict):
-        self.module, self.blocks = module, blocks
-        self.calls = [torch.compile(block._call_impl, **options) for block in blocks]
-
-    def __call__(self, *args, **kwargs):
-        for block, call in zip(self.blocks, self.calls):
-            block._compiled_call_impl = call
-        try:
-            return self.module(*args, **kwargs)
-        finally:
-            for block in self.blocks:
-                block._compiled_call_impl = None
 
 
 def _result(loop: _Loop, start_step: int, step: int, stopped_by: str | None) -> TrainResult:
