@@ -563,6 +563,50 @@ def test_small_tensors_and_the_interpreter_take_the_first_tiling(monkeypatch):
             return 4096 * 4096
 
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
-    triton_tiles.launch(Kernel(), triton_tiles.CAST_TILES, Big(), (), {})  # capturing a CUDA graph: no timing
+    assert not triton_tiles._tunes(Big())  # capturing a CUDA graph: no timing
+    triton_tiles.launch(Kernel(), triton_tiles.CAST_TILES, Big(), (), {})
     bm, bk, warps = triton_tiles.CAST_TILES[0]
     assert seen[-1] == ((4096 // bm, 4096 // bk), bm, bk, warps)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    assert triton_tiles._tunes(Big())
+
+
+def test_the_autotuners_trials_leave_the_recorded_state_as_they_found_it(monkeypatch):
+    """Picking a tiling runs the kernel on the real buffers once per trial (here two runs of each candidate, in
+    the interpreter, with a stand-in timer that makes the last candidate fastest): the amax history's slot and the
+    non-finite counter are restored after each, so an inf in x counts once; the data, both layouts and scales are the
+    torch path's; `picked` reports the tiling chosen per kernel and shape."""
+    import functools
+
+    import triton
+
+    runs = []
+
+    def timer(kernel_call, quantiles=None):
+        for _ in range(2):
+            kernel_call()
+        runs.append(1)
+        return [1.0 / len(runs)] * 3  # each candidate "faster" than the one before
+
+    monkeypatch.setattr(triton, "autotune", functools.partial(triton.autotune, do_bench=timer))
+    monkeypatch.setattr(triton_tiles, "_TUNED", {})
+    monkeypatch.setattr(triton_tiles, "_tunes", lambda x: True)  # as a large CUDA tensor
+    x = awkward(40, 140, torch.bfloat16, seed=5)  # holds ±inf
+
+    def slot():
+        return triton_cast.AmaxSlot(torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+
+    def cases():
+        current, given = slot(), slot()
+        out = (quantize(x, mf.E4M3, with_t=True, record=current),
+               quantize(x, mf.E5M2, scale=torch.tensor(0.5), with_t=True, record=given))
+        return out, [(s.amax.item(), s.nonfinite.item(), s.scratch.tolist()) for s in (current, given)]
+
+    (ref, ref_slots), (got, got_slots) = both(monkeypatch, cases)
+    assert runs, "nothing was tuned"
+    for r, g in zip(ref, got):
+        assert_same(r, g, with_t=True)
+    assert got_slots == ref_slots and [s[1] for s in got_slots] == [1, 1]
+    picked = triton_tiles.picked()
+    assert picked["_amax_fn"][0]["tiles"] == list(triton_tiles.AMAX_TILES[-1])
+    assert {tuple(p["tiles"]) for p in picked["_cast_kernel_fn"]} == {triton_tiles.CAST_TILES[-1]}

@@ -53,14 +53,19 @@ def launch(kernel, candidates: tuple[tuple[int, int, int], ...], x: torch.Tensor
     forced tiling, else on a GPU for a large `x` the fastest of `candidates` (timed once per `key` values and shape;
     `restore` names the arguments a trial updates in place), else the first candidate."""
     m, k = x.shape
-    # (timing synchronises the device: never while a CUDA graph is being captured, where a first launch of a shape
-    # takes the first tiling; the same bits)
-    if _FORCED or not (x.is_cuda and x.numel() >= TUNE_FROM) or torch.cuda.is_current_stream_capturing():
+    if _FORCED or not _tunes(x):
         bm, bk, warps = candidates[min(_FORCED[-1], len(candidates) - 1)] if _FORCED else candidates[0]
         kernel[(-(-m // bm), -(-k // bk))](*args, **consts, BLOCK_M=bm, BLOCK_K=bk, num_warps=warps)
         return
     tuned = _tuned(kernel, candidates, restore, ("M", "K", *key))
     tuned[lambda meta: (-(-m // meta["BLOCK_M"]), -(-k // meta["BLOCK_K"]))](*args, **consts)
+
+
+def _tunes(x: torch.Tensor) -> bool:
+    """Whether a launch over `x` picks its tiling by timing: a CUDA tensor of TUNE_FROM elements or more, and never
+    while a CUDA graph is being captured (timing synchronises the device; a first launch of a shape there takes the
+    first tiling, the same bits)."""
+    return x.is_cuda and x.numel() >= TUNE_FROM and not torch.cuda.is_current_stream_capturing()
 
 
 def _tuned(kernel, candidates, restore, key):
