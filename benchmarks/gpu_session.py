@@ -9,7 +9,7 @@ OUT/summary.txt and the screen.
     call 1  the in-launch amax records racing on real programs, the GPU tier's part no GPU has run yet
             (tests/test_gpu_training.py), and the eager benchmark with the profiler (host time, syncs and Python per
             run: the 100m question)
-    call 2  the optimizer-state tests, and CUDA graphs (reduce-overhead) for the host-bound 100m step
+    call 2  the optimizer-state and no-sync tests, and CUDA graphs (reduce-overhead) for the host-bound 100m step
     call 3  the Llama-3-8B shapes compiled (a later session's)
 
 Usage (on the GPU machine, from the repository root; $OUT is the folder whose files come back):
@@ -55,18 +55,19 @@ CALLS: dict[int, tuple[Step, ...]] = {
     1: (
         Step("records", 120, _pytest("-m", "gpu", "tests/test_gpu_numerics.py", "-k",
                                      "recording_its_amax or large_cast")),
+        # ~40-60 s of compiling per case on an H100: the three fullgraph cases and delayed's CUDA graphs
         Step("compiled", 200, _pytest("-m", "gpu", "--durations=20", "tests/test_gpu_training.py", "-k",
-                                      "compiled_model or cuda_graphs or synchronise")),
+                                      "(compiled_model and fullgraph) or (cuda_graphs and delayed)")),
         Step("bench-eager", 150, _bench("--sections", "gemm,linear,llama8b,100m", "--variants",
                                         "delayed,current,row,block", "--no-compile", "--profile",
                                         "{out}/profile.txt", "--json", "{out}/gpu_eager.json", "--overwrite")),
     ),
     2: (
-        Step("optim", 50, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
-                                  "optimizer or master or stochastic")),
-        Step("bench-graphs", 170, _bench("--sections", "100m", "--variants", "delayed,current",
-                                         "--compile-variants", "delayed", "--compile-mode", "reduce-overhead",
-                                         "--budget-s", "160", "--json", "{out}/gpu_graphs.json", "--overwrite")),
+        Step("optim", 70, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
+                                  "optimizer or master or stochastic or synchronise")),
+        Step("bench-graphs", 160, _bench("--sections", "100m", "--variants", "delayed", "--compile-variants",
+                                         "delayed", "--compile-mode", "reduce-overhead", "--budget-s", "150",
+                                         "--json", "{out}/gpu_graphs.json", "--overwrite")),
     ),
     3: (
         Step("bench-compiled", 200, _bench("--sections", "llama8b", "--variants", "delayed,current",
