@@ -103,7 +103,7 @@ def test_trainer_compiles_each_kind_of_block_once(tmp_path, monkeypatch):
     real_compile, counter, frames = torch.compile, CompileCounterWithBackend(BACKEND), []
 
     def compile_(fn, **options):  # the blocks' compiles counted; minifloat's own kernels' pass through
-        if getattr(fn, "__name__", "") != "_call_impl":
+        if getattr(fn, "__name__", "") != "forward":
             return real_compile(fn, **options)
         return real_compile(fn, backend=counter, **options)
 
@@ -151,3 +151,24 @@ def test_converted_mlp_compiles_once_around_eager_evaluations(checkpoint):
         model.train()
         frames.append(counter.frame_count)
     assert_one_graph_compiled_once(frames)
+
+
+def test_compiled_blocks_leave_the_model_eager_outside_the_call():
+    """CompiledBlocks compiles each block's forward for its own call only: the results are the model's (the eager
+    backend runs the same ops), and afterwards every block has its class's forward again (evaluation stays eager)."""
+    from minifloat.training.compiled import CompiledBlocks
+    from minifloat.training.model import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = Llama(LlamaConfig.preset("tiny", vocab_size=16))
+    idx = torch.randint(16, (2, 8))
+    forwards = []
+    calls = CompiledBlocks(model, list(model.blocks), {"backend": "eager"})
+    hook = model.blocks[1].register_forward_pre_hook(lambda m, args: forwards.append("forward" in vars(m)))
+    try:
+        got = calls(idx)
+    finally:
+        hook.remove()
+    assert forwards == [True], "the block ran its class's forward inside the call"
+    assert all("forward" not in vars(b) for b in model.blocks)
+    assert torch.equal(got[0], model(idx)[0])  # (logits, loss)

@@ -20,18 +20,20 @@ class CompiledBlocks:
     code once and reuses the graph for every block of the same structure, where a whole FP8 model is one graph many
     times larger (the 6-block `10m` Llama under fp8-delayed: 334 s to compile whole on 2 CPU cores, 18 s by blocks).
     Only this call compiles: outside it (evaluation, the shadow check's BF16 pass) the blocks run eagerly, as they
-    do under the whole model's compile. Each block's compiled call is `nn.Module.compile`'s (`_compiled_call_impl`),
-    set for the call and cleared after; the backward of what it computed is the compiled graph's either way."""
+    do under the whole model's compile. What is compiled is each block's `forward`, set as an instance attribute for
+    the call and removed after: the module's hooks stay outside the graph (FSDP2's per-block gather runs before the
+    compiled forward, as when a compiled block is sharded), and the backward of what the call computed is the
+    compiled graph's either way."""
 
     def __init__(self, module: torch.nn.Module, blocks: list[torch.nn.Module], options: dict):
         self.module, self.blocks = module, blocks
-        self.calls = [torch.compile(block._call_impl, **options) for block in blocks]
+        self.forwards = [torch.compile(block.forward, **options) for block in blocks]
 
     def __call__(self, *args, **kwargs):
-        for block, call in zip(self.blocks, self.calls):
-            block._compiled_call_impl = call
+        for block, forward in zip(self.blocks, self.forwards):
+            block.forward = forward
         try:
             return self.module(*args, **kwargs)
         finally:
             for block in self.blocks:
-                block._compiled_call_impl = None
+                del block.forward  # the class's own again
