@@ -76,6 +76,7 @@ import minifloat as mf
 from minifloat.core.autocast import cuda_fp32_matmuls
 from minifloat.fp8.native import native_scale
 from minifloat.numerics import triton_tiles
+from minifloat.training.compiled import compile_forward
 from minifloat.training.model import Llama, LlamaConfig, SwiGLU
 from minifloat.training.optimizer import fused_on_cuda
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops
@@ -210,30 +211,14 @@ def autocast(device: torch.device):
 COMPILE_MODE = {"mode": "default", "scope": "blocks"}  # torch.compile's mode and scope (--compile-mode, --compile-scope)
 
 
-def compile_model(model: nn.Module) -> nn.Module:
-    """torch.compile in the run's --compile-mode ("reduce-overhead": CUDA graphs, for host-bound steps). With
-    --compile-scope blocks (the default) a model of repeated blocks, the Llama's `blocks` or the MLP section's
-    residual blocks, has each block compiled in place and the rest run eagerly: one graph per distinct block,
-    compiled once and reused by its likes (regional compilation). A whole FP8 Llama is one graph many times larger:
-    the 6-block `10m` preset took 334 s to compile on 2 CPU cores (Intel Xeon), its blocks 18 s, and the 14-block
-    100m did not finish compiling within 150 s on an H200. Anything else (one linear) compiles whole."""
-    mode = COMPILE_MODE["mode"]
-    blocks = repeated_blocks(model) if COMPILE_MODE["scope"] == "blocks" else []
-    if not blocks:
-        return torch.compile(model, mode=mode)
-    for block in blocks:
-        block.compile(mode=mode)
-    return model
-
-
-def repeated_blocks(model: nn.Module) -> list[nn.Module]:
-    """The blocks regional compilation compiles one by one: a `blocks` ModuleList, or the children of a Sequential
-    of more than one module of one type; else none."""
-    blocks = getattr(model, "blocks", None)
-    if isinstance(blocks, nn.ModuleList) and len(blocks):
-        return list(blocks)
-    children = list(model.children()) if isinstance(model, nn.Sequential) else []
-    return children if len(children) > 1 and len({type(c) for c in children}) == 1 else []
+def compile_model(model: nn.Module):
+    """The model's forward under torch.compile in the run's --compile-mode ("reduce-overhead": CUDA graphs, for
+    host-bound steps) and --compile-scope: the trainer's `compile_forward`. With "blocks" (the default) the Llama's
+    blocks or the MLP section's residual blocks are each compiled and the rest runs eagerly: one graph per distinct
+    block, compiled once and reused by its likes (regional compilation). A whole FP8 Llama is one graph many times
+    larger: the 6-block `10m` preset took 334 s to compile on 2 CPU cores, its blocks 18 s, and the 14-block 100m did
+    not finish compiling within 150 s on an H200. Anything else (one linear) compiles whole."""
+    return compile_forward(model, COMPILE_MODE["mode"], COMPILE_MODE["scope"])
 
 
 def adamw(model: nn.Module) -> torch.optim.Optimizer:

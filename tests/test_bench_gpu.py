@@ -176,23 +176,24 @@ def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
     assert again.returncode == 2 and "--overwrite" in again.stderr and prof.read_text() == text
 
 
-def test_compile_scope_compiles_repeated_blocks_in_place(bench, monkeypatch):
-    """--compile-scope blocks (the default) compiles each block of a Llama or of a Sequential of like blocks in place
-    (regional compilation: one graph reused by every like block) and returns the model itself; one linear, or
+def test_compile_scope_compiles_repeated_blocks(bench, monkeypatch):
+    """--compile-scope blocks (the default) compiles each block of a Llama or of a Sequential of like blocks
+    (regional compilation: one graph reused by every like block; the trainer's compile_forward); one linear, or
     --compile-scope model, compiles the whole model."""
+    from minifloat.training.compiled import CompiledBlocks
     from minifloat.training.model import Llama, LlamaConfig
 
     seen = []
     monkeypatch.setattr(torch, "compile", lambda fn, mode=None: seen.append(fn) or fn)
     llama = Llama(LlamaConfig.preset("tiny", vocab_size=16))
     assert bench.parse_args(["--smoke"]).compile_scope == "blocks"
-    assert bench.compile_model(llama) is llama
-    assert seen == [b._call_impl for b in llama.blocks]  # nn.Module.compile: each block's own call, in place
-    assert all(b._compiled_call_impl is not None for b in llama.blocks)
+    forward = bench.compile_model(llama)
+    assert isinstance(forward, CompiledBlocks) and forward.blocks == list(llama.blocks)
+    assert seen == [b.forward for b in llama.blocks]
     mlp = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2))
     seen.clear()
     bench.compile_model(mlp)
-    assert seen == [m._call_impl for m in mlp]
+    assert seen == [m.forward for m in mlp]
     one = torch.nn.Sequential(torch.nn.Linear(2, 2))
     seen.clear()
     assert bench.compile_model(one) is one and seen == [one]

@@ -1,18 +1,29 @@
-"""The trainer's training forward under torch.compile (`--compile`), by blocks or whole (`--compile-scope`)."""
+"""A training forward under torch.compile by blocks or whole (`minifloat train --compile --compile-scope`, and
+benchmarks/gpu.py's compiled runs)."""
 
 from __future__ import annotations
 
 import torch
 
 
-def compiled_forward(module: torch.nn.Module, config):
-    """The training forward of `module` under torch.compile in the config's mode and scope (the same parameters and
-    buffers): the whole module, or (scope "blocks") each of the Llama's blocks (`CompiledBlocks`)."""
-    options = {} if config.compile_mode == "default" else {"mode": config.compile_mode}
-    blocks = getattr(getattr(module, "module", module), "blocks", None)  # (DDP holds the model as .module)
-    if config.compile_scope == "model" or not isinstance(blocks, torch.nn.ModuleList) or not len(blocks):
-        return torch.compile(module, **options)
-    return CompiledBlocks(module, list(blocks), options)
+def compile_forward(module: torch.nn.Module, mode: str = "default", scope: str = "blocks"):
+    """`module`'s forward under torch.compile in `mode` (torch.compile's), the same parameters and buffers: with
+    scope "blocks", each of its repeated blocks (`repeated_blocks`; `CompiledBlocks`), else, or where it has none,
+    the whole module. What `minifloat train --compile` and benchmarks/gpu.py's compiled runs call."""
+    options = {} if mode == "default" else {"mode": mode}
+    blocks = repeated_blocks(module) if scope == "blocks" else []
+    return CompiledBlocks(module, blocks, options) if blocks else torch.compile(module, **options)
+
+
+def repeated_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The blocks compiled one by one: a `blocks` ModuleList (the reference Llama's; under DDP, `module.module`'s),
+    or the children of a Sequential of more than one module of one type; else none."""
+    inner = getattr(module, "module", module)  # (DDP holds the model as .module)
+    blocks = getattr(inner, "blocks", None)
+    if isinstance(blocks, torch.nn.ModuleList) and len(blocks):
+        return list(blocks)
+    children = list(inner.children()) if isinstance(inner, torch.nn.Sequential) else []
+    return children if len(children) > 1 and len({type(c) for c in children}) == 1 else []
 
 
 class CompiledBlocks:

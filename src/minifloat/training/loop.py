@@ -43,7 +43,7 @@ from minifloat.core.files import write_json
 from minifloat.core.version import __version__
 from minifloat.safety.shadow import Mode
 from minifloat.training.checkpoint import load_checkpoint, save_checkpoint
-from minifloat.training.compiled import compiled_forward
+from minifloat.training.compiled import compile_forward
 from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, load_corpus, require_windows
 from minifloat.training.optimizer import grad_param_groups
@@ -326,7 +326,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
     else:
         log_rows, val_rows = Discard(), Discard()
     loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, _tensorboard(out) if world.is_main else None,
-                 compiled_forward(run.train_module, config) if config.compile else run.train_module,
+                 compile_forward(run.train_module, config.compile_mode, config.compile_scope) if config.compile
+                 else run.train_module,
                  resume_at=[start_step, loader.position])
     # the bar is labelled with the preset: `minifloat compare` draws one bar per preset
     bar = Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
