@@ -24,7 +24,8 @@ the linear and MLP sections, the PrecisionPolicy preset in the Llama ones, with 
 torchao-tensorwise and torchao-rowwise (torchao.float8.convert_to_float8_training, on the linears minifloat's
 presets convert) when torchao imports. On an H100 (SM90) MX and NVFP4 GEMMs run emulated (docs/fp8.md), so their rows
 time the emulation. Every variant runs eager; compiled (torch.compile of each repeated block, or of the whole model
-with --compile-scope model; inductor defaults) runs a priority list (COMPILED_PRIORITY) while --budget-s lasts, or --compile-variants.
+with --compile-scope model; inductor defaults) runs a priority list (COMPILED_PRIORITY) while --budget-s lasts, or
+--compile-variants.
 
 Measured, per variant, one at a time (built from the same seed: same weights and data), memory freed in between:
   * step time: the median of --steps steps after --warmup untimed ones, each step between two CUDA events (on a CPU,
@@ -208,7 +209,7 @@ def autocast(device: torch.device):
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-COMPILE_MODE = {"mode": "default", "scope": "blocks"}  # torch.compile's mode and scope (--compile-mode, --compile-scope)
+COMPILE_MODE = {"mode": "default", "scope": "blocks"}  # torch.compile's (--compile-mode, --compile-scope)
 
 
 def compile_model(model: nn.Module):

@@ -63,6 +63,11 @@ def assert_same(ref, got, *, with_t: bool = False):
         assert torch.equal(bits(got.data_t), bits(ref.data.t()))
 
 
+def fresh_slot() -> triton_cast.AmaxSlot:
+    """A ScalingState slot's stand-in on the CPU: amax 1, no non-finite casts, the scratch zero."""
+    return triton_cast.AmaxSlot(torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
+
+
 def awkward(rows: int, cols: int, dtype: torch.dtype, seed: int = 0) -> torch.Tensor:
     """Values over 30 binades, with the delicate ones planted in the first rows."""
     g = torch.Generator().manual_seed(seed)
@@ -519,11 +524,8 @@ def test_every_tiling_the_autotuner_may_pick_gives_the_torch_paths_bits(monkeypa
     real_rows = triton_rows.row_col_cast
     monkeypatch.setattr(triton_rows, "row_col_cast", lambda *a, **k: rows_calls.append(1) or real_rows(*a, **k))
 
-    def slot():
-        return triton_cast.AmaxSlot(torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
-
     def cases():
-        current, given = slot(), slot()
+        current, given = fresh_slot(), fresh_slot()
         with triton_tiles.forced(index):
             out = (quantize(x, mf.E4M3, with_t=True, record=current),
                    quantize(x, mf.E5M2, scale=torch.tensor(0.5), with_t=True, record=given),
@@ -593,11 +595,8 @@ def test_the_autotuners_trials_leave_the_recorded_state_as_they_found_it(monkeyp
     monkeypatch.setattr(triton_tiles, "_tunes", lambda x: True)  # as a large CUDA tensor
     x = awkward(40, 140, torch.bfloat16, seed=5)  # holds ±inf
 
-    def slot():
-        return triton_cast.AmaxSlot(torch.ones(()), torch.zeros((), dtype=torch.int64), torch.zeros(2, dtype=torch.int32))
-
     def cases():
-        current, given = slot(), slot()
+        current, given = fresh_slot(), fresh_slot()
         out = (quantize(x, mf.E4M3, with_t=True, record=current),
                quantize(x, mf.E5M2, scale=torch.tensor(0.5), with_t=True, record=given))
         return out, [(s.amax.item(), s.nonfinite.item(), s.scratch.tolist()) for s in (current, given)]

@@ -29,10 +29,11 @@ Per FP8 layer and training step (fwd+bwd) the launches fell from 129 to 16 (dela
 to 29 (row scaling): benchmarks/launches.py counts them on any machine (docs/benchmarks.md has the history).
 
 `quantize` calls `fused_cast` for 2-D tensors cast per tensor (or per row with given scales; per row and per column
-from their amaxes, minifloat.numerics.triton_rows' two passes) to FP8 data without a bfloat16 operand, on CUDA when Triton imports (the native GEMM path) and `self_check` found the kernels give the
-torch path's bits on that device (else one warning, and the torch path). Under torch.compile they do not: the graph's own
-ops are left to inductor, which fuses them itself. The kernels are built on first use, so TRITON_INTERPRET=1 set
-before then runs them on CPU tensors (tests/test_triton_cast.py).
+from their amaxes, minifloat.numerics.triton_rows' two passes) to FP8 data without a bfloat16 operand, on CUDA when
+Triton imports (the native GEMM path) and `self_check` found the kernels give the torch path's bits on that device
+(else one warning, and the torch path). How a launch is tiled: minifloat.numerics.triton_tiles. Under
+torch.compile they do not run: the graph's own ops are left to inductor, which fuses them itself. The kernels are
+built on first use, so TRITON_INTERPRET=1 set before then runs them on CPU tensors (tests/test_triton_cast.py).
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ from typing import NamedTuple
 
 import torch
 
-from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics import triton_tiles
+from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.formats import NumberFormat
 
 _MAGIC = 12582912.0  # 1.5 · 2^23: v + MAGIC - MAGIC rounds |v| < 2^22 to an integer, ties to even
