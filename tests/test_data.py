@@ -227,7 +227,8 @@ def test_bad_paths_raise_naming_the_path_and_the_fix(tmp_path, caplog, name, mak
         ByteCorpus.load(DataConfig(path=path))
     message = str(info.value)
     assert str(path) in message and "\n" not in message
-    assert message.endswith("point --data (DataConfig.path) at a folder of UTF-8 text files")
+    assert message.endswith("point --data (DataConfig.path) at a folder of UTF-8 text files, or at token shards "
+                            "(a .bin file or a folder of them, as minifloat tokenize writes)")
     assert not caplog.records  # the error alone: no warning about skipped files before it
 
 

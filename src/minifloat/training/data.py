@@ -46,7 +46,8 @@ ALWAYS_EXCLUDED = (".*", "__pycache__")
 STDLIB_EXCLUDED = (*ALWAYS_EXCLUDED, "site-packages", "dist-packages", "_sysconfigdata*", "config-*",
                    "test", "tests", "idle_test")
 # the fix every "no usable data" error ends with (`--data` is the command line's name for DataConfig.path)
-DATA_FIX = "point --data (DataConfig.path) at a folder of UTF-8 text files"
+DATA_FIX = ("point --data (DataConfig.path) at a folder of UTF-8 text files, or at token shards (a .bin file or a "
+            "folder of them, as minifloat tokenize writes)")
 READ_BYTES = 1 << 24  # a text file is read, checked and hashed 16 MiB at a time
 
 
@@ -267,7 +268,7 @@ def select_files(config: DataConfig, *, keep: bool) -> tuple[pathlib.Path, dict[
         root = pathlib.Path(config.path).expanduser()
         patterns, excluded = config.patterns or TEXT_PATTERNS, ALWAYS_EXCLUDED
     if not root.exists():
-        raise FileNotFoundError(f"data folder {str(root)!r} does not exist; {DATA_FIX}")
+        raise FileNotFoundError(f"data path {str(root)!r} does not exist; {DATA_FIX}")
     if not root.is_dir():
         raise NotADirectoryError(f"data path {str(root)!r} is a file, not a folder; {DATA_FIX}")
     skipped: dict[str, str] = {}  # relative path -> reason
