@@ -38,7 +38,8 @@ Measured, per variant, one at a time (built from the same seed: same weights and
   * compiled runs: dynamo's graph count and graph breaks (with their reasons).
 A variant that fails (out of memory, a compile error) gets a row saying why, and the run goes on. --profile PATH
 also profiles 2 steps of every run (torch.profiler) and writes its op table (top 25 by GPU self time) to PATH, and
-the kernels launched, the GPU's busy time and the host's syncs per step to the JSON: where the time goes, in the same
+the kernels launched, the GPU's busy time, the host's syncs and the time by part (GEMMs, casts, attention, optimizer:
+benchmarks/time_parts.py) per step to the JSON: where the time goes, in the same
 call. For the host's side it adds the ops and CUDA runtime calls by CPU self time and the Python functions by their
 own time (cProfile over 2 more steps): what a host-bound step (the 100m section) spends its time on.
 
@@ -85,6 +86,7 @@ from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402 - benchmarks/machine.py
 import step_time  # noqa: E402 - benchmarks/step_time.py: its consoles, command line, torchao check, FP8 layer count
+import time_parts  # noqa: E402 - benchmarks/time_parts.py: where a profiled step's time goes
 
 BASELINE = "bf16"
 GIB = 2**30
@@ -422,7 +424,10 @@ def profile_steps(step: Callable, device: torch.device, title: str, path: pathli
     syncs = sum("Synchronize" in e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU)
     figures = {"kernels_per_step": len(kernels) / PROFILE_STEPS if kernels else None,
                "gpu_busy_ms": busy_us / 1e3 / PROFILE_STEPS if kernels else None,
-               "host_syncs_per_step": max(syncs - 1, 0) / PROFILE_STEPS if cuda else None}
+               "host_syncs_per_step": max(syncs - 1, 0) / PROFILE_STEPS if cuda else None,
+               # GEMMs, casts, attention, optimizer... per step (benchmarks/time_parts.py): kernels on a GPU, the ops'
+               # own CPU time on a CPU
+               "time_by_part_ms": time_parts.time_by_part(prof.events(), cuda, PROFILE_STEPS)}
     python = cProfile.Profile()
     python.enable()
     for _ in range(PROFILE_STEPS):
@@ -437,6 +442,9 @@ def profile_steps(step: Callable, device: torch.device, title: str, path: pathli
                 + (f", {figures['kernels_per_step']:.0f} kernels and {figures['gpu_busy_ms']:.2f} ms of kernel time "
                    f"per step, {figures['host_syncs_per_step']:.1f} host syncs per step" if kernels else "") + " ===\n")
         f.write(prof.key_averages().table(sort_by=sort, row_limit=PROFILE_ROWS, max_name_column_width=70))
+        parts = figures["time_by_part_ms"]
+        f.write(f"\n--- {title}: {'GPU' if cuda else 'CPU'} time per step by part (benchmarks/time_parts.py) ---\n"
+                + "".join(f"{part:22s} {ms:10.3f} ms\n" for part, ms in parts.items()))
         if cuda:
             f.write(f"\n--- {title}: the host's side, by CPU self time (launches, runtime calls, syncs) ---\n")
             f.write(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=PROFILE_ROWS,

@@ -13,6 +13,8 @@ import pytest
 import torch
 
 SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import time_parts  # noqa: E402 - benchmarks/time_parts.py
 SECTIONS = ("gemm", "linear", "mlp", "llama8b", "100m", "1b")
 GEMM_VARIANTS = ("tensor", "tensor-fast-accum", "row", "block", "block-wgrad", "mxfp8")
 MINIFLOAT = ("delayed", "current", "row", "block", "mxfp8", "nvfp4", "mxfp4")
@@ -172,6 +174,12 @@ def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
     assert text.count("host Python over 2 more steps (cProfile, by own time)") == len(runs)
     assert text.count("function calls") == len(runs) and text.count("tottime") == len(runs)
     assert "| host ms |" in md.read_text()
+    # the time by part, per step (benchmarks/time_parts.py): on a CPU the ops' own time; the layer's GEMMs are there
+    for r in runs:
+        parts = r["time_by_part_ms"]
+        assert set(parts) <= set(time_parts.PARTS) and all(ms > 0 for ms in parts.values()), parts
+        assert parts.get(time_parts.OTHER_GEMM, 0) > 0, parts  # bf16's mm, and the emulated FP8 GEMM's addmm
+    assert text.count("CPU time per step by part") == len(runs)
     again = run_script(*args)
     assert again.returncode == 2 and "--overwrite" in again.stderr and prof.read_text() == text
 
@@ -217,3 +225,22 @@ def test_compile_mode_reaches_torch_compile_and_labels_the_rows(bench, monkeypat
     assert bench.Case("linear", 0, "current", False).mode == "eager"
     monkeypatch.setitem(bench.COMPILE_MODE, "mode", "default")
     assert bench.Case("linear", 0, "current", True).mode == "compiled"
+
+
+@pytest.mark.parametrize("name, ops, part", [
+    ("_cast_kernel_fn", ["Fp8LinearFunctionBackward", "autograd::engine::evaluate_function: Fp8LinearFunctionBackward"],
+     time_parts.CASTS),
+    ("_amax_fn", ["Fp8LinearFunction"], time_parts.CASTS),
+    ("sm90_xmma_gemm_e4m3e4m3_bf16f32_f32_tn_n_tilesize128x128x64", ["aten::_scaled_mm", "Fp8LinearFunction"],
+     time_parts.FP8_GEMM),
+    ("nvjet_hsh_256x128_64x4_1x2_h_bz_coopA_NTN", ["aten::mm", "MmBackward0"], time_parts.OTHER_GEMM),
+    ("flash_fwd_kernel", ["aten::_flash_attention_forward", "aten::_scaled_dot_product_flash_attention",
+                          "aten::scaled_dot_product_attention"], time_parts.ATTENTION),
+    ("multi_tensor_apply_kernel", ["aten::_fused_adamw_", "Optimizer.step#AdamW.step"], time_parts.OPTIMIZER),
+    ("triton_poi_fused__to_copy_mul_0", ["Torch-Compiled Region: 0/0"], time_parts.COMPILED),
+    ("vectorized_elementwise_kernel", ["aten::add_", "AddBackward0"], time_parts.OTHER),
+])
+def test_time_parts_classifies_a_kernel_by_its_name_then_by_the_ops_above_it(name, ops, part):
+    """benchmarks/time_parts.py: minifloat's and inductor's Triton kernels by their own names (wherever they were
+    launched), the rest by the innermost CPU op that says what it is."""
+    assert time_parts.part_of(name, ops) == part
