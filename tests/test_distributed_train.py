@@ -24,7 +24,7 @@ from safetensors.torch import load_file, save_file
 from gloo_ranks import free_port
 from minifloat.training import loop
 from minifloat.training.loop import TrainConfig, build, train
-from minifloat.training.parallel import World
+from minifloat.training.parallel import Parallel, World
 from minifloat.training.sharded import is_sharded, load_sharded, read_extra, save_sharded
 
 NPROC = 2
@@ -126,7 +126,7 @@ def _load_on_rank(rank: int, config: TrainConfig, ckpt: str, folder: str) -> Non
     """Build `config`'s run on this rank, load the sharded checkpoint, write the full model state."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    world = World(rank, NPROC, loop.Parallel(config.parallel))
+    world = World(rank, NPROC, Parallel(config.parallel))
     run = build(config, torch.device("cpu"), world)
     extra = load_sharded(ckpt, model=run.model, optimizer=run.optimizer)
     state = get_model_state_dict(run.model, options=StateDictOptions(full_state_dict=True))
@@ -287,3 +287,18 @@ def test_killed_rank_stops_job_with_one_line_and_loadable_checkpoint(tmp_path):
     config = TrainConfig(**SMALL, steps=400, grad_accum=2, out=str(out))
     run = build(config, torch.device("cpu"))
     assert load_sharded(out / "ckpt", model=run.model, optimizer=run.optimizer)["step"] == step
+
+
+@pytest.mark.slow  # 20 s each (each rank compiles); tests/test_fsdp_tp.py checks FSDP2 + compile in one process
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_compiled_blocks_train_as_eager_across_ranks(tmp_path, one_process, parallel):
+    """`compile` (each block's forward compiled: the trainer's default scope) under DDP and FSDP2: the ranks train as
+    one process does eagerly on the same global batch (to LOSS_RTOL), and keep identical FP8 scaling state. FSDP2's
+    per-block gathers are module hooks, outside the compiled forwards (minifloat.training.compiled)."""
+    config = TrainConfig(**SMALL, steps=3, out=str(tmp_path / "run"), nproc=NPROC, parallel=parallel, compile=True)
+    _spawn(_train_rank, config, str(tmp_path))
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses == pytest.approx(list(one_process), rel=LOSS_RTOL)
+    states = [load_file(tmp_path / f"state{r}.safetensors") for r in range(NPROC)]
+    for key, value in _fp8_buffers(states[0]).items():
+        assert torch.equal(value, states[1][key]), f"{key} differs between rank 0 and rank 1"

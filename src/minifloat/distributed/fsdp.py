@@ -123,32 +123,38 @@ class Fp8ShardedWeight(torch.Tensor):
         (data,) = all_gather_outputs
         scale, amax, spec, size = metadata
         if out is not None:  # FSDP2 reuses the all-gather buffer: out's data already holds the new bytes
-            out.fp8_cast = Quantized(out.fp8_cast.data, scale, spec.fmt, Granularity.TENSOR, amax)
+            out._scale, out._amax = scale, amax
             return None
-        cast = Quantized(data[: size[0]], scale, spec.fmt, Granularity.TENSOR, amax)
-        return Fp8GatheredWeight(cast, spec, param_dtype), (data,)
+        return Fp8GatheredWeight(data[: size[0]], scale, amax, spec, param_dtype), (data,)
 
 
 class Fp8GatheredWeight(torch.Tensor):
     """A whole weight as FSDP2 gathered it: FP8 data and one scale, presented as a `dtype` tensor.
 
     `fp8_cast` is the cast Fp8Linear would make of the unsharded weight; its fprop and dgrad use it directly
-    (fp8/caster.py). Other uses see `fp8_cast.dequantize()`.
+    (fp8/caster.py). Other uses see `fp8_cast.dequantize()`. A traceable wrapper subclass: its tensors (FP8 data, scale,
+    amax) are its inner tensors, so a compiled forward (torch.compile of a block, the trainer's default) takes it as an
+    input like any parameter.
     """
 
     @staticmethod
-    def __new__(cls, cast: Quantized, spec: CastSpec, dtype: torch.dtype):
-        data = cast.data
+    def __new__(cls, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, spec: CastSpec,
+                dtype: torch.dtype):
         return torch.Tensor._make_wrapper_subclass(cls, data.size(), strides=data.stride(),
                                                    storage_offset=data.storage_offset(), dtype=dtype,
                                                    device=data.device, requires_grad=False)
 
-    def __init__(self, cast: Quantized, spec: CastSpec, dtype: torch.dtype):
-        self.fp8_cast = cast
+    def __init__(self, data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, spec: CastSpec,
+                 dtype: torch.dtype):
+        self._data, self._scale, self._amax = data, scale, amax
         self.fp8_spec = spec
 
+    @property
+    def fp8_cast(self) -> Quantized:
+        return Quantized(self._data, self._scale, self.fp8_spec.fmt, Granularity.TENSOR, self._amax)
+
     def __repr__(self) -> str:
-        return f"Fp8GatheredWeight({self.fp8_cast.fmt.name}, shape={tuple(self.shape)}, scale={self.fp8_cast.scale})"
+        return f"Fp8GatheredWeight({self.fp8_spec.fmt.name}, shape={tuple(self.shape)}, scale={self._scale})"
 
     def dequantize(self) -> torch.Tensor:
         return self.fp8_cast.dequantize(self.dtype)
@@ -157,17 +163,16 @@ class Fp8GatheredWeight(torch.Tensor):
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in _GATHERED_VIEWS and isinstance(args[0], cls):
-            q = args[0].fp8_cast
-            data = func(q.data, *args[1:], **kwargs)
-            return cls(Quantized(data, q.scale, q.fmt, q.granularity, q.amax), args[0].fp8_spec, args[0].dtype)
+            w = args[0]
+            return cls(func(w._data, *args[1:], **kwargs), w._scale, w._amax, w.fp8_spec, w.dtype)
         return func(*tree_map_only(cls, cls.dequantize, args), **tree_map_only(cls, cls.dequantize, kwargs))
 
     def __tensor_flatten__(self):
-        return [], (self.fp8_cast, self.fp8_spec, self.dtype)
+        return ["_data", "_scale", "_amax"], (self.fp8_spec, self.dtype)
 
     @staticmethod
     def __tensor_unflatten__(inner, meta, outer_size, outer_stride):
-        return Fp8GatheredWeight(*meta)
+        return Fp8GatheredWeight(inner["_data"], inner["_scale"], inner["_amax"], *meta)
 
 
 def enable_fp8_all_gather(model: nn.Module) -> int:
