@@ -111,15 +111,21 @@ def test_ddp_loss_equals_one_process_of_same_global_batch(ddp_run, one_process):
     assert ddp == pytest.approx(list(one_process), rel=LOSS_RTOL)
 
 
-@pytest.mark.slow  # 25 s
-def test_fsdp_loss_equals_one_process_of_same_global_batch(tmp_path, one_process):
-    config = TrainConfig(**SMALL, steps=3, out=str(tmp_path / "run"), nproc=NPROC, parallel="fsdp")
+def _trains_as_one_process(tmp_path, one_process, **fields) -> None:
+    """NPROC ranks under `fields` train as one process does on the same global batch (to LOSS_RTOL), and end with
+    identical FP8 scaling state."""
+    config = TrainConfig(**SMALL, steps=3, out=str(tmp_path / "run"), nproc=NPROC, **fields)
     _spawn(_train_rank, config, str(tmp_path))
-    fsdp = json.loads((tmp_path / "losses.json").read_text())
-    assert fsdp == pytest.approx(list(one_process), rel=LOSS_RTOL)
+    losses = json.loads((tmp_path / "losses.json").read_text())
+    assert losses == pytest.approx(list(one_process), rel=LOSS_RTOL)
     states = [load_file(tmp_path / f"state{r}.safetensors") for r in range(NPROC)]
     for key, value in _fp8_buffers(states[0]).items():
         assert torch.equal(value, states[1][key]), f"{key} differs between rank 0 and rank 1"
+
+
+@pytest.mark.slow  # 25 s
+def test_fsdp_loss_equals_one_process_of_same_global_batch(tmp_path, one_process):
+    _trains_as_one_process(tmp_path, one_process, parallel="fsdp")
 
 
 def _load_on_rank(rank: int, config: TrainConfig, ckpt: str, folder: str) -> None:
@@ -296,10 +302,4 @@ def test_compiled_blocks_train_as_eager_across_ranks(tmp_path, one_process, para
     """`compile` (each block's forward compiled: the trainer's default scope) under DDP and FSDP2: the ranks train as
     one process does eagerly on the same global batch (to LOSS_RTOL), and keep identical FP8 scaling state. FSDP2's
     per-block gathers are module hooks, outside the compiled forwards (minifloat.training.compiled)."""
-    config = TrainConfig(**SMALL, steps=3, out=str(tmp_path / "run"), nproc=NPROC, parallel=parallel, compile=True)
-    _spawn(_train_rank, config, str(tmp_path))
-    losses = json.loads((tmp_path / "losses.json").read_text())
-    assert losses == pytest.approx(list(one_process), rel=LOSS_RTOL)
-    states = [load_file(tmp_path / f"state{r}.safetensors") for r in range(NPROC)]
-    for key, value in _fp8_buffers(states[0]).items():
-        assert torch.equal(value, states[1][key]), f"{key} differs between rank 0 and rank 1"
+    _trains_as_one_process(tmp_path, one_process, parallel=parallel, compile=True)
