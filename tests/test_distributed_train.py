@@ -246,7 +246,6 @@ def test_cli_fsdp_tp_trains_and_resumes_in_one_process(tmp_path):
 @pytest.mark.parametrize("fields, words", [
     (dict(nproc=3, parallel="fsdp+tp", tp_size=2), ["nproc is 3", "--tp-size"]),
     (dict(nproc=4, parallel="fsdp+tp", tp_size=2, seq_len=33), ["seq_len is 33"]),
-    (dict(nproc=2, parallel="fsdp+tp", tp_size=2, compile=True), ["compile with parallel fsdp+tp", "--compile"]),
 ])
 def test_fsdp_tp_config_is_checked(tmp_path, fields, words):
     with pytest.raises(ValueError) as err:

@@ -229,11 +229,6 @@ class Parallelism:
         if self.parallel == "fsdp+tp" and self.nproc % self.tp_size:
             raise ValueError(f"fsdp+tp splits nproc over tensor-parallel groups of --tp-size {self.tp_size} ranks, "
                              f"but nproc is {self.nproc}: choose a --tp-size dividing it")
-        if self.parallel == "fsdp+tp" and self.compile:
-            # measured (tiny Llama, 2 ranks in one TP group, bf16 and fp8-delayed): every block's weight gradients
-            # match eager, the token embedding's is 15% off (docs/distributed.md)
-            raise ValueError("compile with parallel fsdp+tp is not supported yet: with compiled blocks the token "
-                             "embedding's gradient differs from eager; drop --compile, or use --parallel fsdp or ddp")
 
 
 @setting_group("run")

@@ -4,7 +4,9 @@ The Megatron-LM layout (Shoeybi et al., arXiv 1909.08053; sequence parallel: Kor
 as torchtitan writes it for DTensor. Between blocks the residual stream is sharded along the sequence (Shard(1)):
 the norms run on their tokens only, in fp32 (minifloat.amp.norms.RMSNorm under torch's SequenceParallel). Each
 attention and MLP all-gathers its normed input, runs column-parallel then row-parallel FP8 layers, and
-reduce-scatters the output back onto the sequence shards.
+reduce-scatters the output back onto the sequence shards. The residual stream stays a DTensor (the embedding and the
+row-parallel outputs keep `use_local_output=False`): a block compiled on its own (the trainer's `--compile`) then takes
+and returns DTensors, and its input gradient leaves it as one (as a plain tensor it broke DTensor's backward).
 
     wte             RowwiseParallel (vocab rows)         idx replicated  -> x (B, T/t, C)
     attn_norm       SequenceParallel, fp32               x (B, T/t, C)
@@ -49,7 +51,7 @@ def _check(model: Llama, tp: int) -> None:
 def llama_plan(model: Llama) -> dict:
     """The parallelize_module plan of `model` (see the module docstring): module path -> ParallelStyle."""
     plan = {
-        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "wte": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "norm": SequenceParallel(),
         "lm_head": Fp8ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
     }
@@ -62,13 +64,13 @@ def llama_plan(model: Llama) -> dict:
             f"{b}.attn.q_proj": Fp8ColwiseParallel(),
             f"{b}.attn.k_proj": Fp8ColwiseParallel(),
             f"{b}.attn.v_proj": Fp8ColwiseParallel(),
-            f"{b}.attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1)),
+            f"{b}.attn.o_proj": Fp8RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
             f"{b}.mlp_norm": SequenceParallel(),
             f"{b}.mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
                                            use_local_output=True),
             f"{b}.mlp.gate_proj": Fp8ColwiseParallel(),
             f"{b}.mlp.up_proj": Fp8ColwiseParallel(),
-            f"{b}.mlp.down_proj": Fp8RowwiseParallel(output_layouts=Shard(1)),
+            f"{b}.mlp.down_proj": Fp8RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         })
     return plan
 
