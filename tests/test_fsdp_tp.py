@@ -268,6 +268,30 @@ COMPILED_LOSS_RTOL = 1e-4
 COMPILED_WEIGHT_SCALE_RTOL = 1e-3
 
 
+def test_the_gathered_weight_flattens_into_its_tensors():
+    """What dynamo needs of a tensor subclass it takes as a graph input: every tensor it holds listed by
+    `__tensor_flatten__` (they become the graph's inputs; one held elsewhere reached the compiled forward as a real
+    tensor and dynamo stopped), and `__tensor_unflatten__` rebuilding the same weight from them."""
+    x = torch.randn(32, 16)
+    amax = x.abs().amax()
+    q = mf.quantize(x, mf.E4M3, amax=amax)
+    spec = mf.DelayedScaling().spec(Role.WEIGHT)
+    w = Fp8GatheredWeight(q.data, q.scale, amax, spec, torch.float32)
+    names, meta = w.__tensor_flatten__()
+    inner = {name: getattr(w, name) for name in names}
+    assert all(isinstance(t, torch.Tensor) for t in inner.values())
+    # every tensor the weight holds, directly or inside an attribute (a Quantized, a dataclass)
+    held = [t for v in vars(w).values()
+            for t in ([v] if isinstance(v, torch.Tensor) else
+                      [f for f in vars(v).values() if isinstance(f, torch.Tensor)] if hasattr(v, "__dict__") else [])]
+    assert held and all(any(t is h for t in inner.values()) for h in held)
+    again = Fp8GatheredWeight.__tensor_unflatten__(inner, meta, w.shape, w.stride())
+    assert again.fp8_spec == spec and again.dtype == w.dtype and again.shape == w.shape
+    assert torch.equal(again.fp8_cast.data.view(torch.uint8), q.data.view(torch.uint8))
+    assert torch.equal(again.dequantize(), q.dequantize(torch.float32))
+
+
+@pytest.mark.slow  # 17-20 s: the block compiles in the spawned rank
 def test_a_compiled_block_takes_the_fp8_gathered_weight(tmp_path):
     """torch.compile of each block (the trainer's default scope) under FSDP2 with FP8 all-gather: the gathered weight
     (an `Fp8GatheredWeight`, a traceable wrapper subclass) enters the compiled forward as an input, with no graph
