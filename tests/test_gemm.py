@@ -25,6 +25,10 @@ BF16_OUT_RTOL = 2.0**-7
 # native (tensor-core) vs emulated: tensor cores accumulate FP8 products with reduced precision (DeepSeek-V3 §3.3.2
 # measures about 14 bits on H800), so a float32 output may differ by about 2^-14 of the partial sums.
 NATIVE_FP32_RTOL = 2.0**-10
+# an MX layer's gradients on the native path against the emulated layer's (the CPU stand-in for the kernel): the
+# first layer's output differs by bfloat16 roundings, so the second layer's casts move a few elements to the other
+# E4M3 neighbour (measured: dx bitwise, dW 56 dB and more)
+MX_NATIVE_GRAD_SQNR_DB = 45.0
 
 M, N, K = 96, 80, 300  # K = 300 is a multiple of neither 128 (tiles, blocks) nor 32 (MX blocks)
 
@@ -262,7 +266,11 @@ NATIVE_CASES = [
     ("tile-block-ada", "tile", "block", E4M3, E4M3, (64, 512, 256), ADA, True, torch.bfloat16, "SM 9.0+"),
     ("tile-block-blackwell", "tile", "block", E4M3, E4M3, (64, 512, 256), BLACKWELL, True, torch.bfloat16,
      "below SM 10.0"),
-    ("mx-mx", "mx", "mx", E4M3, E4M3, (64, 512, 256), BLACKWELL, True, torch.bfloat16, "no mx × mx"),
+    ("mx-blackwell", "mx", "mx", E4M3, E4M3, (64, 512, 256), BLACKWELL, True, torch.bfloat16, None),
+    ("mx-fp32-out", "mx", "mx", E4M3, E5M2, (200, 352, 144), BLACKWELL, False, torch.float32, None),
+    ("mx-hopper", "mx", "mx", E4M3, E4M3, (64, 512, 256), HOPPER, True, torch.bfloat16, "SM 10.0+"),
+    ("mx-k-not-32", "mx", "mx", E4M3, E4M3, (64, 528, 256), BLACKWELL, True, torch.bfloat16, "K a multiple of 32"),
+    ("mx-tensor", "mx", "tensor", E4M3, E4M3, (64, 512, 256), BLACKWELL, True, torch.bfloat16, "no mx × tensor"),
     ("int-out", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.int32, "outputs"),
 ]
 
@@ -348,6 +356,31 @@ def test_native_scale_layouts(gen, granularity, side, shape, strides):
         assert torch.equal(s.t(), q.scale.float().reshape(s.t().shape))
 
 
+def test_mx_scales_reach_cublas_as_swizzled_e8m0_bytes(gen):
+    """MX scales go to torch._scaled_mm as E8M0 bytes in cuBLASLt's 1-D block-scaling layout: read back at the
+    documented offset of each (row, K block), every byte is its scale's exponent + 127; the padding is zero."""
+    from mx_reference import unswizzle
+
+    for m, k in ((256, 512), (200, 352), (8, 32)):  # whole tiles; rows and columns padded; one tiny tile
+        q = quantize(torch.randn(m, k, generator=gen) * 2.0 ** torch.randint(-40, 40, (m, 1), generator=gen),
+                     E4M3, granularity="mx", operand_dtype=None, keep_data=True)
+        want = torch.log2(q.scale.double()).long() + 127
+        for side in ("a", "b"):
+            s = native_scale(q, side)
+            padded = (-(-m // 128) * 128) * (-(-(k // 32) // 4) * 4)
+            assert s.dtype == torch.float8_e8m0fnu and s.is_contiguous() and s.numel() == padded
+            got = unswizzle(s, m, k // 32)
+            assert torch.equal(got, want), (m, k, side)
+            assert int(s.view(torch.uint8).long().sum()) == int(want.sum())  # every other byte is padding: zero
+
+
+def test_e8m0_bytes_are_the_exponents_of_every_mx_scale():
+    from minifloat.fp8.native import e8m0_bytes
+
+    e = torch.arange(-127, 128)
+    assert torch.equal(e8m0_bytes(torch.pow(2.0, e.double()).float()).long(), e + 127)  # 2^-127 is subnormal
+
+
 # ---------------------------------------------------------------------------------------------------- GPU
 
 
@@ -360,6 +393,8 @@ NATIVE_PAIRS = [
     ("tile-tile", "tile", "tile", 256, 1024, 384),
     ("tile-tile-ragged-m", "tile", "tile", 200, 640, 384),
     ("tile-block-ragged-m", "tile", "block", 8, 512, 256),
+    ("mx", "mx", "mx", 256, 512, 384),  # Blackwell (SM 10.x) only; skipped, with the reason, elsewhere
+    ("mx-ragged", "mx", "mx", 200, 352, 144),
 ]
 
 
@@ -515,3 +550,117 @@ def test_a_delayed_layers_cached_scales_are_16_byte_aligned_themselves():
         dscale, multiplier, _ = state.delayed_cast_scales(ROLE_INDEX[role], lambda: None, mf.E4M3)
         assert dscale.data_ptr() % 16 == 0 and multiplier.data_ptr() % 16 == 0, role
         assert torch.equal(dscale, state.scale[ROLE_INDEX[role]].reciprocal())
+
+
+# ---------------------------------------------------------------------------------------------------- MXFP8 natively
+
+
+@pytest.mark.parametrize("kernel, problem", [("documented", None), ("wrong-layout", "from the emulation"),
+                                             ("raises", "raised RuntimeError")])
+def test_a_rule_not_yet_run_on_its_gpu_is_checked_against_the_emulation(kernel, problem, monkeypatch):
+    """MXFP8 on Blackwell was written from the documentation: each device multiplies a test product natively before
+    it uses the rule. A kernel computing what cuBLASLt documents passes; one that misreads the scale layout, or
+    refuses the product, turns the rule off with the reason."""
+    import functools
+
+    from minifloat.fp8 import native_check
+    from mx_reference import scaled_mm_mx
+
+    def raises(*args, **kwargs):
+        raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
+
+    fake = {"documented": scaled_mm_mx, "wrong-layout": functools.partial(scaled_mm_mx, layout="row-major"),
+            "raises": raises}[kernel]
+    monkeypatch.setattr(torch, "_scaled_mm", fake)
+    got = native_check.check("mx × mx", torch.device("cpu"))
+    if problem is None:
+        assert got is None
+    else:
+        assert got is not None and problem in got, got
+
+
+def test_a_failed_check_warns_once_and_the_rule_stays_off(monkeypatch, caplog):
+    from minifloat.fp8 import native, native_check
+
+    calls = []
+    monkeypatch.setattr(native_check, "_RESULTS", {})
+    monkeypatch.setattr(native_check, "check", lambda pair, device: calls.append(pair) or "differs by 0.5")
+    monkeypatch.setattr(native, "device_capability", lambda index=0: BLACKWELL)
+    assert not native_granularity(torch.device("cuda", 0), "mx")
+    assert not native_granularity(torch.device("cuda", 0), "mx")
+    assert native_granularity(torch.device("cuda", 0), "tensor")  # verified rules ask nothing
+    assert calls == ["mx × mx"]
+    assert caplog.text.count("native mx × mx GEMM on cuda:0 is off (differs by 0.5)") == 1
+
+
+def test_the_check_is_a_constant_to_a_compiled_graph(monkeypatch):
+    """A graph traced before the check ran (a compiled model's first step) runs it once while tracing and is not
+    recompiled when the result is stored (dynamo would guard on the results dict)."""
+    from minifloat.fp8 import native_check
+
+    calls = []
+    monkeypatch.setattr(native_check, "_RESULTS", {})
+    monkeypatch.setattr(native_check, "check", lambda pair, device: calls.append(pair))
+
+    def f(x):
+        return x * (2.0 if native_check.passes("mx × mx", 0) else 3.0)
+
+    torch._dynamo.reset()
+    try:
+        g = torch.compile(f, fullgraph=True, backend="eager")
+        x = torch.ones(3)
+        assert torch.equal(g(x), x * 2)
+        with torch._dynamo.config.patch(error_on_recompile=True):
+            assert torch.equal(g(x), x * 2)
+        assert calls == ["mx × mx"]
+    finally:
+        torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("tokens", [256, 200])
+def test_an_mx_layer_on_the_native_path_computes_what_the_emulation_does(tokens, monkeypatch):
+    """An MXScaling layer steered on the CPU onto the native path, into a kernel computing what cuBLASLt documents:
+    all three GEMMs (fprop, and dgrad and wgrad on operands re-quantized along the other axis) take FP8 data with
+    swizzled E8M0 scales, and y, dx and dW are the emulated layer's within the native rounding (200 tokens: wgrad's
+    K is not a multiple of 32, so that GEMM runs emulated from the FP8 data)."""
+    import copy
+
+    import minifloat.fp8.caster as caster
+    import minifloat.fp8.gemm as gemm
+    from mx_reference import scaled_mm_mx
+
+    torch.manual_seed(0)
+    emulated = mf.convert(nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 128, bias=False)),
+                          recipe=mf.MXScaling(), keep_first_last=False)
+    native = copy.deepcopy(emulated)
+    x = torch.randn(tokens, 256) * torch.logspace(-3, 3, 256, base=2.0)
+    dy = torch.randn(tokens, 128)
+
+    def step(model):
+        xi = x.clone().requires_grad_()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = model(xi)
+        y.float().backward(dy)
+        return y.float(), xi.grad, [p.grad for p in model.parameters()]
+
+    want = step(emulated)
+    calls = []
+
+    def kernel(*args, **kwargs):
+        calls.append((args[2] if len(args) > 2 else kwargs["scale_a"]).dtype)
+        return scaled_mm_mx(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", kernel)
+    monkeypatch.setattr(caster, "native_granularity", lambda *args, **kwargs: True)
+    real_support = native_support
+    monkeypatch.setattr(gemm, "native_support",
+                        lambda a, b, out_dtype=torch.bfloat16: real_support(a, b, out_dtype, capability=BLACKWELL,
+                                                                            blockwise=True))
+    got = step(native)
+    assert calls and set(calls) == {torch.float8_e8m0fnu}
+    assert len(calls) == (6 if tokens % 32 == 0 else 4), len(calls)  # fprop, dgrad, wgrad of each layer
+    y, dx, grads = got
+    assert rel_max_error(y, want[0], want[0]) <= BF16_OUT_RTOL
+    assert mf.sqnr_db(want[1], dx) >= MX_NATIVE_GRAD_SQNR_DB
+    for g_native, g_emulated in zip(grads, want[2]):
+        assert mf.sqnr_db(g_emulated, g_native) >= MX_NATIVE_GRAD_SQNR_DB

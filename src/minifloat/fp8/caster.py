@@ -36,6 +36,7 @@ from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_
 from minifloat.numerics.quantize import Quantized, abs_max, quantize
 
 _OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 class WeightCache:
@@ -124,9 +125,10 @@ class LayerCaster:
             if record:
                 self._observe(role, t, q)
             return q.gemm_operand(_OPERAND)
-        # FP8 data for the native backend, a bfloat16 operand for the emulated one (gemm decides, once)
-        native = native_granularity(t.device, Granularity.TENSOR if scale is not None else spec.granularity,
-                                    self.backend)
+        # FP8 data for the native backend, a bfloat16 operand for the emulated one (gemm decides, once); 4-bit
+        # elements under MX scaling (MXFP4) have no native kernel here
+        native = spec.fmt.torch_dtype in _FP8 and native_granularity(
+            t.device, Granularity.TENSOR if scale is not None else spec.granularity, self.backend)
         out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
         if with_t and native and not transposed and granularity_info(spec.granularity).transposes_exactly:
             out["with_t"] = True

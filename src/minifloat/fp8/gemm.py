@@ -18,8 +18,10 @@ Native scalings (cuBLASLt through torch._scaled_mm; `NATIVE_RULES`):
     tile × block, block × tile   SM 9.x (Hopper)           ScalingType     K a multiple of 512 (the 128² scales' K
       (1×128 and 128×128)                                                  blocks fill 16-byte rows), N of 16
     tile × tile                  SM 9.x                    ScalingType     K a multiple of 128, N of 16
-Not E5M2 × E5M2 (cuBLASLt has no such kernel). MX (1×32 E8M0) and NVFP4 (1×16) run emulated on every GPU: their
-native kernels need SM100 and a swizzled scale layout, and minifloat has not been run on SM100 yet (docs/fp8.md).
+    mx × mx (1×32, E8M0)         SM 10.0+ (Blackwell)      any             K a multiple of 32, N of 16
+Not E5M2 × E5M2 (cuBLASLt has no such kernel). MXFP8's scales go to cuBLASLt as E8M0 bytes in its swizzled layout;
+minifloat has not run it on a Blackwell GPU yet, so each device first checks it against the emulation
+(minifloat.fp8.native_check). NVFP4 (1×16) and MXFP4 run emulated on every GPU (docs/fp8.md).
 Where a rule does not hold the product runs emulated (exactly), or with backend="native" forced, `gemm_path` raises
 a ValueError that names the reason.
 

@@ -4,6 +4,10 @@
 torch build must expose blockwise scaling, and the K multiple the kernel needs. `native_granularity` (at cast time:
 keep FP8 data or make a bfloat16 operand?) and `native_support` (at GEMM time, with both operands' shapes) read it;
 `minifloat.fp8.gemm.gemm_path` makes the decision from them. docs/fp8.md has the table recipe × GPU generation.
+
+A rule minifloat has not yet run on a GPU of its generation (`verified=False`: MXFP8 on Blackwell) is used on a
+device only after `minifloat.fp8.native_check` has multiplied a test product there natively and found it equal to the
+exact emulation; otherwise those products run emulated, and one warning says why.
 """
 
 from __future__ import annotations
@@ -44,6 +48,8 @@ class NativeRule:
         fuses_bias: the kernel adds a bias (bfloat16/float16 outputs only); otherwise the bias is added after.
         fast_accum: the kernel offers fast accumulation (use_fast_accum: Hopper's FP8 tensor cores keep fewer
             accumulator bits and skip the periodic promotion to fp32; faster, less precise at large K).
+        verified: minifloat has run the rule on a GPU of its generation against the emulation; False: each device
+            checks it once before use (minifloat.fp8.native_check).
     """
 
     min_capability: tuple[int, int]
@@ -52,6 +58,7 @@ class NativeRule:
     k_multiple: int
     fuses_bias: bool
     fast_accum: bool
+    verified: bool = True
 
 
 _TENSOR_CORES = NativeRule((8, 9), None, False, 16, True, True)
@@ -60,12 +67,16 @@ _TENSOR_CORES = NativeRule((8, 9), None, False, 16, True, True)
 # docs/fp8.md); 1×128 × 1×128 was right for every K that is a multiple of 128 and every M tried (8 to 4096).
 _DEEPSEEK_BLOCK = NativeRule((9, 0), (10, 0), True, 512, False, False)
 _DEEPSEEK_TILE = NativeRule((9, 0), (10, 0), True, 128, False, False)
+# MXFP8: 1×32 blocks with E8M0 scales in cuBLASLt's swizzled layout (VEC32_UE8M0), on Blackwell's tensor cores. Not
+# yet run on such a GPU by minifloat: checked on each device before use. The bias is added after the GEMM.
+_MX_BLOCKS = NativeRule((10, 0), None, False, 32, False, False, verified=False)
 NATIVE_RULES: dict[tuple[Granularity, Granularity], NativeRule] = {
     (Granularity.TENSOR, Granularity.TENSOR): _TENSOR_CORES,
     (Granularity.ROW, Granularity.ROW): _TENSOR_CORES,
     (Granularity.TILE, Granularity.BLOCK): _DEEPSEEK_BLOCK,
     (Granularity.BLOCK, Granularity.TILE): _DEEPSEEK_BLOCK,
     (Granularity.TILE, Granularity.TILE): _DEEPSEEK_TILE,
+    (Granularity.MX, Granularity.MX): _MX_BLOCKS,
 }
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
@@ -110,6 +121,15 @@ def _rule_runs_on(rule: NativeRule, capability: tuple[int, int] | None, blockwis
             and (blockwise or not rule.needs_blockwise_torch))
 
 
+def _checked_on(pair: tuple[Granularity, Granularity], rule: NativeRule, device_index: int) -> bool:
+    """A rule the device may use: verified by minifloat, or found equal to the emulation there (checked once)."""
+    if rule.verified:
+        return True
+    from minifloat.fp8 import native_check  # (it imports this module)
+
+    return native_check.passes(f"{pair[0]} × {pair[1]}", device_index)
+
+
 def native_granularity(device: torch.device, granularity: Granularity | str, backend: str | None = None) -> bool:
     """Whether a tensor of `granularity` on `device` should be cast for the native backend (FP8 data and scales
     rather than a bfloat16 operand): some native pairing of it runs on this GPU and torch. The cast-time half of
@@ -118,8 +138,9 @@ def native_granularity(device: torch.device, granularity: Granularity | str, bac
     if backend == "emulated" or device.type != "cuda":
         return False
     granularity = Granularity.parse(granularity)
-    capability, blockwise = device_capability(device.index or 0), blockwise_torch()
-    return any(granularity in pair and _rule_runs_on(rule, capability, blockwise)
+    index = device.index or 0
+    capability, blockwise = device_capability(index), blockwise_torch()
+    return any(granularity in pair and _rule_runs_on(rule, capability, blockwise) and _checked_on(pair, rule, index)
                for pair, rule in NATIVE_RULES.items())
 
 
@@ -128,14 +149,17 @@ def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bf
     """None when torch._scaled_mm can run a @ bᵀ, else the reason it cannot (one line, for errors and logs).
 
     `capability` and `blockwise` describe the GPU and torch build (default: the operands' device and this torch);
-    tests pass them to check the table on machines without such a GPU.
+    tests pass them to check the table on machines without such a GPU (a rule not yet verified is then taken as
+    checked; on the operands' own device it must have passed `native_check`).
     """
     if a.data is None or b.data is None:
         return "an operand was cast for the emulated backend (no FP8 data kept)"
+    device_index = None
     if capability is None:
         if not a.data.is_cuda:
             return "the operands are not on a CUDA device"
-        capability = device_capability(a.data.device.index or 0)
+        device_index = a.data.device.index or 0
+        capability = device_capability(device_index)
         if capability is None:
             return "this torch has no CUDA torch._scaled_mm"
     blockwise = blockwise_torch() if blockwise is None else blockwise
@@ -148,6 +172,10 @@ def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bf
         torch_note = " and a torch with blockwise _scaled_mm" if rule.needs_blockwise_torch and not blockwise else ""
         return (f"{a.granularity} × {b.granularity} scaling needs {gpus}{torch_note}; "
                 f"this GPU is SM {capability[0]}.{capability[1]}")
+    pair = (a.granularity, b.granularity)
+    if device_index is not None and not _checked_on(pair, rule, device_index):
+        return (f"{a.granularity} × {b.granularity} did not pass its check against the emulation on "
+                f"cuda:{device_index} (minifloat has not run it on such a GPU before; the warning says why)")
     if a.data.dtype not in _FP8_DTYPES or b.data.dtype not in _FP8_DTYPES:
         return f"torch._scaled_mm takes FP8 data, not {a.data.dtype} × {b.data.dtype}"
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
@@ -175,8 +203,36 @@ def native_scale(q: Quantized, side: str) -> torch.Tensor:
         return s.reshape(-1, 1).contiguous() if side == "a" else s.reshape(1, -1).contiguous()
     if q.granularity == Granularity.TILE:  # (rows, K/128) laid out K-block-major (the row index runs fastest)
         return s.t().contiguous().t() if side == "a" else s.t().contiguous()
+    if q.granularity == Granularity.MX:  # E8M0 bytes, swizzled; the same for a and b (both scaled along K)
+        return swizzle_block_scales(e8m0_bytes(s.reshape(-1, s.shape[-1]))).view(torch.float8_e8m0fnu)
     # 128×128 blocks: (rows/128, K/128) row-major for a; b's transpose is that layout
     return s.contiguous() if side == "a" else s.contiguous().t()
+
+
+def e8m0_bytes(scale: torch.Tensor) -> torch.Tensor:
+    """Power-of-two float32 scales 2^e (e in [-127, 127]) as E8M0 bytes e + 127 (uint8): the float's exponent field,
+    exact, 2^-127 (a float32 subnormal, exponent field 0) included."""
+    return (scale.float().contiguous().view(torch.int32) >> 23).to(torch.uint8)
+
+
+SWIZZLE_ROWS, SWIZZLE_COLS = 128, 4  # cuBLASLt's tile of block scales: 128 rows × 4 scales along K
+
+
+def swizzle_block_scales(s: torch.Tensor) -> torch.Tensor:
+    """(R, C) block scales (one per row and 32 or 16 elements along K) in cuBLASLt's 1-D block-scaling layout.
+
+    The matrix is padded with zeros to whole tiles of 128 rows × 4 columns. Tiles follow each other row-tile by
+    row-tile (the column tiles of one row tile contiguous); within a tile, scale (r, c) sits at byte
+    16·(r mod 32) + 4·(r div 32) + c. Returns a flat contiguous tensor of round_up(R, 128)·round_up(C, 4) elements,
+    what torch._scaled_mm checks for MXFP8 (and NVFP4) scales.
+    """
+    rows, cols = s.shape
+    padded_rows, padded_cols = -(-rows // SWIZZLE_ROWS) * SWIZZLE_ROWS, -(-cols // SWIZZLE_COLS) * SWIZZLE_COLS
+    if (rows, cols) != (padded_rows, padded_cols):
+        s = torch.nn.functional.pad(s, (0, padded_cols - cols, 0, padded_rows - rows))
+    # rows r = 128·rt + 32·r4 + r32, columns c = 4·ct + c4 → order (rt, ct, r32, r4, c4)
+    tiles = s.reshape(padded_rows // SWIZZLE_ROWS, 4, 32, padded_cols // SWIZZLE_COLS, SWIZZLE_COLS)
+    return tiles.permute(0, 3, 2, 1, 4).contiguous().reshape(-1)
 
 
 def fuses_bias(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:

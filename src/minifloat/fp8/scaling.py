@@ -218,8 +218,9 @@ class ScalingState(nn.Module):
         if slots is None or slots[0] is not history or slots[1] is not nonfinite or ptrs is None or slots[2] != ptrs:
             if getattr(self, "_scratch", None) is None or self._scratch.device != history.device:
                 self._scratch = torch.zeros(len(ROLES), 4, dtype=torch.int32, device=history.device)  # 16 bytes a role
-            slots = (history, nonfinite, ptrs, [triton_cast.AmaxSlot(history[0, col], nonfinite[col],
-                                                                     self._scratch[col, :2]) for col in range(len(ROLES))])
+            views = [triton_cast.AmaxSlot(history[0, col], nonfinite[col], self._scratch[col, :2])
+                     for col in range(len(ROLES))]
+            slots = (history, nonfinite, ptrs, views)
             self._slots = slots
         return slots[3][ROLE_INDEX[role]]
 
