@@ -594,13 +594,18 @@ def test_a_failed_check_warns_once_and_the_rule_stays_off(monkeypatch, caplog):
 
 
 def test_the_check_is_a_constant_to_a_compiled_graph(monkeypatch):
-    """A graph traced before the check ran (a compiled model's first step) runs it once while tracing and is not
-    recompiled when the result is stored (dynamo would guard on the results dict)."""
+    """A graph traced before the check ran (a compiled model's first step) runs it once while tracing, on real
+    tensors (here on the CPU, into the stand-in kernel), and is not recompiled when the result is stored (dynamo
+    would guard on the results dict)."""
     from minifloat.fp8 import native_check
+    from mx_reference import scaled_mm_mx
 
     calls = []
+    real_check = native_check.check
+    monkeypatch.setattr(torch, "_scaled_mm", scaled_mm_mx)
     monkeypatch.setattr(native_check, "_RESULTS", {})
-    monkeypatch.setattr(native_check, "check", lambda pair, device: calls.append(pair))
+    monkeypatch.setattr(native_check, "check",
+                        lambda pair, device: calls.append(pair) or real_check(pair, torch.device("cpu")))
 
     def f(x):
         return x * (2.0 if native_check.passes("mx × mx", 0) else 3.0)
