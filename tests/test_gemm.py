@@ -374,6 +374,24 @@ def test_mx_scales_reach_cublas_as_swizzled_e8m0_bytes(gen):
             assert int(s.view(torch.uint8).long().sum()) == int(want.sum())  # every other byte is padding: zero
 
 
+def test_mx_scales_swizzle_the_same_inside_a_compiled_graph(gen):
+    """A compiled FP8 layer builds the swizzled E8M0 scales inside its graph: bit casts, padding and the tile
+    permutation trace without a break and give the eager bytes."""
+    from minifloat.numerics.quantize import Quantized
+
+    q = quantize(torch.randn(200, 352, generator=gen) * 3.0, E4M3, granularity="mx", operand_dtype=None,
+                 keep_data=True)
+
+    def swizzled(scale):
+        return native_scale(Quantized(q.data, scale, q.fmt, q.granularity, scale_folded=True), "b").view(torch.uint8)
+
+    torch._dynamo.reset()
+    try:
+        assert torch.equal(torch.compile(swizzled, fullgraph=True)(q.scale), swizzled(q.scale))
+    finally:
+        torch._dynamo.reset()
+
+
 def test_e8m0_bytes_are_the_exponents_of_every_mx_scale():
     from minifloat.fp8.native import e8m0_bytes
 
