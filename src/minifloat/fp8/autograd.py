@@ -113,6 +113,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
         qwt = _weight_along_n(caster, weight, wg, ws)
         dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype)
+        # dy's layout for dgrad is not needed again: released before wgrad allocates dW (a transposed cast holds
+        # both layouts, so the other one's reference goes too)
+        del qdy, qwt
+        qdyt = Quantized(qdyt.data, qdyt.scale, qdyt.fmt, qdyt.granularity, qdyt.amax, qdyt.operand,
+                         qdyt.scale_folded)
 
         # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
         qxt = caster.cast_t_of(Role.INPUT, qx)
