@@ -62,18 +62,21 @@ def layer(recipe, k=64, n=48, *, bias=True, name="layer", seed=0):
 
 
 class Gemms:
-    """Records every scaled_mm the 4-bit autograd function runs: (a, b, out) in call order."""
+    """Records every GEMM the 4-bit autograd function runs (`fp4_mm`): (a, b, out) in call order, the operands as
+    `scaled_mm` takes them."""
 
     def __init__(self, monkeypatch):
+        from minifloat.fp8.fourbit.gemm import as_operand
+
         self.calls = []
-        real = fp4linear.scaled_mm
+        real = fp4linear.fp4_mm
 
         def spy(a, b, **kw):
             out = real(a, b, **kw)
-            self.calls.append((a, b, out))
+            self.calls.append((as_operand(a), as_operand(b), out))
             return out
 
-        monkeypatch.setattr(fp4linear, "scaled_mm", spy)
+        monkeypatch.setattr(fp4linear, "fp4_mm", spy)
 
 
 def values64(q) -> torch.Tensor:

@@ -359,7 +359,7 @@ def test_native_scale_layouts(gen, granularity, side, shape, strides):
 def test_mx_scales_reach_cublas_as_swizzled_e8m0_bytes(gen):
     """MX scales go to torch._scaled_mm as E8M0 bytes in cuBLASLt's 1-D block-scaling layout: read back at the
     documented offset of each (row, K block), every byte is its scale's exponent + 127; the padding is zero."""
-    from mx_reference import unswizzle
+    from block_scaled_reference import unswizzle
 
     for m, k in ((256, 512), (200, 352), (8, 32)):  # whole tiles; rows and columns padded; one tiny tile
         q = quantize(torch.randn(m, k, generator=gen) * 2.0 ** torch.randint(-40, 40, (m, 1), generator=gen),
@@ -582,7 +582,7 @@ def test_a_rule_not_yet_run_on_its_gpu_is_checked_against_the_emulation(kernel, 
     import functools
 
     from minifloat.fp8 import native_check
-    from mx_reference import scaled_mm_mx
+    from block_scaled_reference import scaled_mm_mx
 
     def raises(*args, **kwargs):
         raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED when calling cublasLtMatmul")
@@ -616,7 +616,7 @@ def test_the_check_is_a_constant_to_a_compiled_graph(monkeypatch):
     tensors (here on the CPU, into the stand-in kernel), and is not recompiled when the result is stored (dynamo
     would guard on the results dict)."""
     from minifloat.fp8 import native_check
-    from mx_reference import scaled_mm_mx
+    from block_scaled_reference import scaled_mm_mx
 
     calls = []
     real_check = native_check.check
@@ -650,7 +650,7 @@ def test_an_mx_layer_on_the_native_path_computes_what_the_emulation_does(tokens,
 
     import minifloat.fp8.caster as caster
     import minifloat.fp8.gemm as gemm
-    from mx_reference import scaled_mm_mx
+    from block_scaled_reference import scaled_mm_mx
 
     torch.manual_seed(0)
     emulated = mf.convert(nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 128, bias=False)),

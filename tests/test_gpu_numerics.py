@@ -271,12 +271,12 @@ def test_fp8_kv_cache_stores_the_cpu_bytes(device):
 TOKENS, D_IN, D_OUT = 512, 512, 512  # every GEMM's K a multiple of 512: each native scaling's shape rule holds
 STEPS = 2
 # recipes whose three GEMMs run natively on every GPU with FP8 tensor cores (cuBLASLt per-tensor and row-wise
-# scaling, SM 8.9+); MXFP8 runs natively from SM 10.0 (Blackwell) once its check against the emulation passed there
-# (minifloat.fp8.native_check), 4-bit recipes emulated on every GPU (minifloat.fp8.gemm). The DeepSeek block recipes
-# run natively on Hopper with a blockwise torch only: not asserted
+# scaling, SM 8.9+); MXFP8 and NVFP4 run natively from SM 10.0 (Blackwell) once their check against the emulation
+# passed there (minifloat.fp8.native_check), MXFP4 emulated on every GPU (minifloat.fp8.gemm). The DeepSeek block
+# recipes run natively on Hopper with a blockwise torch only: not asserted
 NATIVE_EVERYWHERE = {"delayed", "current", "current-row"}
-NATIVE_FROM_BLACKWELL = {"mx"}
-NATIVE_NOWHERE = {"mxfp4", "nvfp4"}
+NATIVE_FROM_BLACKWELL = {"mx", "nvfp4"}
+NATIVE_NOWHERE = {"mxfp4"}
 GEMMS_PER_STEP = 3  # fprop, dgrad, wgrad
 RECIPE_PARAMS = pytest.mark.parametrize("name", RECIPE_NAMES)
 

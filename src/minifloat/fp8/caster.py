@@ -28,6 +28,7 @@ import torch
 from minifloat.fp8 import telemetry
 from minifloat.fp8.fourbit.cast import cast_nvfp4
 from minifloat.fp8.gemm import native_granularity, operand
+from minifloat.fp8.native import native_nvfp4
 from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role
 from minifloat.fp8.scaling import ROLE_INDEX, ScalingState
 from minifloat.numerics.fp4 import NVFP4Quantized
@@ -102,11 +103,12 @@ class LayerCaster:
 
     def cast(self, role: Role, t: torch.Tensor, *, record: bool = True, scale: torch.Tensor | None = None,
              keep_data: bool = False, transposed: bool = False, rht_signs: torch.Tensor | None = None,
-             with_t: bool = False) -> Quantized:
+             with_t: bool = False) -> Quantized | NVFP4Quantized:
         """Quantize `t` (scaled along its last dim) for role `role`.
 
         The result carries what its GEMM needs: FP8 data for the native backend, a bfloat16 operand for the
-        emulated one; `keep_data` also keeps the FP8 data (for tensors saved for backward). `scale` (a
+        emulated one (NVFP4: the `NVFP4Quantized` itself where `native_nvfp4` says its GEMM runs natively);
+        `keep_data` also keeps the FP8 data (for tensors saved for backward). `scale` (a
         dequantization scale) repeats an earlier per-tensor cast exactly. `transposed` quantizes tᵀ (scaled along
         t's first dim) without copying t; it is for re-quantizations in backward and records nothing. `rht_signs`
         (NVFP4 only) rotates the blocks of the quantized axis first: the wgrad's operands. `with_t` asks for the FP8
@@ -119,12 +121,15 @@ class LayerCaster:
                 raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not NVFP4 ({role.value} "
                                  f"of {self.name or 'a layer'})")
             seed = self.state.sr_next_seed() if spec.rounding == "stochastic" else None
-            # the GEMM needs only the operand; telemetry also reads the E2M1 elements
-            q = cast_nvfp4(spec, t, seed=seed, transposed=transposed, rht_signs=rht_signs, operand_dtype=_OPERAND,
-                           keep_data=record and self.recording and telemetry.enabled())
+            # the emulated GEMM needs only the operand (telemetry also reads the E2M1 elements); the native one
+            # (minifloat.fp8.fourbit.gemm) the elements and the scales
+            native = native_nvfp4(t.device, self.backend)
+            q = cast_nvfp4(spec, t, seed=seed, transposed=transposed, rht_signs=rht_signs,
+                           operand_dtype=None if native else _OPERAND,
+                           keep_data=native or (record and self.recording and telemetry.enabled()))
             if record:
                 self._observe(role, t, q)
-            return q.gemm_operand(_OPERAND)
+            return q if native else q.gemm_operand(_OPERAND)
         # FP8 data for the native backend, a bfloat16 operand for the emulated one (gemm decides, once); 4-bit
         # elements under MX scaling (MXFP4) have no native kernel here
         native = spec.fmt.torch_dtype in _FP8 and native_granularity(

@@ -21,7 +21,8 @@ Native scalings (cuBLASLt through torch._scaled_mm; `NATIVE_RULES`):
     mx × mx (1×32, E8M0)         SM 10.0+ (Blackwell)      any             K a multiple of 32, N of 16
 Not E5M2 × E5M2 (cuBLASLt has no such kernel). MXFP8's scales go to cuBLASLt as E8M0 bytes in its swizzled layout;
 minifloat has not run it on a Blackwell GPU yet, so each device first checks it against the emulation
-(minifloat.fp8.native_check). NVFP4 (1×16) and MXFP4 run emulated on every GPU (docs/fp8.md).
+(minifloat.fp8.native_check). NVFP4 (1×16) has its own rule and GEMM (minifloat.fp8.fourbit.gemm); MXFP4 runs
+emulated on every GPU (docs/fp8.md).
 Where a rule does not hold the product runs emulated (exactly), or with backend="native" forced, `gemm_path` raises
 a ValueError that names the reason.
 
@@ -210,6 +211,9 @@ def _epilogue(acc: torch.Tensor, sa: torch.Tensor | None, sb: torch.Tensor | Non
         one = acc.new_ones(())
         return scale_then_add(acc, one if sa is None else sa, one if sb is None else sb, bias, out_dtype)
     return _epilogue_compiled(acc, sa, sb, bias, out_dtype)
+
+
+epilogue = _epilogue  # the 4-bit GEMM (minifloat.fp8.fourbit.gemm) applies its per-tensor scales the same way
 
 
 @torch.library.custom_op("minifloat::scale_then_add", mutates_args=(),

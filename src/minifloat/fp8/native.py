@@ -79,6 +79,11 @@ NATIVE_RULES: dict[tuple[Granularity, Granularity], NativeRule] = {
     (Granularity.MX, Granularity.MX): _MX_BLOCKS,
 }
 _FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+# NVFP4: E2M1 elements packed two per byte, E4M3 scales of 1×16 blocks in the swizzled layout; the per-tensor scales
+# are applied to the product afterwards, as the emulation applies them. Blackwell; not yet run there by minifloat.
+NVFP4_RULE = NativeRule((10, 0), None, False, 32, False, False, verified=False)
+NVFP4_PAIR = "nvfp4 × nvfp4"
+_FP4_TORCH = hasattr(torch, "float4_e2m1fn_x2")
 
 
 _BLOCKWISE_TORCH = hasattr(torch.nn.functional, "ScalingType")
@@ -121,13 +126,13 @@ def _rule_runs_on(rule: NativeRule, capability: tuple[int, int] | None, blockwis
             and (blockwise or not rule.needs_blockwise_torch))
 
 
-def _checked_on(pair: tuple[Granularity, Granularity], rule: NativeRule, device_index: int) -> bool:
+def _checked_on(pair: tuple[Granularity, Granularity] | str, rule: NativeRule, device_index: int) -> bool:
     """A rule the device may use: verified by minifloat, or found equal to the emulation there (checked once)."""
     if rule.verified:
         return True
     from minifloat.fp8 import native_check  # (it imports this module)
 
-    return native_check.passes(f"{pair[0]} × {pair[1]}", device_index)
+    return native_check.passes(pair if isinstance(pair, str) else f"{pair[0]} × {pair[1]}", device_index)
 
 
 def native_granularity(device: torch.device, granularity: Granularity | str, backend: str | None = None) -> bool:
@@ -264,3 +269,78 @@ def aligned(t: torch.Tensor) -> torch.Tensor:
     if torch.compiler.is_compiling() or isinstance(t, FakeTensor) or t.data_ptr() % ALIGNMENT == 0:
         return t
     return t.clone()
+
+
+# ---------------------------------------------------------------------------------------------------- NVFP4
+
+
+def native_nvfp4(device: torch.device, backend: str | None = None) -> bool:
+    """Whether NVFP4 casts on `device` should keep their E2M1 elements for the native GEMM (the cast-time half of
+    `nvfp4_support`)."""
+    backend = backend_from_env(backend)
+    if backend == "emulated" or device.type != "cuda" or not _FP4_TORCH:
+        return False
+    index = device.index or 0
+    return _rule_runs_on(NVFP4_RULE, device_capability(index), True) and _checked_on(NVFP4_PAIR, NVFP4_RULE, index)
+
+
+def nvfp4_support(a, b, out_dtype: torch.dtype = torch.bfloat16, *,
+                  capability: tuple[int, int] | None = None) -> str | None:
+    """None when torch._scaled_mm can multiply two NVFP4 casts (`NVFP4Quantized`, a (M, K) and b (N, K), their
+    elements kept), else the reason it cannot (one line)."""
+    if a.data is None or b.data is None:
+        return "an operand was cast for the emulated backend (no E2M1 elements kept)"
+    if not _FP4_TORCH:
+        return "this torch has no float4_e2m1fn_x2"
+    device_index = None
+    if capability is None:
+        if not a.data.is_cuda:
+            return "the operands are not on a CUDA device"
+        device_index = a.data.device.index or 0
+        capability = device_capability(device_index)
+        if capability is None:
+            return "this torch has no CUDA torch._scaled_mm"
+    if not _rule_runs_on(NVFP4_RULE, capability, True):
+        return f"{NVFP4_PAIR} needs SM 10.0+; this GPU is SM {capability[0]}.{capability[1]}"
+    if device_index is not None and not _checked_on(NVFP4_PAIR, NVFP4_RULE, device_index):
+        return (f"{NVFP4_PAIR} did not pass its check against the emulation on cuda:{device_index} (minifloat has "
+                f"not run it on such a GPU before; the warning says why)")
+    if out_dtype not in OUT_DTYPES:
+        return f"torch._scaled_mm outputs {[str(d) for d in OUT_DTYPES]}, not {out_dtype}"
+    if a.data.dim() != 2 or b.data.dim() != 2:
+        return "torch._scaled_mm multiplies 2-D operands"
+    (m, k), n = a.shape, b.shape[0]
+    if k % NVFP4_RULE.k_multiple or n % 16:
+        return f"{NVFP4_PAIR} needs K a multiple of {NVFP4_RULE.k_multiple} and N of 16, got M={m}, K={k}, N={n}"
+    return None
+
+
+def e2m1_packed(values: torch.Tensor) -> torch.Tensor:
+    """E2M1 grid values (float) as torch.float4_e2m1fn_x2, element 2i in the low nibble, without reading anything
+    on the host. NaN (which E2M1 cannot hold) is written as +0: `nvfp4_block_scales` makes its block's scale NaN."""
+    v = torch.nan_to_num(values.float(), nan=0.0).contiguous()  # row-major, as the kernel reads it
+    a = v.abs()  # magnitudes 0, 0.5, 1, 1.5 → codes 2a; 2, 3 → a + 2; 4, 6 → a/2 + 4 (exact on the grid)
+    magnitude_code = torch.where(a < 2, 2 * a, torch.where(a < 4, a + 2, a * 0.5 + 4)).to(torch.uint8)
+    codes = magnitude_code | (torch.signbit(v).to(torch.uint8) << 3)
+    pairs = codes.reshape(*codes.shape[:-1], codes.shape[-1] // 2, 2)
+    return (pairs[..., 0] | (pairs[..., 1] << 4)).contiguous().view(torch.float4_e2m1fn_x2)
+
+
+def nvfp4_block_scales(q) -> torch.Tensor:
+    """q's E4M3 block scales as torch._scaled_mm takes them: one per row and 16 elements along K (16×16 tiles
+    repeated down their rows), swizzled; a block holding NaN gets a NaN scale, so that the product is NaN where
+    the emulation's is."""
+    rows, k = q.shape
+    codes = q.scale.view(torch.uint8)
+    if q.block_2d:
+        codes = codes.repeat_interleave(16, dim=0)[:rows]
+    nan_block = q.data.reshape(rows, k // 16, 16).isnan().any(-1)
+    codes = torch.where(nan_block, torch.full_like(codes, 0x7F), codes)  # E4M3's NaN
+    return swizzle_block_scales(codes).view(torch.float8_e4m3fn)
+
+
+def nvfp4_mm(a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    """Σ_k (a_k · s_a)(b_k · s_b) of two NVFP4 casts `nvfp4_support` admits, on the tensor cores, without their
+    per-tensor scales (the caller applies them)."""
+    return torch._scaled_mm(e2m1_packed(a.data), e2m1_packed(b.data).t(), scale_a=aligned(nvfp4_block_scales(a)),
+                            scale_b=aligned(nvfp4_block_scales(b)), out_dtype=out_dtype)

@@ -1,7 +1,8 @@
 """A native GEMM rule minifloat has not yet run on a GPU of its generation is checked on each device before use.
 
-`NATIVE_RULES` (minifloat.fp8.native) marks such rules `verified=False` (MXFP8 on Blackwell: its kernels, scale dtype
-and swizzled scale layout were written from cuBLASLt's and torch's documentation, not yet seen on the hardware).
+`NATIVE_RULES` (minifloat.fp8.native) marks such rules `verified=False`: MXFP8 and NVFP4 on Blackwell, whose
+kernels, scale dtypes, element packing and swizzled scale layout were written from cuBLASLt's and torch's
+documentation, not yet seen on the hardware.
 Before a device takes one, `passes` multiplies a test product with it natively and compares it with the exact
 emulation. The product is built so that a misread scale layout shows: rows beyond the first tile of 128, K blocks
 whose scales differ by up to 2^10, and shapes padded in both scale dimensions. If torch refuses the product or the
@@ -19,6 +20,7 @@ import logging
 import torch
 
 from minifloat.numerics.formats import E4M3
+from minifloat.numerics.fp4 import quantize_nvfp4
 from minifloat.numerics.granularity import Granularity
 from minifloat.numerics.quantize import quantize
 
@@ -37,7 +39,8 @@ _RESULTS: dict[tuple[str, int], bool] = {}
 
 @torch._dynamo.assume_constant_result
 def passes(pair: str, device_index: int) -> bool:
-    """Whether the native rule for `pair` ("mx × mx") gives the emulation's results on cuda:`device_index`."""
+    """Whether the native rule for `pair` ("mx × mx", "nvfp4 × nvfp4") gives the emulation's results on
+    cuda:`device_index`."""
     key = (pair, device_index)
     if key not in _RESULTS:
         _RESULTS[key] = False  # while it runs (its own products never ask: they call the kernel directly)
@@ -63,20 +66,36 @@ def probe_operands(pair: str, device: torch.device) -> tuple[torch.Tensor, torch
 
 def check(pair: str, device: torch.device) -> str | None:
     """None when the native GEMM of `pair` matches the emulation on `device`, else what went wrong (one line)."""
-    from minifloat.fp8.gemm import scaled_mm  # (it imports minifloat.fp8.native, which imports this module)
-    from minifloat.fp8.native import native_mm
+    from minifloat.fp8.gemm import epilogue, scaled_mm  # (it imports minifloat.fp8.native, which imports this)
+    from minifloat.fp8.native import NVFP4_PAIR, native_mm, nvfp4_mm
 
-    granularities = [Granularity.parse(g) for g in pair.split(" × ")]
     a, b = probe_operands(pair, device)
-    qa, qb = (quantize(t, E4M3, granularity=g, operand_dtype=None, keep_data=True)
-              for t, g in zip((a, b), granularities))
+    if pair == NVFP4_PAIR:
+        qa, qb = (quantize_nvfp4(t, operand_dtype=None, keep_data=True) for t in (a, b))
+
+        def native(out_dtype):
+            acc = nvfp4_mm(qa, qb, torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+            return epilogue(acc, qa.global_scale.float(), qb.global_scale.float(), None, out_dtype)
+
+        def emulated(out_dtype):
+            return scaled_mm(qa.gemm_operand(), qb.gemm_operand(), out_dtype=out_dtype, backend="emulated")
+    else:
+        granularities = [Granularity.parse(g) for g in pair.split(" × ")]
+        qa, qb = (quantize(t, E4M3, granularity=g, operand_dtype=None, keep_data=True)
+                  for t, g in zip((a, b), granularities))
+
+        def native(out_dtype):
+            return native_mm(qa, qb, out_dtype)
+
+        def emulated(out_dtype):
+            return scaled_mm(qa, qb, out_dtype=out_dtype, backend="emulated")
     for out_dtype in OUT_DTYPES:
         try:
-            native = native_mm(qa, qb, out_dtype).float()
+            got = native(out_dtype).float()
         except (RuntimeError, ValueError, TypeError) as exc:
             return f"torch._scaled_mm raised {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-        emulated = scaled_mm(qa, qb, out_dtype=out_dtype, backend="emulated").float()
-        err = float((native - emulated).abs().max()) / max(float(emulated.abs().max()), 1e-30)
+        want = emulated(out_dtype).float()
+        err = float((got - want).abs().max()) / max(float(want.abs().max()), 1e-30)
         if not err <= TOLERANCE:  # NaN fails too
             return (f"{str(out_dtype).replace('torch.', '')} output {err:.3g} from the emulation, relative to its "
                     f"largest value (allowed {TOLERANCE:.3g})")

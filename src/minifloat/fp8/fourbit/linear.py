@@ -19,7 +19,8 @@ It differs from the FP8 function (minifloat.fp8.autograd.Fp8LinearFunction) wher
 * With NVFP4's `stochastic_rounding`, both casts of dy round stochastically, each drawing from the layer's stream.
 
 Every cast goes through the layer's `LayerCaster` (which records amaxes and feeds telemetry); every GEMM is
-`scaled_mm` on exact bfloat16 operands (E2M1 × E4M3 or × 2^k) with fp32 accumulation, scales applied to the output.
+`fp4_mm` (minifloat.fp8.fourbit.gemm): NVFP4 on Blackwell's FP4 tensor cores where it runs, else `scaled_mm` on
+exact bfloat16 operands (E2M1 × E4M3 or × 2^k) with fp32 accumulation, scales applied to the output.
 """
 
 from __future__ import annotations
@@ -27,8 +28,9 @@ from __future__ import annotations
 import torch
 
 from minifloat.fp8.caster import LayerCaster
-from minifloat.fp8.gemm import scaled_mm
+from minifloat.fp8.fourbit.gemm import fp4_mm
 from minifloat.fp8.recipes import NVFP4Scaling, NVFP4Spec, Role
+from minifloat.numerics.fp4 import NVFP4Quantized
 from minifloat.numerics.quantize import Quantized
 
 
@@ -70,21 +72,25 @@ class Fp4LinearFunction(torch.autograd.Function):
         qx = caster.cast(Role.INPUT, x2)
         qw = caster.cast_weight(weight)
         # fprop: x @ Wᵀ = y
-        y = scaled_mm(qx, qw, out_dtype=compute_dtype, bias=bias, backend=caster.backend)
-        # Saved for backward: xᵀ quantized along M for wgrad (its bfloat16 operand and scales), and the weight
-        # parameter itself (no copy).
+        y = fp4_mm(qx, qw, out_dtype=compute_dtype, bias=bias, backend=caster.backend)
+        # Saved for backward: xᵀ quantized along M for wgrad (its bfloat16 operand and scales; for the native GEMM
+        # its E2M1 elements, exact in bfloat16, and both levels of scales), and the weight parameter itself.
         qxt = None
         if ctx.needs_input_grad[1]:
             qxt = caster.cast(Role.INPUT, x2, record=False, transposed=True, rht_signs=wgrad_rht_signs(caster))
-        ctx.save_for_backward(weight, *((qxt.operand, qxt.scale) if qxt is not None else (None, None)))
-        ctx.meta = None if qxt is None else (qxt.fmt, qxt.granularity, qxt.scale_folded)
+        if isinstance(qxt, NVFP4Quantized):
+            ctx.save_for_backward(weight, qxt.data.to(torch.bfloat16), qxt.scale, qxt.global_scale, qxt.amax)
+            ctx.meta = "nvfp4"
+        else:
+            ctx.save_for_backward(weight, *((qxt.operand, qxt.scale) if qxt is not None else (None, None)))
+            ctx.meta = None if qxt is None else (qxt.fmt, qxt.granularity, qxt.scale_folded)
         ctx.caster, ctx.compute_dtype = caster, compute_dtype
         ctx.x_dtype, ctx.has_bias = x.dtype, bias is not None
         return y.reshape(*x.shape[:-1], y.shape[-1])
 
     @staticmethod
     def backward(ctx, dy):
-        weight, xt_operand, xt_scale = ctx.saved_tensors
+        weight, *saved_xt = ctx.saved_tensors
         caster, out_dtype = ctx.caster, ctx.compute_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
         qdy = caster.cast(Role.GRAD_OUTPUT, dy2)  # records dy's amax (and feeds telemetry) even without dgrad
@@ -92,15 +98,19 @@ class Fp4LinearFunction(torch.autograd.Function):
 
         if ctx.needs_input_grad[0]:
             # dgrad: dy @ W = dx
-            dx = scaled_mm(qdy, weight_along_n(caster, weight), out_dtype=out_dtype, backend=caster.backend)
+            dx = fp4_mm(qdy, weight_along_n(caster, weight), out_dtype=out_dtype, backend=caster.backend)
             dx = dx.reshape(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
 
         if ctx.needs_input_grad[1]:
             # wgrad: dyᵀ @ x = dW  — both along M, from high precision, rotated alike
             qdyt = caster.cast(Role.GRAD_OUTPUT, dy2, record=False, transposed=True, rht_signs=wgrad_rht_signs(caster))
-            fmt, granularity, folded = ctx.meta
-            qxt = Quantized(None, xt_scale, fmt, granularity, operand=xt_operand, scale_folded=folded)
-            dw = scaled_mm(qdyt, qxt, out_dtype=out_dtype, backend=caster.backend)
+            if ctx.meta == "nvfp4":
+                data, scale, global_scale, amax = saved_xt
+                qxt = NVFP4Quantized(data.float(), scale, global_scale, amax)
+            else:
+                (fmt, granularity, folded), (operand, scale) = ctx.meta, saved_xt
+                qxt = Quantized(None, scale, fmt, granularity, operand=operand, scale_folded=folded)
+            dw = fp4_mm(qdyt, qxt, out_dtype=out_dtype, backend=caster.backend)
 
         # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)
         db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
