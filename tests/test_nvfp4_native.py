@@ -16,6 +16,7 @@ import minifloat as mf
 from block_scaled_reference import scaled_mm_block_scaled, scaled_mm_nvfp4, unpack_e2m1, unswizzle
 from minifloat.fp8 import native_check
 from minifloat.fp8.native import NVFP4_PAIR, e2m1_packed, nvfp4_block_scales, nvfp4_support
+from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.fp4 import quantize_nvfp4
 
 BLACKWELL, HOPPER = (10, 0), (9, 0)
@@ -31,6 +32,14 @@ DEVICE_RTOL = native_check.TOLERANCE
 @pytest.fixture
 def gen():
     return torch.Generator().manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _eager_casts():
+    """The casts' compiled kernels are tested elsewhere (the same bits either way): here they run eagerly, so that
+    these GEMM tests pay no compile time."""
+    with eager_kernels():
+        yield
 
 
 def test_e2m1_elements_pack_as_torchs_float4_e2m1fn_x2(gen):
