@@ -302,3 +302,32 @@ def test_master_weight_optimizers_end_the_step_once(kind):
         model.zero_grad()
         for layer in mf.fp8_layers(model):
             assert int((layer.fp8_state.amax_history[1:, 0] > 0).sum()) == step + 1, (kind, step)
+
+
+@pytest.mark.parametrize("master", [False, True], ids=["plain", "master-weights"])
+def test_weight_casts_live_through_the_micro_batches_and_are_gone_when_the_optimizer_steps(master):
+    """A layer's cached weight casts serve the micro-batches of one step; the optimizer's own step (its temporaries,
+    the peak of a weight-heavy step) no longer holds them: they are dropped by a pre-step hook, not after."""
+    torch.manual_seed(0)
+    layer = mf.Fp8Linear(64, 32, recipe=mf.DelayedScaling())
+    seen = []
+
+    class Spy(torch.optim.SGD):
+        def step(self, closure=None):
+            seen.append(len(layer._weights._entries))
+            return super().step(closure)
+
+    if master:
+        opt = MasterWeightOptimizer(Spy, layer.to(torch.bfloat16), lr=0.1)
+    else:
+        opt = Spy(layer.parameters(), lr=0.1)
+    x = torch.randn(3, 16, 64)
+    for step in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            for micro in x:  # three micro-batches: the weight is cast once and reused
+                layer(micro).float().square().mean().backward()
+                assert len(layer._weights._entries) >= 1
+        opt.step()
+        opt.zero_grad()
+        assert not layer._weights._entries
+    assert seen == [0, 0]

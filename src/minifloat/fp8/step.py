@@ -30,7 +30,7 @@ from typing import Iterable, Iterator
 
 import torch
 from torch import nn
-from torch.optim.optimizer import register_optimizer_step_post_hook
+from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from minifloat.core.switch import ThreadSwitch
 from minifloat.fp8.scaling import advance_states, reduce_states
@@ -53,7 +53,8 @@ def track(layer: nn.Module) -> None:
     global _HOOK
     _LAYERS.add(layer)
     if _HOOK is None:
-        _HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+        _HOOK = (register_optimizer_step_pre_hook(_before_optimizer_step),
+                 register_optimizer_step_post_hook(_after_optimizer_step))
 
 
 def alias(stand_in: torch.Tensor, param: torch.Tensor) -> None:
@@ -67,6 +68,13 @@ def suppressed() -> Iterator[None]:
     """Optimizer steps inside the block end no FP8 step (for wrappers whose own step ends it, this thread only)."""
     with _SUPPRESSED.on():
         yield
+
+
+def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    """The layers' weight casts are for the micro-batches of a step, whose last backward has run: dropped before the
+    optimizer's own temporaries are allocated (2 bytes per weight for per-tensor recipes, both layouts), not after."""
+    for layer in _owners(p for group in optimizer.param_groups for p in group["params"]):
+        layer.drop_weight_casts()
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -101,9 +109,8 @@ def _end_step(layers: list[nn.Module]) -> int:
     return len(layers)
 
 
-def params_updated(params: Iterable[torch.Tensor]) -> int:
-    """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many. The layers
-    are taken in the order of `params` (the same on every rank of a data-parallel run)."""
+def _owners(params: Iterable[torch.Tensor]) -> list[nn.Module]:
+    """The automatically stepped layers owning one of `params` (or what an alias stands for), in `params`' order."""
     owners = {id(q): layer for layer in list(_LAYERS) if layer.step_on == "optimizer"
               for q in layer.parameters(recurse=False)}
     layers: dict[int, nn.Module] = {}
@@ -111,7 +118,13 @@ def params_updated(params: Iterable[torch.Tensor]) -> int:
         layer = owners.get(id(p))
         if layer is not None and any(q is p for q in layer.parameters(recurse=False)):
             layers.setdefault(id(layer), layer)
-    return _end_step(list(layers.values()))
+    return list(layers.values())
+
+
+def params_updated(params: Iterable[torch.Tensor]) -> int:
+    """End the FP8 step of every automatically stepped layer owning one of `params`; returns how many. The layers
+    are taken in the order of `params` (the same on every rank of a data-parallel run)."""
+    return _end_step(_owners(params))
 
 
 def fp8_step(model: nn.Module) -> int:
