@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import math
 import pathlib
@@ -20,9 +21,13 @@ AUDIT_SEQ_LEN = 64  # bytes per sequence of the audited Llama batch (TrainConfig
 
 
 def cmd_formats(args: argparse.Namespace) -> int:
-    """Print the number-format table (every limit derived from the bit layout)."""
+    """Print the number-format table (every limit derived from the bit layout). With --gemms, the path each
+    recipe's GEMMs take on a device instead: native on its tensor cores (and what shapes that needs) or emulated
+    exactly (and why)."""
     from minifloat.numerics.formats import FORMATS
 
+    if args.gemms:
+        return _print_gemm_paths(args)
     rows = [f.describe() for f in FORMATS.values()]
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -34,6 +39,31 @@ def cmd_formats(args: argparse.Namespace) -> int:
         t.add_row(r["name"], str(r["bits"]), str(r["exponent_bits"]), str(r["mantissa_bits"]), str(r["bias"]),
                   f"{r['max']:.6g}", f"{r['min_normal']:.6g}", f"{r['min_subnormal']:.6g}",
                   "yes" if r["has_inf"] else "no", "yes" if r["has_nan"] else "no", r["torch_dtype"] or "-")
+    common.print_table(t)
+    return 0
+
+
+def _print_gemm_paths(args: argparse.Namespace) -> int:
+    import torch
+
+    from minifloat.fp8.paths import gemm_paths
+
+    name = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise common.CliError(f"--device {name}: not a torch device; use cpu, cuda or cuda:N") from None
+    rows = gemm_paths(device)
+    if args.json:
+        print(json.dumps({"device": str(device), "gemms": [dataclasses.asdict(r) for r in rows]}, indent=1))
+        return 0
+    gpu = (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" and torch.cuda.is_available()
+           else "")
+    t = Table(title=f"GEMM paths on {device}{gpu}")
+    for col in ("recipe", "GEMMs", "path", "why"):
+        t.add_column(col)
+    for r in rows:
+        t.add_row(r.recipe, r.gemms, r.path, r.why)
     common.print_table(t)
     return 0
 
@@ -199,6 +229,9 @@ AUDIT_HELP = "record the dtype every op of a model runs in and flag policy viola
 def add_formats(sub) -> None:
     f = sub.add_parser("formats", help=FORMATS_HELP, description=cmd_formats.__doc__)
     f.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    f.add_argument("--gemms", action="store_true",
+                   help="print which GEMM path each recipe takes on --device (native or emulated, and why)")
+    f.add_argument("--device", default="", help="device for --gemms (default: cuda when torch sees a GPU, else cpu)")
     f.set_defaults(func=cmd_formats)
 
 
