@@ -53,6 +53,8 @@ def _bench(*args: str) -> tuple[str, ...]:
 # 15 minutes of device time, the start and a 30 s idle wait included: call 1 (~8 minutes), then at once call 2 (~4).
 CALLS: dict[int, tuple[Step, ...]] = {
     1: (
+        # what runs natively on this GPU, recipe by recipe (seconds; the table the benchmark's rows depend on)
+        Step("gemm-paths", 30, (sys.executable, "-m", "minifloat", "formats", "--gemms")),
         Step("records", 120, _pytest("-m", "gpu", "tests/test_gpu_numerics.py", "-k",
                                      "recording_its_amax or large_cast")),
         # ~40-60 s of compiling per case on an H100: the three fullgraph cases and delayed's CUDA graphs
