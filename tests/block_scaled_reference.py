@@ -89,3 +89,13 @@ def scaled_mm_nvfp4(a, b, scale_a, scale_b, bias=None, out_dtype=None, scale_res
 def scaled_mm_block_scaled(a, b, *args, **kwargs):
     """scaled_mm_nvfp4 for packed E2M1 data, scaled_mm_mx for FP8."""
     return (scaled_mm_nvfp4 if a.dtype == torch.float4_e2m1fn_x2 else scaled_mm_mx)(a, b, *args, **kwargs)
+
+
+def layer_step(model, x: torch.Tensor, dy: torch.Tensor):
+    """One forward and backward of `model` under bfloat16 autocast: (y, dx, the parameters' gradients), the
+    quantities the native-path layer tests compare with the emulated layer's."""
+    xi = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(xi)
+    y.float().backward(dy)
+    return y.float(), xi.grad, [p.grad for p in model.parameters()]

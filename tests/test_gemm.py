@@ -650,7 +650,7 @@ def test_an_mx_layer_on_the_native_path_computes_what_the_emulation_does(tokens,
 
     import minifloat.fp8.caster as caster
     import minifloat.fp8.gemm as gemm
-    from block_scaled_reference import scaled_mm_mx
+    from block_scaled_reference import layer_step, scaled_mm_mx
 
     torch.manual_seed(0)
     emulated = mf.convert(nn.Sequential(nn.Linear(256, 384), nn.Linear(384, 128, bias=False)),
@@ -659,14 +659,7 @@ def test_an_mx_layer_on_the_native_path_computes_what_the_emulation_does(tokens,
     x = torch.randn(tokens, 256) * torch.logspace(-3, 3, 256, base=2.0)
     dy = torch.randn(tokens, 128)
 
-    def step(model):
-        xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = model(xi)
-        y.float().backward(dy)
-        return y.float(), xi.grad, [p.grad for p in model.parameters()]
-
-    want = step(emulated)
+    want = layer_step(emulated, x, dy)
     calls = []
 
     def kernel(*args, **kwargs):
@@ -679,7 +672,7 @@ def test_an_mx_layer_on_the_native_path_computes_what_the_emulation_does(tokens,
     monkeypatch.setattr(gemm, "native_support",
                         lambda a, b, out_dtype=torch.bfloat16: real_support(a, b, out_dtype, capability=BLACKWELL,
                                                                             blockwise=True))
-    got = step(native)
+    got = layer_step(native, x, dy)
     assert calls and set(calls) == {torch.float8_e8m0fnu}
     assert len(calls) == (6 if tokens % 32 == 0 else 4), len(calls)  # fprop, dgrad, wgrad of each layer
     y, dx, grads = got

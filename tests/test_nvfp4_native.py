@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
-from block_scaled_reference import scaled_mm_block_scaled, scaled_mm_nvfp4, unpack_e2m1, unswizzle
+from block_scaled_reference import layer_step, scaled_mm_block_scaled, scaled_mm_nvfp4, unpack_e2m1, unswizzle
 from minifloat.fp8 import native_check
 from minifloat.fp8.native import NVFP4_PAIR, e2m1_packed, nvfp4_block_scales, nvfp4_support
 from minifloat.numerics.compiling import eager_kernels
@@ -135,17 +135,10 @@ def test_an_nvfp4_layer_on_the_native_path_computes_what_the_emulation_does(toke
     x = torch.randn(tokens, 256) * torch.logspace(-3, 3, 256, base=2.0)
     dy = torch.randn(tokens, 384)
 
-    def step(model):
-        xi = x.clone().requires_grad_()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            y = model(xi)
-        y.float().backward(dy)
-        return y.float(), xi.grad, [p.grad for p in model.parameters()]
-
-    want = step(emulated)
+    want = layer_step(emulated, x, dy)
     calls = []
     _steer_native(monkeypatch, calls)
-    y, dx, grads = step(native)
+    y, dx, grads = layer_step(native, x, dy)
     assert calls and set(calls) == {torch.float4_e2m1fn_x2}
     assert len(calls) == (3 if tokens % 32 == 0 else 2), len(calls)
     assert mf.sqnr_db(want[0], y) >= NATIVE_Y_SQNR_DB

@@ -149,6 +149,19 @@ def native_granularity(device: torch.device, granularity: Granularity | str, bac
                for pair, rule in NATIVE_RULES.items())
 
 
+def _operands_gpu(data: torch.Tensor, capability: tuple[int, int] | None
+                  ) -> tuple[int | None, tuple[int, int] | None, str | None]:
+    """(device index, capability, None) of the operands' GPU, or a reason they have none. A capability given (tests
+    describing a GPU they do not have) is taken as is, with no device index (so no device check)."""
+    if capability is not None:
+        return None, capability, None
+    if not data.is_cuda:
+        return None, None, "the operands are not on a CUDA device"
+    index = data.device.index or 0
+    capability = device_capability(index)
+    return index, capability, None if capability is not None else "this torch has no CUDA torch._scaled_mm"
+
+
 def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16, *,
                    capability: tuple[int, int] | None = None, blockwise: bool | None = None) -> str | None:
     """None when torch._scaled_mm can run a @ bᵀ, else the reason it cannot (one line, for errors and logs).
@@ -159,14 +172,9 @@ def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bf
     """
     if a.data is None or b.data is None:
         return "an operand was cast for the emulated backend (no FP8 data kept)"
-    device_index = None
-    if capability is None:
-        if not a.data.is_cuda:
-            return "the operands are not on a CUDA device"
-        device_index = a.data.device.index or 0
-        capability = device_capability(device_index)
-        if capability is None:
-            return "this torch has no CUDA torch._scaled_mm"
+    device_index, capability, reason = _operands_gpu(a.data, capability)
+    if reason is not None:
+        return reason
     blockwise = blockwise_torch() if blockwise is None else blockwise
     rule = NATIVE_RULES.get((a.granularity, b.granularity))
     if rule is None:
@@ -292,14 +300,9 @@ def nvfp4_support(a, b, out_dtype: torch.dtype = torch.bfloat16, *,
         return "an operand was cast for the emulated backend (no E2M1 elements kept)"
     if not _FP4_TORCH:
         return "this torch has no float4_e2m1fn_x2"
-    device_index = None
-    if capability is None:
-        if not a.data.is_cuda:
-            return "the operands are not on a CUDA device"
-        device_index = a.data.device.index or 0
-        capability = device_capability(device_index)
-        if capability is None:
-            return "this torch has no CUDA torch._scaled_mm"
+    device_index, capability, reason = _operands_gpu(a.data, capability)
+    if reason is not None:
+        return reason
     if not _rule_runs_on(NVFP4_RULE, capability, True):
         return f"{NVFP4_PAIR} needs SM 10.0+; this GPU is SM {capability[0]}.{capability[1]}"
     if device_index is not None and not _checked_on(NVFP4_PAIR, NVFP4_RULE, device_index):
