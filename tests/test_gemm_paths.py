@@ -57,3 +57,5 @@ def test_the_cli_prints_the_table_as_json_and_refuses_a_bad_device_in_one_line(c
     assert main(["formats", "--gemms", "--device", "tpu9"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--device tpu9" in err[0], err
+    assert main(["formats", "--device", "cpu"]) == 2  # --device alone would be ignored: said instead
+    assert "add --gemms" in capsys.readouterr().err

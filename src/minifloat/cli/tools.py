@@ -28,6 +28,8 @@ def cmd_formats(args: argparse.Namespace) -> int:
 
     if args.gemms:
         return _print_gemm_paths(args)
+    if args.device:
+        raise common.CliError("--device chooses the device of --gemms; add --gemms (the formats are the same anywhere)")
     rows = [f.describe() for f in FORMATS.values()]
     if args.json:
         print(json.dumps(rows, indent=1))
