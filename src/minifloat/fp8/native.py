@@ -5,9 +5,9 @@ torch build must expose blockwise scaling, and the K multiple the kernel needs. 
 keep FP8 data or make a bfloat16 operand?) and `native_support` (at GEMM time, with both operands' shapes) read it;
 `minifloat.fp8.gemm.gemm_path` makes the decision from them. docs/fp8.md has the table recipe × GPU generation.
 
-A rule minifloat has not yet run on a GPU of its generation (`verified=False`: MXFP8 on Blackwell) is used on a
-device only after `minifloat.fp8.native_check` has multiplied a test product there natively and found it equal to the
-exact emulation; otherwise those products run emulated, and one warning says why.
+A rule minifloat has not yet run on a GPU of its generation (`verified=False`: MXFP8 and NVFP4 on Blackwell) is used
+on a device only after `minifloat.fp8.native_check` has multiplied a test product there natively and found it equal
+to the exact emulation; otherwise those products run emulated, and one warning says why.
 """
 
 from __future__ import annotations
@@ -126,6 +126,18 @@ def _rule_runs_on(rule: NativeRule, capability: tuple[int, int] | None, blockwis
             and (blockwise or not rule.needs_blockwise_torch))
 
 
+def generations(rule: NativeRule) -> str:
+    """The GPU generations a rule runs on, as messages say it ("SM 9.0+ below SM 10.0")."""
+    low = f"SM {rule.min_capability[0]}.{rule.min_capability[1]}+"
+    return low if rule.below_capability is None else f"{low} below SM {rule.below_capability[0]}.0"
+
+
+def check_failed(name: str, device_index: int) -> str:
+    """Why a rule not yet run on its GPU generation is off on a device (its check there failed)."""
+    return (f"{name} did not pass its check against the emulation on cuda:{device_index} (minifloat has not run it "
+            f"on such a GPU before; the warning says why)")
+
+
 def _checked_on(pair: tuple[Granularity, Granularity] | str, rule: NativeRule, device_index: int) -> bool:
     """A rule the device may use: verified by minifloat, or found equal to the emulation there (checked once)."""
     if rule.verified:
@@ -180,15 +192,13 @@ def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bf
     if rule is None:
         return f"torch._scaled_mm has no {a.granularity} × {b.granularity} scaling"
     if not _rule_runs_on(rule, capability, blockwise):
-        gpus = f"SM {rule.min_capability[0]}.{rule.min_capability[1]}+" + (
-            "" if rule.below_capability is None else f" below SM {rule.below_capability[0]}.0")
+        gpus = generations(rule)
         torch_note = " and a torch with blockwise _scaled_mm" if rule.needs_blockwise_torch and not blockwise else ""
         return (f"{a.granularity} × {b.granularity} scaling needs {gpus}{torch_note}; "
                 f"this GPU is SM {capability[0]}.{capability[1]}")
     pair = (a.granularity, b.granularity)
     if device_index is not None and not _checked_on(pair, rule, device_index):
-        return (f"{a.granularity} × {b.granularity} did not pass its check against the emulation on "
-                f"cuda:{device_index} (minifloat has not run it on such a GPU before; the warning says why)")
+        return check_failed(f"{a.granularity} × {b.granularity}", device_index)
     if a.data.dtype not in _FP8_DTYPES or b.data.dtype not in _FP8_DTYPES:
         return f"torch._scaled_mm takes FP8 data, not {a.data.dtype} × {b.data.dtype}"
     if a.data.dtype == torch.float8_e5m2 and b.data.dtype == torch.float8_e5m2:
@@ -304,10 +314,9 @@ def nvfp4_support(a, b, out_dtype: torch.dtype = torch.bfloat16, *,
     if reason is not None:
         return reason
     if not _rule_runs_on(NVFP4_RULE, capability, True):
-        return f"{NVFP4_PAIR} needs SM 10.0+; this GPU is SM {capability[0]}.{capability[1]}"
+        return f"{NVFP4_PAIR} needs {generations(NVFP4_RULE)}; this GPU is SM {capability[0]}.{capability[1]}"
     if device_index is not None and not _checked_on(NVFP4_PAIR, NVFP4_RULE, device_index):
-        return (f"{NVFP4_PAIR} did not pass its check against the emulation on cuda:{device_index} (minifloat has "
-                f"not run it on such a GPU before; the warning says why)")
+        return check_failed(NVFP4_PAIR, device_index)
     if out_dtype not in OUT_DTYPES:
         return f"torch._scaled_mm outputs {[str(d) for d in OUT_DTYPES]}, not {out_dtype}"
     if a.data.dim() != 2 or b.data.dim() != 2:

@@ -66,16 +66,16 @@ def probe_operands(pair: str, device: torch.device) -> tuple[torch.Tensor, torch
 
 def check(pair: str, device: torch.device) -> str | None:
     """None when the native GEMM of `pair` matches the emulation on `device`, else what went wrong (one line)."""
-    from minifloat.fp8.gemm import epilogue, scaled_mm  # (it imports minifloat.fp8.native, which imports this)
-    from minifloat.fp8.native import NVFP4_PAIR, native_mm, nvfp4_mm
+    from minifloat.fp8.fourbit.gemm import native_product  # (these import minifloat.fp8.native, which imports
+    from minifloat.fp8.gemm import scaled_mm  # this module)
+    from minifloat.fp8.native import NVFP4_PAIR, native_mm
 
     a, b = probe_operands(pair, device)
     if pair == NVFP4_PAIR:
         qa, qb = (quantize_nvfp4(t, operand_dtype=None, keep_data=True) for t in (a, b))
 
         def native(out_dtype):
-            acc = nvfp4_mm(qa, qb, torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
-            return epilogue(acc, qa.global_scale.float(), qb.global_scale.float(), None, out_dtype)
+            return native_product(qa, qb, out_dtype)
 
         def emulated(out_dtype):
             return scaled_mm(qa.gemm_operand(), qb.gemm_operand(), out_dtype=out_dtype, backend="emulated")

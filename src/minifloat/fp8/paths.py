@@ -56,17 +56,13 @@ def gemm_paths(device: torch.device | str, backend: str | None = None) -> list[G
         elif capability is None:
             path, why = "emulated", "this torch has no CUDA GPU or no torch._scaled_mm"
         elif not native._rule_runs_on(rule, capability, native.blockwise_torch()):
-            path, why = "emulated", f"{name} needs {_generations(rule)}" + (
+            path, why = "emulated", f"{name} needs {native.generations(rule)}" + (
                 " and a torch with blockwise _scaled_mm" if rule.needs_blockwise_torch else "")
         elif not native._checked_on(name, rule, device.index or 0):
-            path, why = "emulated", "did not pass its check against the emulation on this device (see the warning)"
+            path, why = "emulated", native.check_failed(name, device.index or 0)
         else:
             checked = "" if rule.verified else "; checked against the emulation on this device"
             path, why = "native", f"{name}, K a multiple of {rule.k_multiple}, N of 16{checked}"
         rows.append(GemmPath(recipe, gemms, path, why))
     return rows
 
-
-def _generations(rule: native.NativeRule) -> str:
-    low = f"SM {rule.min_capability[0]}.{rule.min_capability[1]}+"
-    return low if rule.below_capability is None else f"{low} below SM {rule.below_capability[0]}.0"

@@ -48,7 +48,7 @@ def _native(a: NVFP4Quantized, b: NVFP4Quantized, out_dtype: torch.dtype, bias: 
     if key is not None and key in _REFUSED:
         return _emulated(a, b, out_dtype, bias)
     try:
-        acc = nvfp4_mm(a, b, torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
+        return native_product(a, b, out_dtype, bias)
     except (RuntimeError, ValueError) as exc:  # a product the rules admit but this cuBLAS refuses
         if compiling:
             raise
@@ -56,6 +56,13 @@ def _native(a: NVFP4Quantized, b: NVFP4Quantized, out_dtype: torch.dtype, bias: 
         log.warning("minifloat: torch._scaled_mm refused an %s product of shapes %s × %s (%s); it runs emulated",
                     NVFP4_PAIR, tuple(a.shape), tuple(b.shape), str(exc).splitlines()[0] if str(exc) else exc)
         return _emulated(a, b, out_dtype, bias)
+
+
+def native_product(a: NVFP4Quantized, b: NVFP4Quantized, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The native GEMM's product with the per-tensor scales and bias applied as the emulation applies them: the
+    kernel's product rounded to bfloat16 for bfloat16 outputs (else kept in fp32), then g_a · g_b (+ bias)."""
+    acc = nvfp4_mm(a, b, torch.bfloat16 if out_dtype == torch.bfloat16 else torch.float32)
     return epilogue(acc, a.global_scale.float(), b.global_scale.float(), bias, out_dtype)
 
 
