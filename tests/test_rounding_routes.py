@@ -153,3 +153,114 @@ def test_every_float32_up_to_the_format_top_rounds_alike(fmt, monkeypatch):
         with integer_route():
             want = round_to_grid(y, fmt)
         assert_same_values(floated, want, y)
+
+
+# ---------------------------------------------------------------------------------------------------- conversion route
+
+def saturated_inputs(fmt) -> torch.Tensor:
+    """inputs(fmt) in round_saturated's domain: |y| <= fmt.max and NaN of either sign."""
+    y = inputs(fmt)
+    return y[~y.isinf()]
+
+
+def test_the_conversion_route_is_e4m3_on_the_cpu_only(monkeypatch):
+    y = torch.ones(4)
+    assert rounding.converts_exactly(y, mf.E4M3)
+    assert not any(rounding.converts_exactly(y, f) for f in GRID_FORMATS if f is not mf.E4M3)
+    assert not rounding.converts_exactly(y.to("meta"), mf.E4M3)  # every other device keeps its own arithmetic
+    monkeypatch.setattr(rounding, "UNSAFE_MATH", True)
+    assert not rounding.converts_exactly(y, mf.E4M3)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_conversion_route_is_the_integer_route(compiled, monkeypatch):
+    """torch's float8 conversion (vectorized by inductor's C++ code when compiled) against the bit-pattern rule:
+    the same values, and its bytes hold exactly those values."""
+    y = saturated_inputs(mf.E4M3)
+    with integer_route():
+        want = round_to_grid(y, mf.E4M3)
+    monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
+    run = maybe_compile(lambda v: rounding.round_saturated(v, mf.E4M3)) if compiled else (
+        lambda v: rounding.round_saturated(v, mf.E4M3))
+    values, stored = run(y)
+    assert stored is not None and stored.dtype == torch.float8_e4m3fn
+    assert_same_values(values, want, y)
+    assert_same_values(stored.float(), want, y)
+
+
+def _cast_outputs(x: torch.Tensor, scale: torch.Tensor, fold: torch.Tensor) -> list[torch.Tensor]:
+    from minifloat.numerics import quantize as kernels
+
+    data, operand, amax = kernels._cast_kernel_compiled(x, scale, "e4m3", torch.float8_e4m3fn, torch.bfloat16,
+                                                        fold, True)
+    return [data.view(torch.uint8), operand.view(torch.int16), amax.view(torch.int32)]
+
+
+def test_cast_kernel_gives_the_arithmetic_routes_bytes(monkeypatch):
+    """The compiled cast with the conversion route writes the bytes, operand and amax it wrote before (arithmetic
+    rounding), NaN of either sign and values that saturate included: one canonical NaN byte (0x7F)."""
+    monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
+    x = torch.cat([all_bfloat16(), torch.tensor([float("nan"), -float("nan"), 1e30, -1e30])]).to(torch.bfloat16)
+    assert rounding.converts_exactly(x.float(), mf.E4M3)
+    scale, fold = torch.tensor(2.0**-3 * 3), torch.tensor(1 / (2.0**-3 * 3))
+    converted = _cast_outputs(x, scale, fold)
+    with integer_route():
+        torch._dynamo.reset()  # the route is a trace-time choice: retrace with the arithmetic one
+        want = _cast_outputs(x, scale, fold)
+    torch._dynamo.reset()
+    for got, ref in zip(converted, want):
+        assert torch.equal(got, ref)
+    assert set(converted[0][x.isnan()].tolist()) == {0x7F}
+
+
+@pytest.mark.slow
+def test_every_float32_up_to_e4m3s_top_converts_alike(monkeypatch):
+    """Every float32 value in [-448, 448] (about 2.2·10^9), compiled conversion route against the eager bit pattern,
+    chunk by chunk (~3 minutes on 2 cores)."""
+    monkeypatch.setattr(compiling, "EAGER_BELOW", 0)
+    converted = maybe_compile(lambda v: rounding.round_saturated(v, mf.E4M3)[0])
+    top = int(bits(torch.tensor(mf.E4M3.max, dtype=torch.float32)))
+    for start in range(0, top + 1, FULL_CHUNK):
+        y = torch.arange(start, min(start + FULL_CHUNK, top + 1), dtype=torch.int32).view(torch.float32)
+        y = torch.cat([y, -y])
+        with integer_route():
+            want = round_to_grid(y, mf.E4M3)
+        assert_same_values(converted(y), want, y)
+
+
+ISA_PROBE = """
+import sys, torch
+from minifloat.numerics import compiling, rounding
+import minifloat as mf
+compiling.EAGER_BELOW = 0
+y = torch.load(sys.argv[1])
+values, stored = compiling.maybe_compile(lambda v: rounding.round_saturated(v, mf.E4M3))(y)
+from torch._inductor.cpu_vec_isa import pick_vec_isa
+torch.save({"values": values, "bytes": stored.view(torch.uint8), "isa": str(pick_vec_isa())}, sys.argv[2])
+"""
+# ATEN_CPU_CAPABILITY -> the vector ISA inductor then writes code for ("default": none)
+VECTOR_UNITS = {"avx2": "avx2", "default": "INVALID_VEC_ISA"}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("isa", ["avx2", "default"])
+def test_conversion_route_is_exact_on_other_vector_units(isa, tmp_path):
+    """inductor writes the conversion for the machine's vector unit (AVX-512 here, AVX2 or none elsewhere): each,
+    forced with ATEN_CPU_CAPABILITY in a fresh process and inductor cache, gives the bit-pattern rule's values."""
+    import os
+    import subprocess
+    import sys
+
+    y = saturated_inputs(mf.E4M3)
+    torch.save(y, tmp_path / "y.pt")
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
+               MINIFLOAT_COMPILE="1")
+    done = subprocess.run([sys.executable, "-c", ISA_PROBE, str(tmp_path / "y.pt"), str(tmp_path / "out.pt")],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["isa"] == VECTOR_UNITS[isa]
+    with integer_route():
+        want = round_to_grid(y, mf.E4M3)
+    assert_same_values(out["values"], want, y)
+    assert_same_values(out["bytes"].view(torch.float8_e4m3fn).float(), want, y)

@@ -26,7 +26,8 @@ from minifloat.numerics.granularity import (
     to_blocks,
     whole_block_view,
 )
-from minifloat.numerics.rounding import ROUNDINGS, reciprocal_rn, round_stochastic, round_to_grid
+from minifloat.numerics.rounding import (ROUNDINGS, converts_exactly, reciprocal_rn, round_saturated,
+                                         round_stochastic, round_to_grid)
 from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
 from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
@@ -62,7 +63,7 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
     if rounding == "stochastic":
         u = torch.rand(y.shape, generator=generator, device=y.device) if uniform is None else uniform
         return round_stochastic(y, fmt, u).to(x.dtype)
-    return round_to_grid(y, fmt).to(x.dtype)
+    return round_saturated(y, fmt)[0].to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -78,11 +79,15 @@ def _cast_kernel(x: torch.Tensor, qscale: torch.Tensor, fmt_name: str, storage: 
     fmt = FORMATS[fmt_name]
     xf = x.float()
     y = (xf * qscale).clamp(-fmt.max, fmt.max)
-    r = round_to_grid(y, fmt)
-    # one NaN (positive), whatever sign the device's arithmetic gave it; r != r rather than isnan, which inductor's
-    # C++ code runs element by element
+    # one NaN (positive), whatever sign the device's arithmetic gave it, in the stored bytes and the values; r != r
+    # rather than isnan, which inductor's C++ code runs element by element
+    y = torch.where(y != y, float("nan"), y) if converts_exactly(y, fmt) else y
+    r, stored = round_saturated(y, fmt)
     r = torch.where(r != r, float("nan"), r)
-    data = r.to(storage) if storage is not None else None
+    if storage is None:
+        data = None
+    else:  # the conversion's bytes are already the stored form (r.to(storage) would convert a second time)
+        data = stored if stored is not None and storage == stored.dtype else r.to(storage)
     operand = None if operand_dtype is None else (r if fold is None else r * fold).to(operand_dtype)
     # delayed scaling needs this step's amax too: computed in the same pass (NaN propagates through max)
     amax = torch.maximum(-xf.amin(), xf.amax()) if want_amax else None

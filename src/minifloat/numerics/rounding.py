@@ -164,6 +164,24 @@ def _in_units(y: torch.Tensor, ulp: torch.Tensor, inverse: tuple[torch.Tensor, .
     return y
 
 
+def converts_exactly(y: torch.Tensor, fmt: NumberFormat) -> bool:
+    """Whether `round_saturated` rounds `y` onto `fmt` with torch's own float8 conversion: E4M3 on a CPU. That
+    conversion is round-to-nearest-even with subnormals, integer arithmetic on the bit pattern (nothing a compiler can
+    contract), and inductor's C++ code vectorizes it, where the float route's arithmetic costs ~20 vector operations
+    per element (a compiled E4M3 cast about 1.4× faster; benchmarks/cast_routes.py). Its E5M2 conversion runs element by
+    element there, so E5M2 keeps the arithmetic. The same bits as round_to_grid (tests/test_rounding_routes.py)."""
+    return y.device.type == "cpu" and fmt.torch_dtype == torch.float8_e4m3fn and not UNSAFE_MATH
+
+
+def round_saturated(y: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """round_to_grid for float32 `y` already saturated to ±fmt.max (or NaN), with the stored form where the rounding
+    made it: (float32 grid values, fmt's float8 tensor or None). NaN stays NaN (its sign and payload unspecified)."""
+    if converts_exactly(y, fmt):
+        stored = y.to(fmt.torch_dtype)
+        return stored.float(), stored
+    return round_to_grid(y, fmt), None
+
+
 def round_to_grid(y: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
     """Round float32 `y` to the nearest value of `fmt` (ties to even). No saturation: callers clamp first.
 
