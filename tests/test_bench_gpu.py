@@ -117,6 +117,7 @@ def bench():
     del sys.modules[spec.name]
 
 
+@pytest.mark.slow  # the benchmark's own machinery, 4-6 s each: out of the default tier's 10 minutes
 def test_a_failing_variant_gets_a_row_with_the_reason_and_the_run_goes_on(bench, tmp_path, monkeypatch):
     monkeypatch.setitem(bench.GEMMS, "row", ("no-such-granularity", "row", False))
     path = tmp_path / "gemm.json"
@@ -128,6 +129,7 @@ def test_a_failing_variant_gets_a_row_with_the_reason_and_the_run_goes_on(bench,
     assert all(math.isfinite(r["step_ms"]) for r in gemm if r["variant"] != "row")
 
 
+@pytest.mark.slow  # the benchmark's own machinery, 4-6 s each: out of the default tier's 10 minutes
 def test_a_run_stopped_partway_keeps_what_it_measured(bench, tmp_path, monkeypatch):
     """The JSON is rewritten after every row: a run stopped by a time limit (here: the fourth case raises) leaves a
     valid JSON with the rows before it, marked incomplete; a run that ends marks it complete."""
@@ -153,6 +155,7 @@ def test_a_run_stopped_partway_keeps_what_it_measured(bench, tmp_path, monkeypat
     assert whole["complete"] is True and len(whole["sections"]["gemm"]) > 3
 
 
+@pytest.mark.slow  # the benchmark's own machinery, 4-6 s each: out of the default tier's 10 minutes
 def test_profile_writes_each_runs_op_table_and_refuses_to_overwrite(tmp_path):
     """--profile: one titled op table and one host Python listing per run in one text file (a GPU run adds kernels,
     busy time and host syncs per step to the JSON); the markdown has the host-time column; an existing profile file is

@@ -43,7 +43,7 @@ FIRST, LAST = "0", "2"  # the Fp8Linear layers of the MLP, by module name
 BAD_VALUES = [("pos-inf", math.inf), ("neg-inf", -math.inf), ("nan", math.nan)]
 ALL_RECIPES = pytest.mark.parametrize("recipe", [r for _, r in RECIPES], ids=[n for n, _ in RECIPES])
 BAD = pytest.mark.parametrize("value", [v for _, v in BAD_VALUES], ids=[n for n, _ in BAD_VALUES])
-COMPILED = {"delayed", "mx"}  # as tests/test_compile.py: the others run with -m slow (a cold compile costs 10-40 s)
+COMPILED = {"delayed"}  # the others run with -m slow (a cold compile costs 10-40 s; MX alone took 18 s of the default tier)
 
 
 def with_compiled_kernels(test):
