@@ -52,11 +52,22 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
     Returns:
         A tensor of x's dtype and shape holding only values of `fmt` (exactly so when x's dtype can hold them,
         which float32 always can and bfloat16 can for every 8-bit format).
+
+    Gradients go straight through the rounding (a fake-quantization's usual estimator, as in quantization-aware
+    training): d cast(x) / dx is 1 where -fmt.max <= x <= fmt.max and 0 where x saturated (or is NaN), on every
+    device and for every format and rounding.
     """
     fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDINGS)
     if not x.is_floating_point():
         raise TypeError(f"cast expects a floating tensor, got {x.dtype}")
+    if x.requires_grad and torch.is_grad_enabled():
+        return _StraightThrough.apply(x, fmt, rounding, generator, uniform)
+    return _cast(x, fmt, rounding, generator, uniform)
+
+
+def _cast(x: torch.Tensor, fmt: NumberFormat, rounding: str, generator: torch.Generator | None,
+          uniform: torch.Tensor | None) -> torch.Tensor:
     y = x.float()
     if fmt.special != Special.SCALE:
         y = y.clamp(-fmt.max, fmt.max)
@@ -64,6 +75,24 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
         u = torch.rand(y.shape, generator=generator, device=y.device) if uniform is None else uniform
         return round_stochastic(y, fmt, u).to(x.dtype)
     return round_saturated(y, fmt)[0].to(x.dtype)
+
+
+class _StraightThrough(torch.autograd.Function):
+    """`cast` with a gradient: the rounding passes it unchanged, saturation stops it (clamp's rule). Without this the
+    gradient was whatever autograd made of the rounding's arithmetic, which differed by device and route."""
+
+    @staticmethod
+    def forward(ctx, x, fmt, rounding, generator, uniform):
+        ctx.save_for_backward(x)
+        ctx.limit = None if fmt.special == Special.SCALE else fmt.max
+        return _cast(x.detach(), fmt, rounding, generator, uniform)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (x,) = ctx.saved_tensors
+        if ctx.limit is not None:
+            grad = grad * ((x >= -ctx.limit) & (x <= ctx.limit)).to(grad.dtype)
+        return grad, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
