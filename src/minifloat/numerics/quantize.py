@@ -26,8 +26,7 @@ from minifloat.numerics.granularity import (
     to_blocks,
     whole_block_view,
 )
-from minifloat.numerics.rounding import (ROUNDINGS, converts_exactly, reciprocal_rn, round_saturated,
-                                         round_stochastic, round_to_grid)
+from minifloat.numerics.rounding import ROUNDINGS, converts_exactly, reciprocal_rn, round_saturated, round_stochastic
 from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
 from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
