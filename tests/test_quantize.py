@@ -346,6 +346,16 @@ def test_cast_passes_gradients_straight_through_and_stops_them_where_it_saturate
     assert inside[:2].all() and not inside[2:4].any() and not inside[4:6].any()
 
 
+def test_cast_gradient_works_under_torch_func_transforms():
+    """torch.func.grad and vmap go through cast's straight-through rule as they go through plain torch ops."""
+    x = torch.tensor([[0.3, -500.0, 2.5], [1e4, -0.01, float("nan")]])
+    inside = ((x >= -E4M3.max) & (x <= E4M3.max)).float()
+    grads = torch.func.vmap(torch.func.grad(lambda row: cast(row, E4M3).sum()))(x)
+    assert torch.equal(grads, inside)
+    mapped, want = torch.func.vmap(lambda row: cast(row, E4M3))(x), cast(x, E4M3)
+    assert torch.equal(mapped.isnan(), want.isnan()) and torch.equal(mapped.nan_to_num(), want.nan_to_num())
+
+
 
 def test_cast_keeps_shape(gen):
     x = torch.randn(3, 4, 5, generator=gen)

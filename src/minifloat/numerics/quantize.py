@@ -80,11 +80,17 @@ class _StraightThrough(torch.autograd.Function):
     """`cast` with a gradient: the rounding passes it unchanged, saturation stops it (clamp's rule). Without this the
     gradient was whatever autograd made of the rounding's arithmetic, which differed by device and route."""
 
+    generate_vmap_rule = True  # torch.func transforms (grad, vmap) work through it, as they did through plain ops
+
     @staticmethod
-    def forward(ctx, x, fmt, rounding, generator, uniform):
+    def forward(x, fmt, rounding, generator, uniform):
+        return _cast(x, fmt, rounding, generator, uniform)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        x, fmt = inputs[:2]
         ctx.save_for_backward(x)
         ctx.limit = None if fmt.special == Special.SCALE else fmt.max
-        return _cast(x.detach(), fmt, rounding, generator, uniform)
 
     @staticmethod
     def backward(ctx, grad):
