@@ -166,10 +166,11 @@ def _in_units(y: torch.Tensor, ulp: torch.Tensor, inverse: tuple[torch.Tensor, .
 
 def converts_exactly(y: torch.Tensor, fmt: NumberFormat) -> bool:
     """Whether `round_saturated` rounds `y` onto `fmt` with torch's own float8 conversion: E4M3 on a CPU. That
-    conversion is round-to-nearest-even with subnormals, integer arithmetic on the bit pattern (nothing a compiler can
-    contract), and inductor's C++ code vectorizes it, where the float route's arithmetic costs ~20 vector operations
-    per element (a compiled E4M3 cast about 1.4× faster; benchmarks/cast_routes.py). Its E5M2 conversion runs element by
-    element there, so E5M2 keeps the arithmetic. The same bits as round_to_grid (tests/test_rounding_routes.py)."""
+    conversion is round-to-nearest-even with subnormals, and inductor's C++ code vectorizes it, where the float
+    route's arithmetic costs ~20 vector operations per element (a compiled E4M3 cast 1.06-1.13× faster on a 2-core
+    Xeon; benchmarks/cast_routes.py). Its E5M2 conversion runs element by element there, so E5M2 keeps the arithmetic.
+    The same bits as round_to_grid, with FMA contraction on or off and for AVX-512, AVX2 and scalar code
+    (tests/test_rounding_routes.py, tests/test_fma_contraction.py)."""
     return y.device.type == "cpu" and fmt.torch_dtype == torch.float8_e4m3fn and not UNSAFE_MATH
 
 
