@@ -15,7 +15,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
+import sys
 import time
 import types
 
@@ -24,6 +26,9 @@ import torch
 from minifloat.numerics import quantize as kernels
 from minifloat.numerics import rounding
 from minifloat.numerics.compiling import maybe_compile
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import machine  # noqa: E402 - benchmarks/machine.py
 
 # (rows, cols, dtype): the step-time benchmark's activations and output gradients (bfloat16) and weights (float32)
 SHAPES = [(2048, 1024, torch.bfloat16), (2048, 4096, torch.bfloat16), (4096, 1024, torch.float32)]
@@ -54,6 +59,7 @@ def main() -> None:
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args()
     rows = []
+    print(machine.line())
     for m, k, dtype in SHAPES:
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m + k)).to(dtype)
         routes = calls(x)
@@ -80,7 +86,7 @@ def main() -> None:
               f"{medians['conversion']:6.2f} ms, {rows[-1]['speedup']:.2f}×, same bits")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"torch": torch.__version__, "rows": rows}, f, indent=1)
+            json.dump({"machine": machine.describe(), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
