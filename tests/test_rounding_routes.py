@@ -9,6 +9,9 @@ float32 values up to the format's largest one (every value: the slow tier), ±0,
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from unittest import mock
 
 import pytest
@@ -16,10 +19,11 @@ import torch
 
 import minifloat as mf
 from minifloat.numerics import compiling, rounding
+from minifloat.numerics import quantize as kernels
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.formats import Special
 from minifloat.numerics.quantize import FORMATS, cast
-from minifloat.numerics.rounding import float_binade_power, grid_spacing, round_stochastic, round_to_grid
+from minifloat.numerics.rounding import float_binade_power, round_stochastic, round_to_grid
 
 # every format round_to_grid rounds with a grid spacing (not bf16/fp16, which torch converts, nor E8M0 scales)
 GRID_FORMATS = [f for f in FORMATS.values() if f.mbits < 23 and f.torch_dtype not in (torch.bfloat16, torch.float16)
@@ -189,8 +193,6 @@ def test_conversion_route_is_the_integer_route(compiled, monkeypatch):
 
 
 def _cast_outputs(x: torch.Tensor, scale: torch.Tensor, fold: torch.Tensor) -> list[torch.Tensor]:
-    from minifloat.numerics import quantize as kernels
-
     data, operand, amax = kernels._cast_kernel_compiled(x, scale, "e4m3", torch.float8_e4m3fn, torch.bfloat16,
                                                         fold, True)
     return [data.view(torch.uint8), operand.view(torch.int16), amax.view(torch.int32)]
@@ -231,6 +233,7 @@ def test_every_float32_up_to_e4m3s_top_converts_alike(monkeypatch):
 ISA_PROBE = """
 import sys, torch
 from minifloat.numerics import compiling, rounding
+from minifloat.numerics import quantize as kernels
 import minifloat as mf
 compiling.EAGER_BELOW = 0
 y = torch.load(sys.argv[1])
@@ -247,10 +250,6 @@ VECTOR_UNITS = {"avx2": "avx2", "default": "INVALID_VEC_ISA"}
 def test_conversion_route_is_exact_on_other_vector_units(isa, tmp_path):
     """inductor writes the conversion for the machine's vector unit (AVX-512 here, AVX2 or none elsewhere): each,
     forced with ATEN_CPU_CAPABILITY in a fresh process and inductor cache, gives the bit-pattern rule's values."""
-    import os
-    import subprocess
-    import sys
-
     y = saturated_inputs(mf.E4M3)
     torch.save(y, tmp_path / "y.pt")
     env = dict(os.environ, ATEN_CPU_CAPABILITY=isa, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "cache"),
