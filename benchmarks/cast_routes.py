@@ -40,7 +40,6 @@ def arithmetic_kernel():
     """The cast kernel as it was before the conversion route: the same code with the route switched off in its own
     globals, compiled as a function of its own (a code object of its own: dynamo caches the two apart)."""
     scope = dict(vars(kernels))
-    scope["converts_exactly"] = lambda y, fmt: False
     scope["round_saturated"] = lambda y, fmt: (rounding.round_to_grid(y, fmt), None)
     code = kernels._cast_kernel.__code__
     return types.FunctionType(code.replace(co_name="_cast_kernel_arithmetic"), scope, "_cast_kernel_arithmetic")

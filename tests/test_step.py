@@ -16,6 +16,7 @@ from torch import nn
 
 import minifloat as mf
 from minifloat.amp.master import MasterWeightOptimizer, MasterWeights
+from minifloat.fp8 import step as fp8_step_module
 from minifloat.fp8 import telemetry
 from minifloat.fp8.recipes import Role
 from minifloat.numerics.compiling import eager_kernels
@@ -330,4 +331,7 @@ def test_weight_casts_live_through_the_micro_batches_and_are_gone_when_the_optim
         opt.step()
         opt.zero_grad()
         assert not layer._weights._entries
+        # the post-hook ended the step of the layers the pre-hook found, and kept nothing past it
+        assert int((layer.fp8_state.amax_history[1:, 0] > 0).sum()) == step + 1
+        assert not fp8_step_module._STEPPING
     assert seen == [0, 0]

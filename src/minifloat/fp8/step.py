@@ -72,14 +72,22 @@ def suppressed() -> Iterator[None]:
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """The layers' weight casts are for the micro-batches of a step, whose last backward has run: dropped before the
-    optimizer's own temporaries are allocated (2 bytes per weight for per-tensor recipes, both layouts), not after."""
-    for layer in _owners(p for group in optimizer.param_groups for p in group["params"]):
+    optimizer's own temporaries are allocated (2 bytes per weight for per-tensor recipes, both layouts), not after.
+    The layers found are kept for the step's post-hook, which ends their FP8 step."""
+    layers = _owners(p for group in optimizer.param_groups for p in group["params"])
+    _STEPPING[id(optimizer)] = layers
+    for layer in layers:
         layer.drop_weight_casts()
 
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    layers = _STEPPING.pop(id(optimizer), None)
     if not _SUPPRESSED:
-        params_updated(p for group in optimizer.param_groups for p in group["params"])
+        _end_step(layers if layers is not None else
+                  _owners(p for group in optimizer.param_groups for p in group["params"]))
+
+
+_STEPPING: dict[int, list[nn.Module]] = {}  # optimizer id -> the layers its running step updates (pre- to post-hook)
 
 
 def _resolve(p: torch.Tensor) -> torch.Tensor:

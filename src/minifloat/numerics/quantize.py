@@ -26,7 +26,7 @@ from minifloat.numerics.granularity import (
     to_blocks,
     whole_block_view,
 )
-from minifloat.numerics.rounding import ROUNDINGS, converts_exactly, reciprocal_rn, round_saturated, round_stochastic
+from minifloat.numerics.rounding import ROUNDINGS, reciprocal_rn, round_saturated, round_stochastic
 from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
 from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
@@ -113,10 +113,9 @@ def _cast_kernel(x: torch.Tensor, qscale: torch.Tensor, fmt_name: str, storage: 
     fmt = FORMATS[fmt_name]
     xf = x.float()
     y = (xf * qscale).clamp(-fmt.max, fmt.max)
-    # one NaN (positive), whatever sign the device's arithmetic gave it, in the stored bytes and the values; r != r
-    # rather than isnan, which inductor's C++ code runs element by element
-    y = torch.where(y != y, float("nan"), y) if converts_exactly(y, fmt) else y
-    r, stored = round_saturated(y, fmt)
+    r, stored = round_saturated(y, fmt)  # stored: the conversion's bytes, their NaN already the positive one
+    # one NaN (positive), whatever sign the device's arithmetic gave it; r != r rather than isnan, which inductor's
+    # C++ code runs element by element
     r = torch.where(r != r, float("nan"), r)
     if storage is None:
         data = None

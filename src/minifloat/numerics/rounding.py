@@ -176,9 +176,11 @@ def converts_exactly(y: torch.Tensor, fmt: NumberFormat) -> bool:
 
 def round_saturated(y: torch.Tensor, fmt: NumberFormat) -> tuple[torch.Tensor, torch.Tensor | None]:
     """round_to_grid for float32 `y` already saturated to ±fmt.max (or NaN), with the stored form where the rounding
-    made it: (float32 grid values, fmt's float8 tensor or None). NaN stays NaN (its sign and payload unspecified)."""
+    made it: (float32 grid values, fmt's float8 tensor or None). NaN stays NaN (its payload unspecified); a stored
+    NaN is the positive one, whatever y's sign (r != r rather than isnan, which inductor's C++ code runs element by
+    element)."""
     if converts_exactly(y, fmt):
-        stored = y.to(fmt.torch_dtype)
+        stored = torch.where(y != y, float("nan"), y).to(fmt.torch_dtype)
         return stored.float(), stored
     return round_to_grid(y, fmt), None
 
