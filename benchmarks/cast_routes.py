@@ -7,7 +7,7 @@ per element). Both give the same bits (checked here on every run, and in tests/t
 what a training step's cast runs: FP8 bytes, a bfloat16 operand and the tensor's amax in one pass.
 
 Usage:
-    python benchmarks/cast_routes.py [--reps 8] [--json out.json]
+    python benchmarks/cast_routes.py [--reps 8] [--json out.json [--overwrite]]
 No numbers here are asserted anywhere: this is a measurement, not a test.
 """
 
@@ -55,8 +55,11 @@ def calls(x: torch.Tensor) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=8)
-    parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--json", help="write the results here (an existing file is kept unless --overwrite)")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
     args = parser.parse_args()
+    if args.json and pathlib.Path(args.json).exists() and not args.overwrite:
+        parser.exit(2, f"cast_routes.py: error: {args.json} exists; choose another --json path, or add --overwrite\n")
     rows = []
     print(machine.line())
     for m, k, dtype in SHAPES:
