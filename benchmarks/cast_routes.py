@@ -56,10 +56,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=8)
     parser.add_argument("--json", help="write the results here (an existing file is kept unless --overwrite)")
-    parser.add_argument("--overwrite", action="store_true", help="replace an existing --json file")
+    machine.add_overwrite(parser)
     args = parser.parse_args()
-    if args.json and pathlib.Path(args.json).exists() and not args.overwrite:
-        parser.exit(2, f"cast_routes.py: error: {args.json} exists; choose another --json path, or add --overwrite\n")
+    machine.keep_existing(parser, args, "json")
     rows = []
     print(machine.line())
     for m, k, dtype in SHAPES:

@@ -17,12 +17,17 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
 
 from minifloat.numerics.quantize import abs_max
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
 
 SHAPES = [(2048, 1024), (2048, 4096), (4096, 1024)]  # (tokens, features): the step-time benchmark's tensors
 VIEWS = {"columns": None, "128x1 tiles": 128, "mx 32x1": 32}  # rows per block down the columns (None: all of them)
@@ -36,7 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", help="write the results here")
+    machine.add_overwrite(parser)
     args = parser.parse_args()
+    machine.keep_existing(parser, args, "json")
     plain = torch.compile(one_stage, dynamic=True)
     rows = []
     for m, k in SHAPES:

@@ -33,6 +33,9 @@ import torch
 from minifloat.training.compare import BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, compare
 from minifloat.training.loop import TrainConfig, train
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
+
 WARMUP_STEPS = 5  # the first steps compile the quantization kernels
 
 
@@ -61,7 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "rows '<preset> compiled', with ratios to BF16 eager and to BF16 compiled")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
     p.add_argument("--markdown", default="", help="write the table as Markdown to this path")
-    return p.parse_args(argv)
+    machine.add_overwrite(p)
+    args = p.parse_args(argv)
+    machine.keep_existing(p, args, "json", "markdown")
+    return args
 
 
 def table(presets: list[str], seeds: list[int], summaries: dict[int, dict]) -> tuple[list[str], dict]:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import pathlib
 import platform
 import socket
 import statistics
@@ -27,6 +28,9 @@ import torch.multiprocessing as mp
 from minifloat.distributed.fsdp import count_fsdp_bytes, shard
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.amp.policy import PrecisionPolicy
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
 
 PRESETS = ("bf16", "fp8-delayed", "fp8-current")
 WARMUP = 3  # first steps left out of the step time: the FP8 kernels compile for each new shape
@@ -96,7 +100,9 @@ def main() -> int:
     p.add_argument("--seq", type=int, default=128, help="tokens per sequence")
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="CPU threads shared by all ranks")
     p.add_argument("--json", default="", help="write the results to this JSON file")
+    machine.add_overwrite(p)
     args = p.parse_args()
+    machine.keep_existing(p, args, "json")
 
     # one process, the whole global batch as nproc micro-batches
     torch.set_num_threads(args.threads)

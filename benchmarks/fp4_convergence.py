@@ -144,7 +144,9 @@ def main() -> int:
     p.add_argument("--rounds", type=int, default=1, metavar="R",
                    help="with --throughput-steps: repeat the sequence R times, median per variant (default 1)")
     p.add_argument("--json", default="", help="write the results as JSON to this path")
+    machine.add_overwrite(p)
     args = p.parse_args()
+    machine.keep_existing(p, args, "json")
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     if unknown := [v for v in variants if v not in VARIANTS]:
         p.error(f"unknown variant(s) {unknown}; choose from {list(VARIANTS)}")

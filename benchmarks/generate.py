@@ -89,7 +89,9 @@ def main() -> int:
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights (default 0)")
     p.add_argument("--json", default="", metavar="PATH", help="also write the results as JSON to PATH")
+    machine.add_overwrite(p)
     args = p.parse_args()
+    machine.keep_existing(p, args, "json")
     device = resolve_device(args.device)
     wanted = {v.strip() for v in args.variants.split(",") if v.strip()}
     rows = []

@@ -47,3 +47,18 @@ def line() -> str:
     d = describe()
     return (f"{d['cpu']} ({', '.join(d['bf16_flags']) or 'no bf16 extensions'}), {d['cores']} cores, "
             f"torch {d['torch']} on {d['threads']} thread(s)")
+
+
+def add_overwrite(parser) -> None:
+    """The --overwrite flag every benchmark with output files takes (keep_existing reads it)."""
+    parser.add_argument("--overwrite", action="store_true", help="replace output files (--json, --markdown) that exist")
+
+
+def keep_existing(parser, args, *names: str) -> None:
+    """Stop with one line (exit status 2) before any work when an output path args.<name> exists and --overwrite
+    was not given: a benchmark never replaces a file a person already has, such as a recorded docs/bench_*.json."""
+    for name in names:
+        path = getattr(args, name, None)
+        if path and pathlib.Path(path).exists() and not getattr(args, "overwrite", False):
+            parser.exit(2, f"{parser.prog}: error: --{name.replace('_', '-')} {path} exists; choose another path, "
+                           f"or add --overwrite to replace it\n")

@@ -297,7 +297,9 @@ def main(argv=None) -> None:
     parser.add_argument("--json", type=pathlib.Path, help="write the results here")
     parser.add_argument("--threads", type=int, help="torch threads (default: torch's); on a busy machine one thread "
                         "runs these small batches faster than two, with the same results")
+    machine.add_overwrite(parser)
     args = parser.parse_args(argv)
+    machine.keep_existing(parser, args, "json")
     recipes, configs = args.recipes.split(","), args.configs.split(",")
     for name, known in (("recipe", RECIPES), ("config", CONFIGS)):
         if bad := [c for c in (recipes if name == "recipe" else configs) if c not in known]:

@@ -185,7 +185,9 @@ def main() -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="runs/optimizer_states", help="folder of the runs (one sub-folder per row)")
     p.add_argument("--json", default="", help="write the results to this JSON file")
+    machine.add_overwrite(p)
     args = p.parse_args()
+    machine.keep_existing(p, args, "json")
     pairs = [] if args.pairs == "none" else [s.strip() for s in args.pairs.split(";") if s.strip()] or list(PAIRS)
     externals = pick_externals(args.external)
     if args.threads:

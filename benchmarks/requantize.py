@@ -20,13 +20,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
 import statistics
+import sys
 import time
 
 import torch
 
 from minifloat.numerics.other_axis import quantize_t, requantize_t
 from minifloat.numerics.quantize import quantize
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
 
 CASES = [("row", False), ("tile", False), ("tile", True), ("mx", True)]  # (granularity, power_of_two)
 SHAPES = [(2048, 1024), (2048, 4096)]  # (tokens, features): the step-time benchmark's layer inputs
@@ -36,7 +41,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--json", help="write the results here")
+    machine.add_overwrite(parser)
     args = parser.parse_args()
+    machine.keep_existing(parser, args, "json")
     rows = []
     for shape in SHAPES:
         x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)

@@ -51,6 +51,7 @@ import gc
 import json
 import logging
 import os
+import pathlib
 import platform
 import shlex
 import statistics
@@ -67,6 +68,9 @@ from torch import nn
 from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 import minifloat as mf
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
 
 BASELINE = "bf16-autocast"
 MIB = 2**20
@@ -447,7 +451,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="skip torchao when its estimated step time (from a torch._scaled_mm probe) exceeds this")
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
     p.add_argument("--markdown", metavar="PATH", help="write a markdown table with the command and machine info")
+    machine.add_overwrite(p)
     args = p.parse_args(argv)
+    machine.keep_existing(p, args, "json", "markdown")
     for name in ("steps", "rounds", "tokens", "dim", "hidden", "blocks"):
         if getattr(args, name) < 1:
             p.error(f"--{name} must be >= 1, got {getattr(args, name)}")

@@ -21,6 +21,9 @@ import sysconfig
 import tempfile
 import time
 
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import machine  # noqa: E402 - benchmarks/machine.py
+
 
 def build_folder(root: pathlib.Path, megabytes: int) -> int:
     """root/big.txt of about `megabytes` MB and four small files; returns big.txt's size in bytes."""
@@ -56,7 +59,9 @@ def main() -> int:
     p.add_argument("--mb", default="25,50,100", help="comma list of the large file's sizes in MB")
     p.add_argument("--vocab-size", type=int, default=2000)
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
+    machine.add_overwrite(p)
     args = p.parse_args()
+    machine.keep_existing(p, args, "json")
     sizes = [int(s) for s in args.mb.split(",") if s.strip()]
     rows = []
     with tempfile.TemporaryDirectory(prefix="minifloat-tokenize-memory-") as tmp:
