@@ -13,10 +13,13 @@ the new block's subnormal range). Only the input is saved (in FP8); the weight i
 backward — with the forward's own scale for per-tensor recipes, so dgrad sees exactly the forward's FP8 weight.
 
 Output precision: each GEMM returns the compute dtype (torch.autocast's dtype inside an autocast region, else the
-input's dtype); gradients are returned in the dtype of the tensor they belong to. Under bfloat16 autocast the
-weight gradient is therefore produced in bfloat16 and widened to the parameter dtype, as bfloat16 autocast and
-torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 rounding of the operands it comes from
-(2^-3/2^-4).
+input's dtype); gradients are returned in the dtype of the tensor they belong to. On the emulated path, under
+bfloat16 autocast, the weight gradient is therefore produced in bfloat16 and widened to the parameter dtype, as
+bfloat16 autocast and torchao.float8 do: its rounding (at most 2^-8) is far below the E5M2/E4M3 rounding of the
+operands it comes from (2^-3/2^-4). On the native path dgrad and wgrad write the gradient in its own dtype (an
+fp32 master weight's dW in fp32): the tensor core's epilogue rounds the fp32 accumulator once, and neither the
+bfloat16 copy nor the pass that widens it exists (Transformer Engine writes wgrad into fp32 likewise). So a native
+gradient is rounded once where the emulated one is rounded twice, a difference below the bfloat16 rounding.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import torch
 
 from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.gemm import scaled_mm
+from minifloat.fp8.native import OUT_DTYPES as NATIVE_OUT_DTYPES
 from minifloat.fp8.recipes import Role
 from minifloat.numerics.granularity import Granularity, granularity_info
 from minifloat.numerics.quantize import Quantized
@@ -64,11 +68,14 @@ def _requantize_weight_t(caster: LayerCaster, weight: torch.Tensor, granularity:
 
 
 def _gemm(caster: LayerCaster, which: str, a: Quantized, b: Quantized, out_dtype: torch.dtype,
-          bias: torch.Tensor | None = None) -> torch.Tensor:
+          bias: torch.Tensor | None = None, grad_of: torch.dtype | None = None) -> torch.Tensor:
     """scaled_mm under the layer's backend; an error (backend="native" forced on a product it cannot run) names the
-    layer and the GEMM."""
+    layer and the GEMM. `grad_of`: the dtype of the tensor a backward GEMM's gradient belongs to, which the native
+    path writes directly (see the module docstring)."""
+    native_out = grad_of if grad_of in NATIVE_OUT_DTYPES else None
     try:
-        return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=caster.backend, fast_accum=which in FAST_ACCUM)
+        return scaled_mm(a, b, out_dtype=out_dtype, bias=bias, backend=caster.backend, fast_accum=which in FAST_ACCUM,
+                         native_out_dtype=native_out)
     except ValueError as exc:
         raise ValueError(f"{caster.name or 'an FP8 layer'} ({which}): {exc}") from None
 
@@ -112,7 +119,7 @@ class Fp8LinearFunction(torch.autograd.Function):
 
         # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
         qwt = _weight_along_n(caster, weight, wg, ws)
-        dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype)
+        dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype, grad_of=ctx.x_dtype)
         # dy's layout for dgrad is not needed again: released before wgrad allocates dW (a transposed cast holds
         # both layouts, so the other one's reference goes too)
         del qdy, qwt
@@ -121,7 +128,7 @@ class Fp8LinearFunction(torch.autograd.Function):
 
         # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
         qxt = caster.cast_t_of(Role.INPUT, qx)
-        dw = _gemm(caster, "wgrad", qdyt, qxt, out_dtype)
+        dw = _gemm(caster, "wgrad", qdyt, qxt, out_dtype, grad_of=weight.dtype)
 
         # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)
         db = dy2.sum(0) if ctx.has_bias else None

@@ -47,6 +47,7 @@ from minifloat.numerics import compiling
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.fp8.native import (  # noqa: F401 - native_fp8_available, native_granularity: re-exported
     BACKENDS,
+    OUT_DTYPES,
     backend_from_env,
     fuses_bias,
     native_fp8_available,
@@ -108,7 +109,8 @@ def resolve_backend(backend: str | None, a: Quantized, b: Quantized,
 
 
 def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.float32,
-              bias: torch.Tensor | None = None, backend: str | None = None, fast_accum: bool = False) -> torch.Tensor:
+              bias: torch.Tensor | None = None, backend: str | None = None, fast_accum: bool = False,
+              native_out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """(a.data · a.scale) @ (b.data · b.scale)ᵀ (+ bias) with fp32 accumulation.
 
     Args:
@@ -119,17 +121,22 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
         backend: "auto" (default, or $MINIFLOAT_GEMM_BACKEND), "native" or "emulated".
         fast_accum: let a native tensor-wise or row-wise kernel accumulate fast (Transformer Engine does for fprop;
             the emulated backend always accumulates in fp32 and ignores it).
+        native_out_dtype: the dtype the native path writes instead of out_dtype (bfloat16, float16 or float32;
+            None: out_dtype). A backward GEMM asks for its gradient's own dtype here: the tensor core's epilogue rounds
+            the fp32 accumulator once into it, where the emulation rounds to out_dtype and the caller widens.
     Returns:
-        (M, N) tensor of out_dtype.
+        (M, N) tensor of out_dtype, or of native_out_dtype where the product ran natively.
     """
     if not isinstance(a, Quantized) or not isinstance(b, Quantized):
         raise TypeError(f"scaled_mm multiplies quantized operands, mf.quantize(x, fmt, ...) of a (M, K) and b (N, K), "
                         f"got {type(a).__name__} and {type(b).__name__}")
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"scaled_mm needs a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
+    if native_out_dtype is not None and native_out_dtype not in OUT_DTYPES:
+        raise ValueError(f"native_out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {native_out_dtype}")
     path = gemm_path(a, b, out_dtype, backend)
     if path == GemmPath.NATIVE:
-        return _native(a, b, out_dtype, bias, fast_accum)
+        return _native(a, b, out_dtype, bias, fast_accum, native_out_dtype)
     return _emulated(a, b, out_dtype, bias, path)
 
 
@@ -141,25 +148,28 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
 
 
 def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None,
-            fast_accum: bool) -> torch.Tensor:
-    fuse = bias is not None and fuses_bias(a, b, out_dtype)
+            fast_accum: bool, native_out_dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch._scaled_mm writing native_out_dtype (None: out_dtype); a product it refuses runs emulated in out_dtype."""
+    native_out_dtype = native_out_dtype or out_dtype
+    fuse = bias is not None and fuses_bias(a, b, native_out_dtype)
     compiling = torch.compiler.is_compiling()
     # refused before: straight to the emulation, without asking cuBLAS again each step. A compiled region never
     # reads the set (dynamo would guard on its contents: a refusal in eager code would recompile every graph)
-    key = None if compiling or not _REFUSED else _refusal_key(a, b, out_dtype, bias)  # (host time: only if any)
+    # (host time: the key is built only once something was refused)
+    key = None if compiling or not _REFUSED else _refusal_key(a, b, native_out_dtype, bias)
     if key is not None and key in _REFUSED:
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     try:  # a bias the kernel cannot add goes on the fp32 result, rounded once to out_dtype
-        out = native_mm(a, b, out_dtype if fuse or bias is None else torch.float32, bias if fuse else None,
+        out = native_mm(a, b, native_out_dtype if fuse or bias is None else torch.float32, bias if fuse else None,
                         fast_accum)
     except (RuntimeError, ValueError) as exc:  # torch raises either (TORCH_CHECK / TORCH_CHECK_VALUE)
         if compiling:
             raise
         # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once per shape
-        _REFUSED.add(_refusal_key(a, b, out_dtype, bias))
+        _REFUSED.add(_refusal_key(a, b, native_out_dtype, bias))
         _warn_native_refused(a, b, exc)
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
-    return out if bias is None or fuse else _epilogue(out, None, None, bias, out_dtype)
+    return out if bias is None or fuse else _epilogue(out, None, None, bias, native_out_dtype)
 
 
 # products torch._scaled_mm refused in this process (by scalings, shapes, dtypes, output and bias): they run emulated
