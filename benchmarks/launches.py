@@ -84,13 +84,16 @@ def _count_triton(name: str, module=triton_cast, launches: int = 1) -> None:
     setattr(module, name, counted)
 
 
-def native_everywhere() -> None:
-    """The native path's decisions on this machine, with a stand-in for torch._scaled_mm."""
+def native_everywhere(set_attr=setattr, count: bool = True) -> None:
+    """The native path's decisions on this machine, with a stand-in for torch._scaled_mm (`set_attr`: a test passes
+    pytest's monkeypatch.setattr, which undoes it); with `count`, minifloat's Triton kernels count their launches."""
     native = (Granularity.TENSOR, Granularity.ROW, Granularity.TILE, Granularity.BLOCK)  # Hopper's pairings
-    caster.native_granularity = lambda device, g, backend=None: Granularity.parse(g) in native
-    gemm.native_support = lambda a, b, out_dtype=None, **kw: None
-    gemm.native_mm = lambda a, b, out_dtype, bias=None, fast_accum=False: torch.zeros(
-        a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device)
+    set_attr(caster, "native_granularity", lambda device, g, backend=None: Granularity.parse(g) in native)
+    set_attr(gemm, "native_support", lambda a, b, out_dtype=None, **kw: None)
+    set_attr(gemm, "native_mm", lambda a, b, out_dtype, bias=None, fast_accum=False: torch.zeros(
+        a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device))
+    if not count:
+        return
     for name in ("fused_cast", "tensor_amax", "fold_amax"):
         _count_triton(name)
     _count_triton("block_cast", triton_blocks)
