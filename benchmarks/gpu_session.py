@@ -55,6 +55,8 @@ CALLS: dict[int, tuple[Step, ...]] = {
     1: (
         # what runs natively on this GPU, recipe by recipe (seconds; the table the benchmark's rows depend on)
         Step("gemm-paths", 30, (sys.executable, "-m", "minifloat", "formats", "--gemms")),
+        # since 2026-11-28 native dgrad and wgrad write fp32 gradients: each GEMM's output dtype on this GPU
+        Step("native-grads", 30, _pytest("-m", "gpu", "tests/test_native_grads.py")),
         Step("records", 120, _pytest("-m", "gpu", "tests/test_gpu_numerics.py", "-k",
                                      "recording_its_amax or large_cast")),
         # ~40-60 s of compiling per case on an H100: the three fullgraph cases and delayed's CUDA graphs

@@ -9,7 +9,9 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import minifloat as mf
+from gpu_device import device  # noqa: F401  (the GPU tier's device fixture)
 from minifloat.fp8 import caster, gemm
+from minifloat.fp8.gemm import native_fp8_available
 from minifloat.numerics.granularity import Granularity
 from minifloat.numerics.metrics import sqnr_db
 
@@ -113,3 +115,25 @@ def test_a_refused_native_product_runs_the_emulation_in_the_compute_dtype(native
     got = _step(torch.float32)
     for e, g in zip(expected, got):
         assert torch.equal(e, g)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["delayed", "current-row", "block"])
+def test_on_the_gpu_native_gradients_come_out_in_their_own_dtype(device, name, monkeypatch):  # noqa: F811
+    """On an FP8 GPU, with the product's own decisions (nothing forced): fprop writes bfloat16, dgrad and wgrad fp32
+    for an fp32 input and weight, and W.grad is wgrad's output itself."""
+    from gpu_device import RECIPE_BY_NAME, autocast
+
+    if not native_fp8_available():
+        pytest.skip("the native FP8 GEMM needs a GPU with FP8 tensor cores (SM 8.9+)")
+    seen, real = [], gemm.native_mm
+    monkeypatch.setattr(gemm, "native_mm", lambda *args, **kwargs: seen.append(real(*args, **kwargs)) or seen[-1])
+    torch.manual_seed(0)
+    layer = mf.Fp8Linear(512, 512, recipe=RECIPE_BY_NAME[name], bias=False).to(device)  # K = 512 in all three:
+    x = torch.randn(512, 512, device=device, requires_grad=True)  # blockwise products need K a multiple of 512
+    with autocast(device):
+        y = layer(x)
+    y.float().square().mean().backward()
+    assert [t.dtype for t in seen] == [torch.bfloat16, torch.float32, torch.float32]
+    assert layer.weight.grad.data_ptr() == seen[-1].data_ptr() or torch.equal(layer.weight.grad, seen[-1])
+    assert x.grad.dtype == torch.float32 and (layer.weight.grad != layer.weight.grad.bfloat16().float()).any()
