@@ -32,6 +32,7 @@ import torch
 
 from minifloat.training.compare import BASELINE, DEEPSEEK_V3_PCT, DEFAULT_PRESETS, RANGE_BAND_PCT, compare
 from minifloat.training.loop import TrainConfig, train
+from minifloat.training.rundir import RunExistsError
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import machine  # noqa: E402 - benchmarks/machine.py
@@ -67,6 +68,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     machine.add_overwrite(p)
     args = p.parse_args(argv)
     machine.keep_existing(p, args, "json", "markdown")
+    if args.throughput_steps:  # its runs go to OUT/throughput/<preset>; compare() checks the seed folders itself
+        names = [f"{q.strip()}{suffix}" for suffix in (("", "-compiled") if args.compile else ("",))
+                 for q in ([BASELINE] + args.presets.split(",")) if q.strip()]
+        machine.keep_runs(p, args, [pathlib.Path(args.out) / "throughput" / n for n in names])
     return args
 
 
@@ -128,7 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = [int(s) for s in args.seeds.split(",")]
     base = TrainConfig(model=args.model, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
                        lr=args.lr, min_lr=args.lr / 10, warmup=args.warmup, eval_every=args.steps,
-                       eval_batches=args.eval_batches, max_bytes=args.max_bytes, checkpoint_every=0)
+                       eval_batches=args.eval_batches, max_bytes=args.max_bytes, checkpoint_every=0,
+                       overwrite=args.overwrite)
     out = pathlib.Path(args.out)
     summaries, started = {}, time.perf_counter()
     if args.throughput_steps:
@@ -136,8 +142,12 @@ def main(argv: list[str] | None = None) -> int:
         seeds = [base.seed]
     else:
         for seed in seeds:
-            summaries[seed] = compare(presets, base=dataclasses.replace(base, seed=seed), out=out / f"seed{seed}",
-                                      reuse=args.reuse)
+            try:
+                summaries[seed] = compare(presets, base=dataclasses.replace(base, seed=seed),
+                                          out=out / f"seed{seed}", reuse=args.reuse)
+            except RunExistsError as e:  # raised before that seed trains anything: earlier runs stay as they were
+                print(f"convergence.py: error: {e}", file=sys.stderr)
+                return 2
         rows, agg = table(presets, seeds, summaries)
     text = "\n".join(rows)
     print(text)

@@ -54,11 +54,12 @@ VARIANTS: dict[str, tuple[dict, str]] = {
 THROUGHPUT = ("bf16", "fp8-current", "nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "mxfp4")
 
 
-def config(variant: str, seed: int, out: pathlib.Path, *, steps: int = 600, model: str = "10m") -> TrainConfig:
+def config(variant: str, seed: int, out: pathlib.Path, *, steps: int = 600, model: str = "10m",
+           overwrite: bool = False) -> TrainConfig:
     overrides = VARIANTS[variant][0] if variant in VARIANTS else dict(preset=variant)
     return TrainConfig(model=model, steps=steps, batch_size=16, seq_len=128, lr=1e-3, min_lr=1e-4, warmup=50,
                        eval_every=steps, eval_batches=32, max_bytes=4_000_000, checkpoint_every=0, seed=seed,
-                       out=str(out / f"seed{seed}" / variant), overwrite=True, device="cpu", **overrides)
+                       out=str(out / f"seed{seed}" / variant), overwrite=overwrite, device="cpu", **overrides)
 
 
 def finished(cfg: TrainConfig) -> dict | None:
@@ -116,7 +117,8 @@ def throughput(steps: int, out: pathlib.Path, rounds: int = 1) -> dict:
     per_round: dict[str, list[float]] = {v: [] for v in THROUGHPUT}
     for _ in range(rounds):
         for v in THROUGHPUT:
-            cfg = dataclasses.replace(config(v, 0, out / "throughput", steps=steps), eval_every=10**6,
+            # main checked the folders before the first round; later rounds replace this invocation's own runs
+            cfg = dataclasses.replace(config(v, 0, out / "throughput", steps=steps, overwrite=True), eval_every=10**6,
                                       eval_batches=1)
             train(cfg, progress=False)
             with open(pathlib.Path(cfg.out) / "log.csv", newline="") as f:
@@ -154,15 +156,16 @@ def main() -> int:
     out = pathlib.Path(args.out)
     torch.set_num_threads(args.threads)
     if args.throughput_steps:
+        machine.keep_runs(p, args, [config(v, 0, out / "throughput").out for v in THROUGHPUT])
         result = {"throughput": throughput(args.throughput_steps, out, args.rounds)}
     else:
-        if not args.report:
-            for seed in seeds:
-                for v in variants:
-                    cfg = config(v, seed, out)
-                    if finished(cfg) is None:
-                        print(f"training {v} seed {seed} -> {cfg.out}", flush=True)
-                        train(cfg, progress=False)
+        if not args.report:  # a run finished with the same settings is kept and read; any other is trained anew
+            todo = [cfg for seed in seeds for v in variants
+                    if finished(cfg := config(v, seed, out, overwrite=args.overwrite)) is None]
+            machine.keep_runs(p, args, [cfg.out for cfg in todo])
+            for cfg in todo:
+                print(f"training {pathlib.Path(cfg.out).name} seed {cfg.seed} -> {cfg.out}", flush=True)
+                train(cfg, progress=False)
         result = {"rows": report(variants, seeds, out)}
     result["machine"] = machine.describe()
     if args.json:

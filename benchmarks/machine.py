@@ -51,7 +51,22 @@ def line() -> str:
 
 def add_overwrite(parser) -> None:
     """The --overwrite flag every benchmark with output files takes (keep_existing reads it)."""
-    parser.add_argument("--overwrite", action="store_true", help="replace output files (--json, --markdown) that exist")
+    parser.add_argument("--overwrite", action="store_true",
+                        help="replace what exists: output files (--json, --markdown), and run folders where the "
+                             "benchmark trains")
+
+
+def keep_runs(parser, args, folders) -> None:
+    """Stop with one line (exit status 2) before any work when a run folder the benchmark would train into already
+    holds a run (minifloat.training.rundir.RUN_ITEMS) and --overwrite was not given: earlier runs are a person's
+    results, which a benchmark never replaces on its own."""
+    from minifloat.training.rundir import run_items
+
+    held = [str(f) for f in folders if pathlib.Path(f).is_dir() and run_items(pathlib.Path(f))]
+    if held and not getattr(args, "overwrite", False):
+        more = f" and {len(held) - 1} more" if len(held) > 1 else ""
+        parser.exit(2, f"{parser.prog}: error: {held[0]}{more} already hold(s) a run; choose another --out, or add "
+                       f"--overwrite to replace the runs\n")
 
 
 def keep_existing(parser, args, *names: str) -> None:

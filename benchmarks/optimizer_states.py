@@ -198,11 +198,16 @@ def main() -> int:
         return TrainConfig(master=master or "fp32", model=args.model, preset=args.preset, steps=args.steps, batch_size=16, seq_len=128,
                            lr=1e-3, min_lr=1e-4, warmup=50, eval_every=args.steps, eval_batches=32,
                            max_bytes=4_000_000, checkpoint_every=0, seed=args.seed, optimizer_state=pair,
-                           out=f"{args.out}/{folder}-s{args.seed}", overwrite=True, device="cpu")
+                           out=f"{args.out}/{folder}-s{args.seed}", overwrite=args.overwrite, device="cpu")
 
+    def folder(row: str) -> str:
+        return row.replace(",", "_").replace("@", "-").replace(" ", "_")
+
+    rows_planned = pairs + [e.name for e in externals]
+    machine.keep_runs(p, args, [f"{args.out}/{folder(row)}-s{args.seed}" for row in rows_planned])
     rows = {}
     for pair in pairs:
-        rows[pair] = train_row(config(pair, pair.replace(",", "_").replace("@", "-")))
+        rows[pair] = train_row(config(pair, folder(pair)))
         print(pair, rows[pair], flush=True)
     versions = {"torch": torch.__version__}
     for external in externals:
@@ -211,7 +216,7 @@ def main() -> int:
         if reason is not None:
             rows[external.name] = {"unavailable": reason}
         else:  # the runs build torch's AdamW (fp32,fp32), which the external optimizer replaces before any step
-            rows[external.name] = train_row(config(BASELINE, external.name.replace(" ", "_")), external.make)
+            rows[external.name] = train_row(config(BASELINE, folder(external.name)), external.make)
         print(external.name, rows[external.name], flush=True)
 
     print_table(rows, args, versions)
