@@ -4,11 +4,24 @@ pyproject's addopts selects `-m 'not slow'`, but a `-m` on the command line repl
 GPU tier's slow cases too (a cold compile each, minutes on a GPU whose time is rationed). Here a marker expression
 that does not mention `slow` also leaves the slow tests out: `-m gpu` is the GPU tier's default set, `-m "gpu and
 slow"` the rest of it, `-m slow` every slow test.
+
+README's test command runs the suite in pytest-xdist workers (`-n auto`: one per core). Each worker's torch then
+takes its share of the cores, so that two workers on two cores do not each spin two threads; what the tests start
+in their own processes (CLI runs, gloo ranks, the FMA probes) keeps torch's default.
 """
 
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

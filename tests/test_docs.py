@@ -25,3 +25,12 @@ def test_policy_page_examples_run(capsys):
             pytest.fail(f"docs/policy.md block {i} failed: {type(exc).__name__}: {exc}\n{block}")
     out = capsys.readouterr().out
     assert "RollbackEvent(restored_step=40, resume_data_position=43, skip_batches=3)" in out
+
+
+def test_ci_runs_the_readmes_test_command():
+    """.ci/run is README's test command, word for word (CI proves what a user runs)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    commands = [line for line in (root / "README.md").read_text().splitlines()
+                if line.startswith("pip install") and "pytest" in line]
+    assert len(commands) == 1, commands
+    assert commands[0] in (root / ".ci" / "run").read_text().splitlines()
