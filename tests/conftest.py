@@ -18,10 +18,21 @@ import pytest
 import torch
 
 
+def _cpus() -> int:
+    """The CPUs this process may run on (a container's or taskset's share, not the host's count)."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
+    """`-n auto`: one worker per CPU this process may use. (xdist's own rule counts physical cores, which is 1 on a
+    2-vCPU machine made of one hyper-threaded core, or the host's CPUs, which a container may not have.)"""
+    return _cpus()
+
+
 def pytest_configure(config: pytest.Config) -> None:
     workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
     if workers > 1:
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+        torch.set_num_threads(max(1, _cpus() // workers))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
