@@ -23,6 +23,7 @@ def _cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
+@pytest.hookimpl(optionalhook=True)  # pytest without xdist (the GPU machine's) must not reject the hook
 def pytest_xdist_auto_num_workers(config: pytest.Config) -> int:
     """`-n auto`: one worker per CPU this process may use. (xdist's own rule counts physical cores, which is 1 on a
     2-vCPU machine made of one hyper-threaded core, or the host's CPUs, which a container may not have.)"""

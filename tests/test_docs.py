@@ -1,9 +1,12 @@
-"""The Python blocks of docs/policy.md run, in order, as one script (the page promises it)."""
+"""The Python blocks of docs/policy.md run, in order, as one script (the page promises it); README's test command is
+CI's, and the suite collects with and without pytest-xdist."""
 
 from __future__ import annotations
 
 import pathlib
 import re
+import subprocess
+import sys
 
 import pytest
 
@@ -34,3 +37,12 @@ def test_ci_runs_the_readmes_test_command():
                 if line.startswith("pip install") and "pytest" in line]
     assert len(commands) == 1, commands
     assert commands[0] in (root / ".ci" / "run").read_text().splitlines()
+
+
+def test_the_suite_runs_without_pytest_xdist(tmp_path):
+    """The GPU machine's pytest has no xdist: `python -m pytest -m gpu` there must still collect (tests/conftest.py's
+    xdist hook is optional)."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:xdist", "-p", "no:cacheprovider", "--collect-only",
+                           "-q", "tests/test_docs.py"], cwd=root, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "test_ci_runs_the_readmes_test_command" in done.stdout, done.stdout + done.stderr
