@@ -4,7 +4,6 @@ StepGuard reaches one verdict on all ranks. One spawn runs every scenario (proce
 
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import minifloat as mf
-from gloo_ranks import free_port
+from gloo_ranks import rendezvous
 from minifloat.fp8 import step as fp8_step_module
 from minifloat.fp8.scaling import scaling_states
 
@@ -62,9 +61,8 @@ def _train(recipe, rank: int, *, ddp: bool) -> tuple[nn.Module, list[bool]]:
     return model, agree
 
 
-def _worker(rank: int, port: int, results: dict) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+def _worker(rank: int, init_method: str, results: dict) -> None:
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=WORLD)
     try:
         out = {}
         for name, recipe in RECIPES.items():
@@ -109,7 +107,7 @@ def _worker(rank: int, port: int, results: dict) -> None:
 def results() -> dict:
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(free_port(), shared), nprocs=WORLD, join=True)
+        mp.spawn(_worker, args=(rendezvous(), shared), nprocs=WORLD, join=True)
         return dict(shared)
 
 

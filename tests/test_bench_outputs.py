@@ -54,7 +54,7 @@ def test_every_benchmark_keeps_an_existing_output_file(tmp_path):
             path.write_text("recorded by hand\n")
             cases.append([str(BENCH / f"{script}.py"), flag, str(path)])
     assert {p.stem for p in BENCH.glob("*.py")} >= set(OUTPUTS)
-    for (script, (flag, _), code, err), (_, _, path) in zip(results := run_driver(cases, tmp_path), cases):
+    for (script, (flag, _), code, err), (_, _, path) in zip(run_driver(cases, tmp_path), cases):
         name = pathlib.Path(script).name
         assert code == 2, f"{name} {flag}: {code!r}\n{err}"
         lines = err.strip().splitlines()

@@ -21,7 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
-from gloo_ranks import free_port
+from gloo_ranks import rendezvous
 from minifloat.training import loop
 from minifloat.training.loop import TrainConfig, build, train
 from minifloat.training.parallel import Parallel, World
@@ -39,10 +39,10 @@ SMALL = dict(model="tiny", preset="fp8-delayed", batch_size=2, seq_len=32, warmu
 LOSS_RTOL = 1e-4
 
 
-def _worker(rank: int, port: int, fn, args) -> None:
+def _worker(rank: int, init_method: str, fn, args) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=NPROC)
+    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=NPROC)
     try:
         fn(rank, *args)
     finally:
@@ -51,7 +51,7 @@ def _worker(rank: int, port: int, fn, args) -> None:
 
 def _spawn(fn, *args) -> None:
     """Run fn(rank, *args) on NPROC gloo ranks (module-level functions only: the ranks are spawned)."""
-    mp.spawn(_worker, args=(free_port(), fn, args), nprocs=NPROC)
+    mp.spawn(_worker, args=(rendezvous(), fn, args), nprocs=NPROC)
 
 
 def _train_rank(rank: int, config: TrainConfig, folder: str) -> None:
