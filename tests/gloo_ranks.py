@@ -6,22 +6,27 @@ can be taken in between by another test running at the same time (the suite runs
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def rendezvous() -> str:
-    """An init_method for one group of ranks: a file no other group uses (in a new temporary folder)."""
-    return "file://" + os.path.join(tempfile.mkdtemp(prefix="minifloat-gloo-"), "rendezvous")
+@contextlib.contextmanager
+def rendezvous() -> Iterator[str]:
+    """An init_method for one group of ranks: a file no other group uses, in a temporary folder removed after."""
+    with tempfile.TemporaryDirectory(prefix="minifloat-gloo-") as folder:
+        yield "file://" + os.path.join(folder, "rendezvous")
 
 
 def spawn_ranks(worker, tmp_path, world: int) -> list[dict]:
     """Run `worker(rank, world)` on `world` gloo ranks (a module-level function); returns what each rank returned."""
-    mp.spawn(_entry, args=(worker, world, rendezvous(), str(tmp_path)), nprocs=world, join=True)
+    with rendezvous() as init_method:
+        mp.spawn(_entry, args=(worker, world, init_method, str(tmp_path)), nprocs=world, join=True)
     return [torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in range(world)]
 
 

@@ -107,7 +107,8 @@ def _worker(rank: int, init_method: str, results: dict) -> None:
 def results() -> dict:
     with mp.Manager() as manager:
         shared = manager.dict()
-        mp.spawn(_worker, args=(rendezvous(), shared), nprocs=WORLD, join=True)
+        with rendezvous() as init_method:
+            mp.spawn(_worker, args=(init_method, shared), nprocs=WORLD, join=True)
         return dict(shared)
 
 

@@ -51,7 +51,8 @@ def _worker(rank: int, init_method: str, fn, args) -> None:
 
 def _spawn(fn, *args) -> None:
     """Run fn(rank, *args) on NPROC gloo ranks (module-level functions only: the ranks are spawned)."""
-    mp.spawn(_worker, args=(rendezvous(), fn, args), nprocs=NPROC)
+    with rendezvous() as init_method:
+        mp.spawn(_worker, args=(init_method, fn, args), nprocs=NPROC)
 
 
 def _train_rank(rank: int, config: TrainConfig, folder: str) -> None:
