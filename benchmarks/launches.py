@@ -90,6 +90,7 @@ def native_everywhere(set_attr=setattr, count: bool = True) -> None:
     native = (Granularity.TENSOR, Granularity.ROW, Granularity.TILE, Granularity.BLOCK)  # Hopper's pairings
     set_attr(caster, "native_granularity", lambda device, g, backend=None: Granularity.parse(g) in native)
     set_attr(gemm, "native_support", lambda a, b, out_dtype=None, **kw: None)
+    set_attr(gemm, "native_writes", lambda a, b, out_dtype: True)  # Hopper with CUDA 12.9+: every output dtype
     set_attr(gemm, "native_mm", lambda a, b, out_dtype, bias=None, fast_accum=False: torch.zeros(
         a.shape[0], b.shape[0], dtype=out_dtype, device=a.data.device))
     if not count:

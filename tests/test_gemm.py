@@ -244,12 +244,20 @@ def test_unknown_backend_from_environment_raises(operands, monkeypatch):
 # ---------------------------------------------------------------------------------------------------- native rules
 
 HOPPER, ADA, BLACKWELL = (9, 0), (8, 9), (10, 0)
-# (name, a granularity, b granularity, a fmt, b fmt, (M, K, N), capability, blockwise torch, out dtype, reason or None)
+# (name, a granularity, b granularity, a fmt, b fmt, (M, K, N), capability, blockwise torch, out dtype, reason or None),
+# each on a torch built with CUDA CUDA_BUILD (the GPU machine's: torch 2.11+cu130)
+CUDA_BUILD = (13, 0)
 NATIVE_CASES = [
     ("tensor-hopper", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.bfloat16, None),
     ("tensor-fp32-out", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.float32, None),
     ("tensor-fp16-out", "tensor", "tensor", E4M3, E5M2, (64, 256, 128), ADA, False, torch.float16, None),
-    ("row-ada", "row", "row", E4M3, E4M3, (64, 256, 128), ADA, False, torch.float32, None),
+    ("row-ada", "row", "row", E4M3, E4M3, (64, 256, 128), ADA, False, torch.bfloat16, None),
+    ("row-fp32-ada", "row", "row", E4M3, E4M3, (64, 256, 128), ADA, False, torch.float32, "writes only bfloat16"),
+    ("row-fp32-hopper", "row", "row", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.float32, None),
+    ("row-fp16-hopper", "row", "row", E4M3, E4M3, (64, 256, 128), HOPPER, True, torch.float16, None),
+    ("row-fp32-blackwell", "row", "row", E4M3, E4M3, (64, 256, 128), BLACKWELL, True, torch.float32,
+     "writes only bfloat16"),
+    ("row-blackwell", "row", "row", E4M3, E4M3, (64, 256, 128), BLACKWELL, True, torch.bfloat16, None),
     ("tensor-ampere", "tensor", "tensor", E4M3, E4M3, (64, 256, 128), (8, 0), True, torch.bfloat16, "SM 8.9+"),
     ("e5m2-e5m2", "tensor", "tensor", E5M2, E5M2, (64, 256, 128), HOPPER, True, torch.bfloat16, "E5M2 × E5M2"),
     ("k-not-16", "tensor", "tensor", E4M3, E4M3, (64, 200, 128), HOPPER, True, torch.bfloat16, "K a multiple"),
@@ -281,11 +289,22 @@ def test_native_support_table(gen, ga, gb, fa, fb, mkn, capability, blockwise, o
     m, k, n = mkn
     qa = quantize(torch.randn(m, k, generator=gen), fa, granularity=ga)
     qb = quantize(torch.randn(n, k, generator=gen), fb, granularity=gb)
-    got = native_support(qa, qb, out_dtype, capability=capability, blockwise=blockwise)
+    got = native_support(qa, qb, out_dtype, capability=capability, blockwise=blockwise, cuda=CUDA_BUILD)
     if reason is None:
         assert got is None
     else:
         assert got is not None and reason in got, got
+
+
+@pytest.mark.parametrize("cuda, writes", [((12, 6), False), ((12, 8), False), ((12, 9), True), ((13, 0), True)])
+def test_row_wise_float32_output_needs_cuda_12_9_on_hopper(gen, cuda, writes):
+    """torch._scaled_mm takes cuBLAS's row-wise kernel, the one that writes float32, from CUDA 12.9 on (a cu126 build
+    on an H100 writes bfloat16 only); bfloat16 is written everywhere."""
+    qa = quantize(torch.randn(64, 256, generator=gen), E4M3, granularity="row")
+    qb = quantize(torch.randn(128, 256, generator=gen), E4M3, granularity="row")
+    got = native_support(qa, qb, torch.float32, capability=HOPPER, blockwise=True, cuda=cuda)
+    assert (got is None) == writes, got
+    assert native_support(qa, qb, torch.bfloat16, capability=HOPPER, blockwise=True, cuda=cuda) is None
 
 
 def test_native_support_needs_fp8_data(gen):

@@ -12,6 +12,7 @@ import minifloat as mf
 from gpu_device import device  # noqa: F401  (the GPU tier's device fixture)
 from minifloat.fp8 import caster, gemm
 from minifloat.fp8.gemm import native_fp8_available
+from minifloat.fp8.native import device_capability, row_wise_writes
 from minifloat.numerics.granularity import Granularity
 from minifloat.numerics.metrics import sqnr_db
 
@@ -134,6 +135,49 @@ def test_on_the_gpu_native_gradients_come_out_in_their_own_dtype(device, name, m
     with autocast(device):
         y = layer(x)
     y.float().square().mean().backward()
-    assert [t.dtype for t in seen] == [torch.bfloat16, torch.float32, torch.float32]
-    assert layer.weight.grad.data_ptr() == seen[-1].data_ptr() or torch.equal(layer.weight.grad, seen[-1])
-    assert x.grad.dtype == torch.float32 and (layer.weight.grad != layer.weight.grad.bfloat16().float()).any()
+    # row-wise scaling writes float32 on Hopper with CUDA 12.9+ only (native.row_wise_writes); elsewhere bfloat16
+    grad = torch.float32 if name != "current-row" or row_wise_writes(torch.float32, device_capability()) \
+        else torch.bfloat16
+    assert [t.dtype for t in seen] == [torch.bfloat16, grad, grad]
+    assert x.grad.dtype == torch.float32
+    if grad == torch.float32:
+        assert layer.weight.grad.data_ptr() == seen[-1].data_ptr() or torch.equal(layer.weight.grad, seen[-1])
+        assert (layer.weight.grad != layer.weight.grad.bfloat16().float()).any()
+
+
+def test_a_gpu_that_writes_only_bfloat16_runs_the_gradients_natively_in_bfloat16(native_on_cpu, monkeypatch):
+    """Row-wise scaling off Hopper (native.row_wise_writes) writes bfloat16 only: dgrad and wgrad then still run
+    natively, in the compute dtype, and the gradient is that product widened (what the native path did before it
+    wrote gradients in their own dtype), not the emulation."""
+    monkeypatch.setattr(gemm, "native_writes", lambda a, b, out_dtype: out_dtype == torch.bfloat16)
+    emulated = []
+    monkeypatch.setattr(gemm, "_emulated", lambda *args, **kwargs: emulated.append(1))
+    dx, dw = _step(torch.float32)
+    assert not emulated
+    fprop, dgrad, wgrad = native_on_cpu[-3:]
+    assert [fprop[0], dgrad[0], wgrad[0]] == [torch.bfloat16] * 3
+    assert dx.dtype == dw.dtype == torch.float32
+    assert torch.equal(dw, wgrad[2].float())
+
+
+def test_a_refused_gradient_dtype_is_asked_once_then_the_compute_dtype_runs_natively(native_on_cpu, monkeypatch,
+                                                                                      caplog):
+    """Where torch._scaled_mm refuses to write a gradient's own dtype although the rules admit it, the product runs
+    natively in the compute dtype at once, with one warning, and later steps do not ask for the refused dtype again."""
+    real, asked = gemm.native_mm, []
+
+    def fp32_refused(a, b, out_dtype, bias=None, fast_accum=False):
+        asked.append(out_dtype)
+        if out_dtype == torch.float32:
+            raise RuntimeError("Only bf16 high precision output types are supported for row-wise scaling.")
+        return real(a, b, out_dtype, bias, fast_accum)
+
+    monkeypatch.setattr(gemm, "native_mm", fp32_refused)
+    monkeypatch.setattr(gemm, "_REFUSED", set())
+    with caplog.at_level("WARNING", logger="minifloat"):
+        dx, dw = _step(torch.float32)  # two steps
+    assert asked.count(torch.float32) == 2  # dgrad's and wgrad's first backward only: (64, 128) · (256, 128)ᵀ, ...
+    assert asked[-3:] == [torch.bfloat16] * 3  # the second step: every GEMM native, in bfloat16
+    refusals = [r.getMessage() for r in caplog.records if "refused" in r.getMessage()]
+    assert len(refusals) == 2 and all("natively in the compute dtype" in m for m in refusals), refusals
+    assert dw.dtype == torch.float32 and torch.equal(dw, dw.bfloat16().float())

@@ -54,6 +54,7 @@ from minifloat.fp8.native import (  # noqa: F401 - native_fp8_available, native_
     native_granularity,
     native_mm,
     native_support,
+    native_writes,
 )
 from minifloat.numerics.granularity import granularity_info
 from minifloat.numerics.quantize import Quantized, decode
@@ -149,10 +150,18 @@ def _emulated(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Te
 
 def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None,
             fast_accum: bool, native_out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """torch._scaled_mm writing native_out_dtype (None: out_dtype); a product it refuses runs emulated in out_dtype."""
-    native_out_dtype = native_out_dtype or out_dtype
-    fuse = bias is not None and fuses_bias(a, b, native_out_dtype)
+    """torch._scaled_mm writing native_out_dtype (None: out_dtype); a product it refuses runs emulated in out_dtype.
+
+    Where the GPU cannot write native_out_dtype (row-wise scaling off Hopper writes only bfloat16: `native_writes`),
+    or torch refused it before, the product runs natively in out_dtype instead and the caller widens it, as before
+    native_out_dtype existed."""
     compiling = torch.compiler.is_compiling()
+    if native_out_dtype not in (None, out_dtype) and (
+            not native_writes(a, b, native_out_dtype)
+            or (not compiling and _REFUSED and _refusal_key(a, b, native_out_dtype, bias) in _REFUSED)):
+        native_out_dtype = out_dtype
+    asked, native_out_dtype = native_out_dtype, native_out_dtype or out_dtype
+    fuse = bias is not None and fuses_bias(a, b, native_out_dtype)
     # refused before: straight to the emulation, without asking cuBLAS again each step. A compiled region never
     # reads the set (dynamo would guard on its contents: a refusal in eager code would recompile every graph)
     # (host time: the key is built only once something was refused)
@@ -165,9 +174,12 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
     except (RuntimeError, ValueError) as exc:  # torch raises either (TORCH_CHECK / TORCH_CHECK_VALUE)
         if compiling:
             raise
-        # a configuration the rules admit but this cuBLAS refuses: the exact emulation instead, said once per shape
+        # a configuration the rules admit but this cuBLAS refuses: said once per shape, then the product in the
+        # compute dtype where a gradient's own dtype was asked for, else the exact emulation
         _REFUSED.add(_refusal_key(a, b, native_out_dtype, bias))
-        _warn_native_refused(a, b, exc)
+        _warn_native_refused(a, b, exc, native_out_dtype if asked not in (None, out_dtype) else None)
+        if asked not in (None, out_dtype):
+            return _native(a, b, out_dtype, bias, fast_accum)
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     return out if bias is None or fuse else _epilogue(out, None, None, bias, native_out_dtype)
 
@@ -176,10 +188,13 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
 _REFUSED: set[tuple] = set()
 
 
-def _warn_native_refused(a: Quantized, b: Quantized, exc: Exception) -> None:
-    log.warning("minifloat: torch._scaled_mm refused a %s × %s product of shapes %s × %s (%s); it runs emulated",
+def _warn_native_refused(a: Quantized, b: Quantized, exc: Exception, written: torch.dtype | None = None) -> None:
+    """One warning per refused product; `written`: the output dtype refused, where the compute dtype is tried next."""
+    log.warning("minifloat: torch._scaled_mm refused a %s × %s product of shapes %s × %s%s (%s); %s",
                 a.granularity, b.granularity, tuple(a.shape), tuple(b.shape),
-                str(exc).splitlines()[0] if str(exc) else type(exc).__name__)
+                "" if written is None else f" written in {written}",
+                str(exc).splitlines()[0] if str(exc) else type(exc).__name__,
+                "it runs emulated" if written is None else "it runs natively in the compute dtype")
 
 
 def _refusal_key(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None) -> tuple:

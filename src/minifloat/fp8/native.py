@@ -174,13 +174,39 @@ def _operands_gpu(data: torch.Tensor, capability: tuple[int, int] | None
     return index, capability, None if capability is not None else "this torch has no CUDA torch._scaled_mm"
 
 
+# torch._scaled_mm's row-wise scaling writes float32 and float16 only through cuBLAS's kernel, which it takes on Hopper
+# (SM 9.x) with CUDA 12.9+; elsewhere (Ada, Blackwell, older CUDA builds) it runs a kernel of its own that writes
+# bfloat16 only ("Only bf16 high precision output types are supported for row-wise scaling").
+ROW_WISE_ANY_OUT = ((9, 0), (10, 0), (12, 9))  # capability from, capability below, CUDA from
+_CUDA = tuple(int(p) for p in (torch.version.cuda or "0.0").split(".")[:2])
+
+
+def row_wise_writes(out_dtype: torch.dtype, capability: tuple[int, int], cuda: tuple[int, int] | None = None) -> bool:
+    """Whether torch._scaled_mm's row-wise scaling writes `out_dtype` on a GPU of `capability` (CUDA `cuda`, default
+    this torch's build)."""
+    low, high, cuda_from = ROW_WISE_ANY_OUT
+    return out_dtype == torch.bfloat16 or (low <= capability < high and (cuda or _CUDA) >= cuda_from)
+
+
+def native_writes(a: Quantized, b: Quantized, out_dtype: torch.dtype) -> bool:
+    """Whether a product `native_support` admits (in some output dtype) also writes `out_dtype` natively on the
+    operands' GPU: what a backward GEMM checks before asking for its gradient's own dtype."""
+    if out_dtype not in OUT_DTYPES:
+        return False
+    if (a.granularity, b.granularity) != (Granularity.ROW, Granularity.ROW) or a.data is None:
+        return True
+    capability = device_capability(a.data.device.index or 0) if a.data.is_cuda else None
+    return capability is not None and row_wise_writes(out_dtype, capability)
+
+
 def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bfloat16, *,
-                   capability: tuple[int, int] | None = None, blockwise: bool | None = None) -> str | None:
+                   capability: tuple[int, int] | None = None, blockwise: bool | None = None,
+                   cuda: tuple[int, int] | None = None) -> str | None:
     """None when torch._scaled_mm can run a @ bᵀ, else the reason it cannot (one line, for errors and logs).
 
-    `capability` and `blockwise` describe the GPU and torch build (default: the operands' device and this torch);
-    tests pass them to check the table on machines without such a GPU (a rule not yet verified is then taken as
-    checked; on the operands' own device it must have passed `native_check`).
+    `capability`, `blockwise` and `cuda` describe the GPU and torch build (default: the operands' device and this
+    torch); tests pass them to check the table on machines without such a GPU (a rule not yet verified is then taken
+    as checked; on the operands' own device it must have passed `native_check`).
     """
     if a.data is None or b.data is None:
         return "an operand was cast for the emulated backend (no FP8 data kept)"
@@ -205,6 +231,9 @@ def native_support(a: Quantized, b: Quantized, out_dtype: torch.dtype = torch.bf
         return "cuBLASLt has no E5M2 × E5M2 kernel"
     if out_dtype not in OUT_DTYPES:
         return f"torch._scaled_mm outputs {[str(d) for d in OUT_DTYPES]}, not {out_dtype}"
+    if pair == (Granularity.ROW, Granularity.ROW) and not row_wise_writes(out_dtype, capability, cuda):
+        return (f"row-wise scaling writes only bfloat16 on SM {capability[0]}.{capability[1]} with CUDA "
+                f"{'.'.join(map(str, cuda or _CUDA))} ({out_dtype} needs SM 9.x and CUDA 12.9+)")
     if len(a.shape) != 2 or len(b.shape) != 2:
         return "torch._scaled_mm multiplies 2-D operands"
     (m, k), n = a.shape, b.shape[0]
