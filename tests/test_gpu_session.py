@@ -3,6 +3,7 @@ time, every pytest step selects tests that exist, every benchmark step's argumen
 and running a call writes each step's log and a summary (a step past its limit is stopped and reported)."""
 
 import importlib.util
+import json
 import pathlib
 import subprocess
 import sys
@@ -33,17 +34,38 @@ def test_a_call_fits_one_device_call(number):
     assert len({s.name for s in steps}) == len(steps), "two steps would write the same log"
 
 
-@pytest.mark.parametrize("step", [s for c in session.CALLS.values() for s in c if "pytest" in s.argv],
-                         ids=lambda s: s.name)
-def test_each_pytest_step_selects_existing_tests(step, tmp_path):
-    argv = session.command(step, tmp_path)
-    files = [a for a in argv if a.startswith("tests/")]
-    assert files and all((ROOT / f).exists() for f in files), files
-    keep = [a for a in argv[3:] if a not in ("-v", "-rfE", "--tb=line") and not a.startswith("--durations")]
-    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *keep], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
-    selected = [line for line in done.stdout.splitlines() if "::" in line]
-    assert done.returncode == 0 and selected, done.stdout[-2000:] + done.stderr[-2000:]
+# Collects each step's selection with pytest.main in one child process (torch and the test modules imported once),
+# printing a JSON list of [exit code, selected test ids, output tail] per step.
+COLLECT = """
+import contextlib, io, json, sys
+import pytest
+results = []
+for args in json.loads(sys.argv[1]):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = pytest.main(["--collect-only", "-q", "-p", "no:cacheprovider", *args])
+    lines = out.getvalue().splitlines()
+    results.append([int(code), [line for line in lines if "::" in line], "\\n".join(lines[-20:])])
+print(json.dumps(results))
+"""
+
+
+def test_each_pytest_step_selects_existing_tests(tmp_path):
+    steps = [s for c in session.CALLS.values() for s in c if "pytest" in s.argv]
+    selections = []
+    for step in steps:
+        argv = session.command(step, tmp_path)
+        files = [a for a in argv if a.startswith("tests/")]
+        assert files and all((ROOT / f).exists() for f in files), (step.name, files)
+        selections.append([a for a in argv[3:] if a not in ("-v", "-rfE", "--tb=line")
+                           and not a.startswith("--durations")])
+    done = subprocess.run([sys.executable, "-c", COLLECT, json.dumps(selections)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(results) == len(steps)
+    for step, (code, selected, tail) in zip(steps, results):
+        assert code == 0 and selected, f"{step.name}: exit {code}, nothing selected\n{tail}"
 
 
 @pytest.mark.parametrize("step", [s for c in session.CALLS.values() for s in c if "benchmarks/gpu.py" in s.argv],

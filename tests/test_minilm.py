@@ -201,7 +201,12 @@ def minilm():
         del sys.modules["bench_minilm_inference"]
 
 
-@pytest.mark.parametrize("recipe", RECIPES)
+# per tensor and DeepSeek's blocks by default (~5 s each on 2 cores); rows and MX blocks in the slow tier
+DEFAULT_TIER = ("tensor", "block")
+
+
+@pytest.mark.parametrize("recipe", [r if r in DEFAULT_TIER else pytest.param(r, marks=pytest.mark.slow)
+                                    for r in RECIPES])
 def test_recommended_configuration_meets_the_targets(minilm, recipe):
     bench, fp32, calibration, evaluation, reference = minilm
     model = mf.prepare_inference(copy.deepcopy(fp32), recipe=RECIPES[recipe], calibration=calibration,

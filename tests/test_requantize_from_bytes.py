@@ -81,8 +81,15 @@ def assert_same(got, ref):
     assert got.scale_folded == ref.scale_folded and got.granularity == ref.granularity and got.fmt == ref.fmt
 
 
-@pytest.mark.parametrize("size", SHAPES)
-@pytest.mark.parametrize("granularity, power_of_two", KINDS, ids=[f"{g}-{'pow2' if p else 'f32'}" for g, p in KINDS])
+def _slow_when(*marks_for: tuple) -> list:
+    """KINDS × SHAPES, the pairs in `marks_for` in the slow tier: the compiled 1×128 tiles from bytes (~20 s of
+    cold compiling on 2 cores; the compiled rows take the same route by default, the eager tiles check its bits)."""
+    return [pytest.param(g, p, size, id=f"{g}-{'pow2' if p else 'f32'}-{size}",
+                         marks=[pytest.mark.slow] if (g, p, size) in marks_for else [])
+            for size in SHAPES for g, p in KINDS]
+
+
+@pytest.mark.parametrize("granularity, power_of_two, size", _slow_when(("tile", False, "compiled")))
 def test_from_bytes_is_quantize_t_of_the_dequantized_values(taken, granularity, power_of_two, size):
     rows, cols = SHAPES[size]
     assert (rows * cols >= EAGER_BELOW) == (size == "compiled")
