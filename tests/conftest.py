@@ -1,4 +1,4 @@
-"""Test selection: `slow` runs stay out unless the marker expression names them.
+"""Test selection and order: `slow` runs stay out unless the marker expression names them; the longest run first.
 
 pyproject's addopts selects `-m 'not slow'`, but a `-m` on the command line replaces it: `pytest -m gpu` would run the
 GPU tier's slow cases too (a cold compile each, minutes on a GPU whose time is rationed). Here a marker expression
@@ -36,7 +36,13 @@ def pytest_configure(config: pytest.Config) -> None:
         torch.set_num_threads(max(1, _cpus() // workers))
 
 
+# The default suite's longest tests, started first: under pytest-xdist a long test begun last keeps one worker busy
+# after the others ran out of work (the FMA probes: two cold-compiling processes, 70-130 s)
+RUN_FIRST = ("test_fma_contraction.py::",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: not any(key in item.nodeid for key in RUN_FIRST))  # stable: the rest keep their order
     if "slow" in (config.option.markexpr or ""):
         return
     slow = [item for item in items if item.get_closest_marker("slow") is not None]
