@@ -156,11 +156,10 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
     or torch refused it before, the product runs natively in out_dtype instead and the caller widens it, as before
     native_out_dtype existed."""
     compiling = torch.compiler.is_compiling()
-    if native_out_dtype not in (None, out_dtype) and (
-            not native_writes(a, b, native_out_dtype)
-            or (not compiling and _REFUSED and _refusal_key(a, b, native_out_dtype, bias) in _REFUSED)):
+    if native_out_dtype in (None, out_dtype) or not native_writes(a, b, native_out_dtype) or (
+            not compiling and _REFUSED and _refusal_key(a, b, native_out_dtype, bias) in _REFUSED):
         native_out_dtype = out_dtype
-    asked, native_out_dtype = native_out_dtype, native_out_dtype or out_dtype
+    own_dtype = native_out_dtype != out_dtype  # a gradient's own dtype: refused, the compute dtype runs natively
     fuse = bias is not None and fuses_bias(a, b, native_out_dtype)
     # refused before: straight to the emulation, without asking cuBLAS again each step. A compiled region never
     # reads the set (dynamo would guard on its contents: a refusal in eager code would recompile every graph)
@@ -177,8 +176,8 @@ def _native(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tens
         # a configuration the rules admit but this cuBLAS refuses: said once per shape, then the product in the
         # compute dtype where a gradient's own dtype was asked for, else the exact emulation
         _REFUSED.add(_refusal_key(a, b, native_out_dtype, bias))
-        _warn_native_refused(a, b, exc, native_out_dtype if asked not in (None, out_dtype) else None)
-        if asked not in (None, out_dtype):
+        _warn_native_refused(a, b, exc, native_out_dtype if own_dtype else None)
+        if own_dtype:
             return _native(a, b, out_dtype, bias, fast_accum)
         return _emulated(a, b, out_dtype, bias, _emulated_path(a, b))
     return out if bias is None or fuse else _epilogue(out, None, None, bias, native_out_dtype)
