@@ -59,3 +59,19 @@ def test_the_cli_prints_the_table_as_json_and_refuses_a_bad_device_in_one_line(c
     assert len(err) == 1 and "--device tpu9" in err[0], err
     assert main(["formats", "--device", "cpu"]) == 2  # --device alone would be ignored: said instead
     assert "add --gemms" in capsys.readouterr().err
+
+
+def test_a_rocm_build_runs_every_product_emulated_and_says_why(monkeypatch):
+    """torch's ROCm build reports AMD GPUs through torch.cuda with gfx numbers for capabilities (MI300X: 9.4), which
+    the rules would read as Hopper; its FP8 GEMMs take other formats, so nothing may go native there."""
+    class MI300X:
+        major, minor = 9, 4
+    monkeypatch.setattr(native.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(native.torch.cuda, "get_device_properties", lambda index: MI300X)
+    assert native._read_capability(0) == (9, 4)  # what the rules would have read
+    monkeypatch.setattr(native, "ROCM_BUILD", True)
+    monkeypatch.setattr(native, "_CAPABILITY", {})
+    assert native._read_capability(0) is None and native.device_capability(0) is None
+    rows = gemm_paths("cuda:0")
+    assert {r.path for r in rows} == {"emulated"}
+    assert all("ROCm build" in r.why for r in rows if r.recipe != "MXScaling(format='e2m1')")

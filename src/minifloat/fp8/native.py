@@ -91,6 +91,18 @@ _BLOCKWISE_TORCH = hasattr(torch.nn.functional, "ScalingType")
 # so a graph traced before the entry existed (a compiled model's first step on a fresh process) was recompiled once
 # an eager call filled it (a fullgraph compile with error_on_recompile failed at its second step on a GPU)
 _CAPABILITY: dict[int, tuple[int, int] | None] = {}
+# A ROCm build reports AMD GPUs through torch.cuda, with gfx numbers as "capabilities" (MI300X: 9.4) that the rules
+# above would read as NVIDIA generations. Its FP8 GEMMs take other formats (MI300's e4m3fnuz) and minifloat has not
+# run them, so on ROCm every product runs emulated, exactly, and says why.
+ROCM_BUILD = torch.version.hip is not None
+
+
+def no_capability_reason() -> str:
+    """Why a CUDA device of this torch build has no native FP8 GEMMs (device_capability is None)."""
+    if ROCM_BUILD:
+        return ("this torch is a ROCm build: minifloat's native FP8 GEMMs are NVIDIA's (SM 8.9+); on AMD GPUs the "
+                "products run emulated, exactly")
+    return "this torch has no CUDA GPU or no torch._scaled_mm"
 
 
 def blockwise_torch() -> bool:
@@ -99,7 +111,7 @@ def blockwise_torch() -> bool:
 
 
 def device_capability(device_index: int = 0) -> tuple[int, int] | None:
-    """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm."""
+    """The CUDA device's compute capability, or None without CUDA or torch._scaled_mm, and on ROCm builds."""
     if torch.compiler.is_compiling():  # constants to dynamo (it evaluates both while tracing); no dict, no guard
         return _read_capability(device_index)
     if device_index not in _CAPABILITY:
@@ -108,7 +120,7 @@ def device_capability(device_index: int = 0) -> tuple[int, int] | None:
 
 
 def _read_capability(device_index: int) -> tuple[int, int] | None:
-    if not (torch.cuda.is_available() and hasattr(torch, "_scaled_mm")):
+    if ROCM_BUILD or not (torch.cuda.is_available() and hasattr(torch, "_scaled_mm")):
         return None
     props = torch.cuda.get_device_properties(device_index)
     return props.major, props.minor
@@ -171,7 +183,7 @@ def _operands_gpu(data: torch.Tensor, capability: tuple[int, int] | None
         return None, None, "the operands are not on a CUDA device"
     index = data.device.index or 0
     capability = device_capability(index)
-    return index, capability, None if capability is not None else "this torch has no CUDA torch._scaled_mm"
+    return index, capability, None if capability is not None else no_capability_reason()
 
 
 # torch._scaled_mm's row-wise scaling writes float32 and float16 only through cuBLAS's kernel, which it takes on Hopper

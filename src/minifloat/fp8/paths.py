@@ -54,7 +54,7 @@ def gemm_paths(device: torch.device | str, backend: str | None = None) -> list[G
         elif backend == "emulated":
             path, why = "emulated", "the emulated backend was chosen"
         elif capability is None:
-            path, why = "emulated", "this torch has no CUDA GPU or no torch._scaled_mm"
+            path, why = "emulated", native.no_capability_reason()
         elif not native._rule_runs_on(rule, capability, native.blockwise_torch()):
             path, why = "emulated", f"{name} needs {native.generations(rule)}" + (
                 " and a torch with blockwise _scaled_mm" if rule.needs_blockwise_torch else "")
