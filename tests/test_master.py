@@ -149,3 +149,44 @@ def test_load_state_dict_rejects_other_model():
     other = MasterWeightOptimizer(torch.optim.SGD, nn.Linear(3, 3).to(torch.bfloat16), lr=0.1)
     with pytest.raises(ValueError, match="shape"):
         opt.master.load_state_dict(other.state_dict())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_nonfinite_gradient_skips_the_step_and_says_so(gen, caplog, bad):
+    """A NaN or inf gradient would reach the fp32 masters, the optimizer's moments and then the weights: the step is
+    skipped whole, a warning says so, and `skipped_steps` (saved with the state) counts it."""
+    w = nn.Parameter(torch.randn(64, generator=gen).to(torch.bfloat16))
+    b = nn.Parameter(torch.randn(8, generator=gen))  # an fp32 parameter, its own master
+    opt = MasterWeightOptimizer(torch.optim.AdamW, [w, b], lr=1e-2)
+    w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+    opt.step()
+    before = (w.detach().clone(), b.detach().clone(), copy.deepcopy(opt.state_dict()))
+    for broken in (w, b):
+        w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
+        broken.grad[3] = bad
+        with caplog.at_level("WARNING", logger="minifloat"):
+            opt.step()
+    assert opt.skipped_steps == 2
+    assert sum("MasterWeightOptimizer skipped an optimizer step" in r.getMessage() for r in caplog.records) == 2
+    assert torch.equal(w, before[0]) and torch.equal(b, before[1])
+    state = opt.state_dict()
+    assert all(torch.equal(m, n) for m, n in zip(state["master"], before[2]["master"]))
+    for i, saved in before[2]["optimizer"]["state"].items():
+        assert all(torch.equal(saved[k], state["optimizer"]["state"][i][k]) for k in saved)
+    resumed = MasterWeightOptimizer(torch.optim.AdamW, [nn.Parameter(w.detach().clone()),
+                                                        nn.Parameter(b.detach().clone())], lr=1e-2)
+    resumed.load_state_dict(state)
+    assert resumed.skipped_steps == 2
+    legacy = {k: v for k, v in state.items() if k != "skipped_steps"}  # saved before it was counted
+    resumed.load_state_dict(legacy)
+    assert resumed.skipped_steps == 0
+
+
+def test_check_finite_off_leaves_the_check_to_the_caller(gen):
+    w = nn.Parameter(torch.randn(8, generator=gen).to(torch.bfloat16))
+    opt = MasterWeightOptimizer(torch.optim.SGD, [w], lr=1e-2, check_finite=False)
+    w.grad = torch.full_like(w, float("nan"))
+    opt.step()
+    assert opt.skipped_steps == 0 and torch.isnan(w).all()
+    with pytest.raises(ValueError, match="check_finite must be a bool"):
+        MasterWeightOptimizer(torch.optim.SGD, [w], lr=1e-2, check_finite="yes")

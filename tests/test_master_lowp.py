@@ -122,7 +122,7 @@ def test_fp8_step_ends_once_per_optimizer_step(update):
 
 
 @pytest.mark.parametrize("update", ["stochastic", "kahan"])
-def test_nonfinite_gradient_skips_the_step(update):
+def test_nonfinite_gradient_skips_the_step(update, caplog):
     gen = torch.Generator().manual_seed(0)
     w = nn.Parameter(torch.randn(64, generator=gen).to(BF16))
     b = nn.Parameter(torch.randn(8, generator=gen))  # an fp32 parameter, stepped directly
@@ -132,8 +132,10 @@ def test_nonfinite_gradient_skips_the_step(update):
     before = (w.detach().clone(), b.detach().clone(), copy.deepcopy(opt.state_dict()))
     w.grad, b.grad = torch.ones_like(w), torch.ones_like(b)
     w.grad[3] = float("nan")
-    opt.step()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        opt.step()
     assert opt.skipped_steps == 1
+    assert any("LowPrecisionWeightOptimizer skipped an optimizer step" in r.getMessage() for r in caplog.records)
     assert torch.equal(w, before[0]) and torch.equal(b, before[1])
     state = opt.state_dict()
     assert all(torch.equal(x, y) for x, y in zip(state["compensation"], before[2]["compensation"]))

@@ -145,7 +145,7 @@ QUANTIZED = [("e4m3", "bf16"), ("e4m3", "e5m2"), ("int8", "int8-dynamic"), ("int
 
 
 @pytest.mark.parametrize("formats", QUANTIZED, ids=["-".join(f) for f in QUANTIZED])
-def test_nonfinite_gradient_leaves_params_and_state_untouched(formats):
+def test_nonfinite_gradient_leaves_params_and_state_untouched(formats, caplog):
     params, opt = run(lambda ps: AdamW(ps, lr=1e-2, state_formats=formats), 2)
     before_params = [p.detach().clone() for p in params]
     before_state = copy.deepcopy(opt.state_dict())
@@ -153,8 +153,10 @@ def test_nonfinite_gradient_leaves_params_and_state_untouched(formats):
         p.grad = torch.ones_like(p)
     params[0].grad[3, 5] = float("nan")
     params[1].grad[0] = float("inf")
-    opt.step()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        opt.step()
     assert opt.skipped_steps == 1
+    assert any("AdamW skipped an optimizer step" in r.getMessage() for r in caplog.records)
     assert all(torch.equal(a, b) for a, b in zip(before_params, params))
     after = opt.state_dict()["state"]
     for i, state in before_state["state"].items():

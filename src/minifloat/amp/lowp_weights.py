@@ -30,6 +30,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from minifloat.core.skip import grads_finite, warn_skipped
 from minifloat.core.validate import check_choice, check_int
 from minifloat.fp8 import step as fp8_steps
 from minifloat.numerics.formats import BF16, FP16
@@ -99,6 +100,7 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
                 loss = closure()
         if not self._grads_finite():
             self.skipped_steps += 1
+            warn_skipped(type(self).__name__, self.skipped_steps)
             return loss
         for i, (p, t) in enumerate(self.pairs):
             w = p.float() if self.update == "stochastic" else p.float() + self.compensation[i].float()
@@ -119,10 +121,7 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
     def _grads_finite(self) -> bool:
         """Whether every gradient is finite (one host sync; torch optimizers would spread a NaN into the state)."""
         grads = [q.grad for group in self.param_groups for q in group["params"] if q.grad is not None]
-        grads += [p.grad for p, _ in self.pairs if p.grad is not None]
-        if not grads:
-            return True
-        return bool(torch.stack([torch.isfinite(g).all() for g in grads]).all())
+        return grads_finite(grads + [p.grad for p, _ in self.pairs if p.grad is not None])
 
     def model_param_groups(self) -> list[dict[str, Any]]:
         """`param_groups` with each fp32 temporary replaced by its low-precision parameter: the tensors whose .grad

@@ -23,6 +23,8 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import nn
 
+from minifloat.core.skip import grads_finite, warn_skipped
+from minifloat.core.validate import check_bool
 from minifloat.fp8 import step as fp8_steps
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -107,14 +109,22 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
     optimizer's, so learning-rate schedulers work unchanged. `state_dict()` holds the inner optimizer's state and the
     masters (they carry the bits the low-precision parameters lack).
 
+    A step whose gradients are not all finite is skipped whole (weights, masters and optimizer state unchanged), a
+    warning says so and `skipped_steps` counts it: one host sync per step. `check_finite=False` leaves that to a
+    guard of the caller's (minifloat's LossScaler or StepGuard).
+
     Args:
         optimizer_cls: a torch.optim.Optimizer class (SGD, AdamW, ...).
         params: an nn.Module, or parameters / param groups as a torch optimizer takes them.
+        check_finite: skip a step whose gradients are not all finite.
         **kwargs: passed to `optimizer_cls`.
     """
 
     def __init__(self, optimizer_cls: Callable[..., torch.optim.Optimizer],
-                 params: nn.Module | Iterable[nn.Parameter] | Iterable[dict[str, Any]], **kwargs):
+                 params: nn.Module | Iterable[nn.Parameter] | Iterable[dict[str, Any]], *,
+                 check_finite: bool = True, **kwargs):
+        check_bool("check_finite", check_finite)
+        self.check_finite, self.skipped_steps = check_finite, 0
         self.master = MasterWeights(params.parameters() if isinstance(params, nn.Module) else params)
         self.optimizer = optimizer_cls(self.master.parameters(), **kwargs)
         super().__init__(self.master.parameters(), self.optimizer.defaults)  # sets up torch's hook registries
@@ -126,6 +136,11 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        grads = [p.grad for group in self.master.groups for p in group["params"] if p.grad is not None]
+        if self.check_finite and not grads_finite(grads + [p.grad for p, _ in self.master.pairs if p.grad is not None]):
+            self.skipped_steps += 1
+            warn_skipped(type(self).__name__, self.skipped_steps)
+            return loss
         self.master.copy_grads()
         with fp8_steps.suppressed():  # this step's own post-step hook ends the FP8 step, once
             self.optimizer.step()
@@ -137,11 +152,13 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         self.master.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), **self.master.state_dict()}
+        return {"optimizer": self.optimizer.state_dict(), **self.master.state_dict(),
+                "skipped_steps": self.skipped_steps}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.optimizer.load_state_dict(state_dict["optimizer"])
         self.master.load_state_dict(state_dict)
+        self.skipped_steps = state_dict.get("skipped_steps", 0)  # states saved before it was counted have none
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
 

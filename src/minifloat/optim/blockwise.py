@@ -45,6 +45,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifloat.core.roles import is_embedding, is_norm
+from minifloat.core.skip import warn_skipped
 from minifloat.numerics.stateformats import STATE_FORMATS, BlockCodec, StateFormat, code_dtype, round_plain
 
 DEFAULT_BLOCK = 128
@@ -196,6 +197,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
             raise RuntimeError(f"{type(self).__name__} does not support sparse gradients")
         if self.check_finite and params and not self._all_finite(params):
             self.skipped_steps += 1
+            warn_skipped(type(self).__name__, self.skipped_steps)
             return loss
         self._init_states([p for p in params if not self.state[p]])
         for group in self.param_groups:
