@@ -166,3 +166,68 @@ def test_convert_returns_a_root_linear_converted():
     out = converted(x)
     assert out.shape == (4, 32)
     assert mf.sqnr_db(out, linear(x)) > FP8_LINEAR_SQNR_FLOOR_DB
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 10))
+
+
+@pytest.mark.parametrize("second", [mf.MXScaling(), mf.CurrentScaling(), mf.DelayedScaling(amax_history_len=4)],
+                         ids=["other-class", "current", "other-fields"])
+def test_converting_again_under_another_recipe_is_refused(second):
+    """convert leaves Fp8Linear layers as they are: a second convert under another recipe used to keep the first
+    recipe silently, so the user trained with numerics they did not ask for."""
+    model = mf.convert(mlp(), recipe=mf.DelayedScaling())
+    with pytest.raises(ValueError, match=r"1 layer\(s\) are already Fp8Linear under DelayedScaling \('2'\).*"
+                                         r"Start from the model before its FP8 conversion"):
+        mf.convert(model, recipe=second)
+    assert model[2].recipe == mf.DelayedScaling()
+
+
+def test_a_recipe_per_part_of_the_model_stays_possible():
+    """Converting layers a filter picks under one recipe, then others under another, is no conflict."""
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 64), nn.Linear(64, 8))
+    mf.convert(model, recipe=mf.DelayedScaling(), filter=lambda name, _: name == "1")
+    mf.convert(model, recipe=mf.CurrentScaling(), filter=lambda name, _: name != "1")
+    assert [type(model[i].recipe).__name__ for i in (1, 2, 3)] == ["DelayedScaling", "CurrentScaling",
+                                                                    "CurrentScaling"]
+
+
+@pytest.mark.parametrize("second, words", [("fp8-block", "would not run BlockScaling()"),
+                                           ("bf16", "this policy has no FP8 recipe")])
+def test_applying_another_policy_to_a_converted_model_is_refused(second, words):
+    model = PrecisionPolicy.preset("fp8-delayed").apply(mlp())
+    PrecisionPolicy.preset("fp8-delayed").apply(model)  # the same policy again: nothing to change
+    with pytest.raises(ValueError, match=words):
+        PrecisionPolicy.preset(second).apply(model)
+    assert isinstance(model[2], mf.Fp8Linear) and model[2].recipe == mf.DelayedScaling()
+
+
+BAD_CALLS = [
+    ("convert-str", lambda: mf.convert("model"), TypeError, "minifloat.convert: model must be a torch nn.Module"),
+    ("convert-filter", lambda: mf.convert(mlp(), filter="x"), TypeError, "filter must be a function"),
+    ("apply-str", lambda: PrecisionPolicy.preset("bf16").apply("x"), TypeError, "model must be a torch nn.Module"),
+    ("optimizer-params", lambda: PrecisionPolicy.preset("bf16").optimizer(torch.optim.AdamW, list(mlp().parameters())),
+     TypeError, "PrecisionPolicy.optimizer: model must be a torch nn.Module, got list"),
+    ("autocast-device", lambda: PrecisionPolicy.preset("bf16").autocast("tpu"), ValueError,
+     "device_type must be one of"),
+    ("fp8-step-str", lambda: mf.fp8_step("model"), TypeError, "fp8_step: model must be a torch nn.Module"),
+    ("linear-0d", lambda: mf.Fp8Linear(32, 32)(torch.tensor(1.0)), ValueError,
+     r"takes a tensor whose last dimension is 32, got a tensor of shape \(\)"),
+    ("linear-list", lambda: mf.Fp8Linear(32, 32)([[1.0] * 32]), ValueError, "got a list"),
+    ("linear-width", lambda: mf.Fp8Linear(32, 32)(torch.ones(4, 16)), ValueError, r"shape \(4, 16\)"),
+    ("linear-int", lambda: mf.Fp8Linear(32, 32, dtype=torch.int32), ValueError, "dtype must be a floating-point"),
+    ("cast-list", lambda: mf.cast([1.0, 2.0], mf.E4M3), TypeError, "torch.as_tensor"),
+    ("sqnr-shapes", lambda: mf.sqnr_db(torch.randn(4), torch.randn(5)), ValueError, "one shape"),
+]
+
+
+@pytest.mark.parametrize("name, call, error, words", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_input_gets_one_clear_error(name, call, error, words):
+    with pytest.raises(error, match=words):
+        call()
+
+
+def test_policy_autocast_takes_a_device_string_with_an_index():
+    with PrecisionPolicy.preset("fp8-delayed").autocast("cpu:0"):
+        assert torch.is_autocast_enabled("cpu")

@@ -30,7 +30,7 @@ from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
 from minifloat.core.autocast import autocast_off
 from minifloat.core.validate import check_bool, check_choice
-from minifloat.fp8.convert import check_keep_blocks, convert, fp8_plan
+from minifloat.fp8.convert import check_keep_blocks, check_model, check_no_other_recipe, convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling, Recipe,
                                    check_recipe)
@@ -46,6 +46,7 @@ ISLAND_ATTR = "minifloat_fp32_island"  # set on a module apply() made an fp32 is
 _SOFTMAX = (nn.Softmax, nn.LogSoftmax)
 _LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
+AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")  # device types torch.autocast takes
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 STATE_NAMES = tuple(f.value for f in StateFormat)
 
@@ -192,12 +193,16 @@ class PrecisionPolicy:
 
         fp16 also needs loss scaling (mf.LossScaler or torch.amp.GradScaler) around backward and the step.
         """
-        return torch.autocast(device_type, dtype=self.compute_dtype, enabled=self.autocast_enabled)
+        if not isinstance(device_type, str) or device_type.partition(":")[0] not in AUTOCAST_DEVICES:
+            raise ValueError(f"PrecisionPolicy.autocast: device_type must be one of {AUTOCAST_DEVICES} (a device's "
+                             f"type, as tensor.device.type gives it), got {device_type!r}")
+        return torch.autocast(device_type.partition(":")[0], dtype=self.compute_dtype, enabled=self.autocast_enabled)
 
     def optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], model: nn.Module,
                   **kwargs) -> torch.optim.Optimizer:
         """`optimizer_cls` over the model's parameters, behind the `master_weights` mode's wrapper (fp32 masters:
         MasterWeightOptimizer; bf16-sr / bf16-kahan: LowPrecisionWeightOptimizer, `seed` among kwargs)."""
+        check_model("PrecisionPolicy.optimizer", model)  # the model, not its parameters: roles decide the states
         if self.state_formats is not None:
             # minifloat.optim's optimizers (BlockwiseOptimizer) name their states in STATES; optim is a layer above
             if not isinstance(getattr(optimizer_cls, "STATES", None), tuple):
@@ -260,9 +265,12 @@ class PrecisionPolicy:
         Returns:
             The model (a new module if `model` itself is a torch.nn.LayerNorm / RMSNorm).
         """
+        check_model("PrecisionPolicy.apply", model)
         if self.fp32_norms:
             model = swap_norms(model)
         kinds = self.plan(model, head=head)
+        check_no_other_recipe("minifloat.PrecisionPolicy.apply", model, self.recipe,
+                              lambda name, _: self.recipe is None or kinds.get(name) == "fp8")
         islands = {name for name, kind in kinds.items() if kind not in ("fp8", "linear")}
         for name, m in model.named_modules():
             if isinstance(m, ScalingState):

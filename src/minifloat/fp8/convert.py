@@ -100,7 +100,15 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
         cores accept) stay in high precision; one warning lists them. When no layer of the model runs in FP8
         afterwards, one warning says why instead.
     """
+    check_model("convert", model)
+    if filter is not None and not callable(filter):
+        raise TypeError(f"minifloat.convert: filter must be a function (name, linear) -> bool, got "
+                        f"{type(filter).__name__}")
     recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
+    first_last = roles.first_and_last(model) if keep_first_last else set()
+    first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
+    check_no_other_recipe("minifloat.convert", model, recipe,
+                          lambda name, layer: name not in first_last and (filter is None or filter(name, layer)))
     plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last, keep_blocks=keep_blocks)
     root = model
     for name in plan.convert:
@@ -120,6 +128,37 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
 
 
 MAX_LISTED = 4  # layers a warning names before "..."
+
+
+def check_model(caller: str, model) -> None:
+    """TypeError unless `model` is an nn.Module."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"minifloat.{caller}: model must be a torch nn.Module, got {type(model).__name__}")
+
+
+def check_no_other_recipe(caller: str, model: nn.Module, recipe: Recipe | None,
+                          wanted: Callable[[str, nn.Linear], bool]) -> None:
+    """ValueError if Fp8Linear layers of `model` that `wanted(name, layer)` would put under `recipe` (None: no FP8)
+    already run another recipe: converting does not touch them, so they would silently keep it."""
+    others = [(name, m) for name, m in model.named_modules()
+              if isinstance(m, Fp8Linear) and m.recipe != recipe and wanted(name, m)]
+    if not others:
+        return
+    old = sorted({type(m.recipe).__name__ for _, m in others})
+    names = ", ".join(repr(name) for name, _ in others[:MAX_LISTED]) + (", ..." if len(others) > MAX_LISTED else "")
+    result = (f"converted layers are left as they are, so they would not run {type(recipe).__name__}"
+              f"({_fields(recipe)})" if recipe is not None else
+              "this policy has no FP8 recipe, but converted layers are left as they are, so they would stay in FP8")
+    raise ValueError(f"{caller}: {len(others)} layer(s) are already Fp8Linear under {'/'.join(old)} ({names}); "
+                     f"{result}. Start from the model before its FP8 conversion (rebuild it, or load its weights "
+                     f"into a fresh one)")
+
+
+def _fields(recipe: Recipe) -> str:
+    """The fields where `recipe` differs from its class's defaults, as `name=value`."""
+    default = type(recipe)()
+    return ", ".join(f"{f.name}={getattr(recipe, f.name)!r}" for f in dataclasses.fields(recipe)
+                     if getattr(recipe, f.name) != getattr(default, f.name))
 
 
 def _listed(model: nn.Module, names: tuple[str, ...], *, sizes: bool = False) -> str:

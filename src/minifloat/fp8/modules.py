@@ -121,6 +121,9 @@ class Fp8Linear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None, dtype=None, *,
                  recipe: Recipe | None = None, backend: str | None = None, step_on: str = "optimizer",
                  cache_weight: bool = True):
+        if dtype is not None and not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
+            raise ValueError(f"{type(self).__name__}: dtype must be a floating-point torch.dtype (the weight's), "
+                             f"got {dtype!r}")
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self.recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
         if backend is not None and backend not in BACKENDS:
@@ -174,6 +177,10 @@ class Fp8Linear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         state = current_autocast()
         weight, bias = _local(self.weight), _local(self.bias)
+        if not isinstance(x, torch.Tensor) or x.dim() == 0 or x.shape[-1] != weight.shape[-1]:  # a TP shard's own
+            got = f"a {type(x).__name__}" if not isinstance(x, torch.Tensor) else f"a tensor of shape {tuple(x.shape)}"
+            raise ValueError(f"{type(self).__name__}({self.in_features} -> {self.out_features}) takes a tensor whose "
+                             f"last dimension is {weight.shape[-1]}, got {got}")
         if not state.enabled or x.numel() == 0:
             return F.linear(x, weight, bias)
         # evaluation records nothing; activation-checkpoint recompute records the same amaxes again (a no-op)

@@ -141,4 +141,6 @@ def fp8_step(model: nn.Module) -> int:
     Only for loops where no torch.optim optimizer steps the layers' parameters, or for layers built with
     `step_on="manual"`; in a plain loop `optimizer.step()` already does this, and calling both advances twice.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"minifloat.fp8_step: model must be a torch nn.Module, got {type(model).__name__}")
     return _end_step([m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")])

@@ -9,6 +9,11 @@ import torch
 
 def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     """Signal-to-quantization-noise ratio 10·log10(Σx² / Σ(x-x̂)²) in dB, computed in float64."""
+    if not (isinstance(reference, torch.Tensor) and isinstance(approx, torch.Tensor)):
+        raise TypeError(f"sqnr_db compares two tensors, got {type(reference).__name__} and {type(approx).__name__}")
+    if reference.shape != approx.shape:
+        raise ValueError(f"sqnr_db compares tensors of one shape, got {tuple(reference.shape)} (reference) and "
+                         f"{tuple(approx.shape)} (approx)")
     ref = reference.double()
     noise = (ref - approx.double()).pow(2).sum().item()
     signal = ref.pow(2).sum().item()

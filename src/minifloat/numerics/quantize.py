@@ -58,8 +58,9 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
     """
     fmt = get_format(fmt)
     check_choice("rounding", rounding, ROUNDINGS)
-    if not x.is_floating_point():
-        raise TypeError(f"cast expects a floating tensor, got {x.dtype}")
+    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
+        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
+        raise TypeError(f"cast expects a floating-point torch tensor (torch.as_tensor(values) makes one), got {got}")
     if x.requires_grad and torch.is_grad_enabled():
         return _StraightThrough.apply(x, fmt, rounding, generator, uniform)
     return _cast(x, fmt, rounding, generator, uniform)
