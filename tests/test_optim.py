@@ -302,3 +302,40 @@ def test_quantized_states_converge_like_fp32(formats, expand):
 def test_invalid_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+SWAPS = [(("e4m3", "e5m2"), ("e5m2", "e4m3")), (("e4m3", "bf16"), ("int8", "bf16")),
+         (("int4", "int4"), ("int4-dynamic", "int4-dynamic")), (("e4m3", "bf16"), ("int8", "int8-dynamic"))]
+
+
+@pytest.mark.parametrize("saved, loading", SWAPS, ids=["%s-to-%s" % ("-".join(a), "-".join(b)) for a, b in SWAPS])
+def test_a_state_saved_in_other_formats_is_refused(saved, loading):
+    """Codes stored in one format and read in another are other numbers (the update went wrong silently, or failed
+    steps later with an index error): the load names both formats and the fix."""
+    w = nn.Parameter(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+    opt = AdamW([w], lr=1e-3, state_formats=saved)
+    w.grad = torch.ones_like(w)
+    opt.step()
+    state = opt.state_dict()
+    other = AdamW([nn.Parameter(w.detach().clone())], lr=1e-3, state_formats=loading)
+    with pytest.raises(ValueError, match=r"stores its states as %s, the state loaded was saved as %s.*"
+                                         r"state_formats=" % (",".join(loading), ",".join(saved))):
+        other.load_state_dict(copy.deepcopy(state))
+    same = AdamW([nn.Parameter(w.detach().clone())], lr=1e-3, state_formats=saved)
+    same.load_state_dict(state)  # the formats it was saved in: loads, and the groups keep no extra key
+    assert all("minifloat_state_formats" not in g for g in same.param_groups)
+
+
+def test_a_state_saved_before_formats_were_recorded_is_checked_by_its_keys():
+    w = nn.Parameter(torch.randn(4096, generator=torch.Generator().manual_seed(0)))
+    opt = AdamW([w], lr=1e-3, state_formats=("e4m3", "bf16"))
+    w.grad = torch.ones_like(w)
+    opt.step()
+    state = opt.state_dict()
+    for group in state["param_groups"]:
+        del group["minifloat_state_formats"]
+    # without the record, what tells the formats apart is what they store: e4m3's codes and scales, bf16's values
+    # (formats storing the same tensors, e4m3 and int8 say, cannot be told apart by their keys)
+    other = AdamW([nn.Parameter(w.detach().clone())], lr=1e-3, state_formats=("bf16", "bf16"))
+    with pytest.raises(ValueError, match="it was saved with other state formats"):
+        other.load_state_dict(state)

@@ -88,6 +88,9 @@ def _meshes(params: list[torch.Tensor]) -> list:
     return list({id(p.device_mesh): p.device_mesh for p in params if isinstance(p, DTensor)}.values())
 
 
+FORMATS_KEY = "minifloat_state_formats"  # in each saved param group: the formats its states were stored in
+
+
 class BlockwiseOptimizer(torch.optim.Optimizer):
     """Base class: states stored per `state_formats`, updated chunk-wise in float32.
 
@@ -258,6 +261,8 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict:
         """torch's state_dict; the states of DTensor parameters as DTensors (see the module docstring)."""
         out = super().state_dict()
+        for group in out["param_groups"]:  # checked on load: codes read in another format are other numbers
+            group[FORMATS_KEY] = [f.value for f in self.state_formats]
         params = [p for g in self.param_groups for p in g["params"]]
         out["state"] = {i: self._dtensor_states(params[i], s) if s and isinstance(params[i], DTensor) else s
                         for i, s in out["state"].items()}
@@ -301,7 +306,15 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         format's dtype (exact)."""
         local = {i: {k: _local(v) if isinstance(v, torch.Tensor) else v for k, v in s.items()}
                  for i, s in state_dict["state"].items()}
-        super().load_state_dict({**state_dict, "state": local})
+        mine = [f.value for f in self.state_formats]
+        for group in state_dict["param_groups"]:
+            saved = group.get(FORMATS_KEY)  # None: saved before the formats were recorded (the keys are checked)
+            if saved is not None and list(saved) != mine:
+                raise ValueError(f"this {type(self).__name__} stores its states as {','.join(mine)}, the state loaded "
+                                 f"was saved as {','.join(saved)}: its codes would be read as other numbers. Build the "
+                                 f"optimizer with state_formats={tuple(saved)!r} to load it")
+        groups = [{k: v for k, v in g.items() if k != FORMATS_KEY} for g in state_dict["param_groups"]]
+        super().load_state_dict({**state_dict, "state": local, "param_groups": groups})
         for p, state in self.state.items():
             if not state:
                 continue
@@ -311,7 +324,20 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                 for suffix in ("_scale", "_absmax", "_expo"):
                     if spec.name + suffix in state:
                         state[spec.name + suffix] = state[spec.name + suffix].float()
+            self._check_keys(p, state)
             self._check_shapes(p, state)
+
+    def _check_keys(self, p: torch.Tensor, state: dict) -> None:
+        """A loaded state must hold what p's formats store (codes and their scales), nothing of another format's."""
+        want = {"step"}
+        for spec, fmt in zip(self.STATES, self.formats_for(p)):
+            codec = self._codec(fmt, spec)
+            want |= {spec.name} if codec is None else {spec.name + suffix for suffix in codec.suffixes}
+        if set(state) != want:
+            formats = ",".join(f.value for f in self.formats_for(p))
+            raise ValueError(f"the loaded state of a parameter of shape {tuple(_local(p).shape)} holds "
+                             f"{sorted(state)}, where state formats {formats} store {sorted(want)}: it was saved "
+                             f"with other state formats")
 
     def _check_shapes(self, p: torch.Tensor, state: dict) -> None:
         """Loaded states must fit p's (local) shape: a state of another sharding fails here, not in a later step."""
