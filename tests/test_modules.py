@@ -388,6 +388,26 @@ def test_state_dict_round_trip_is_bit_exact(recipe, gen):
             assert torch.equal(a, b)
 
 
+def test_the_state_dict_of_the_unconverted_model_loads_strictly(gen, caplog):
+    """The usual flow: convert a model, then load its pretrained (plain) weights. Its FP8 layers have no scaling
+    state in that dict: they keep a fresh one instead of failing with torch's missing keys."""
+    build = lambda: nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 16))
+    torch.manual_seed(1)
+    pretrained = build().state_dict()
+    model = mf.convert(build(), recipe=mf.DelayedScaling())
+    fresh = {k: v.clone() for k, v in model[2].fp8_state.state_dict().items()}
+    with caplog.at_level("INFO", logger="minifloat"):
+        result = model.load_state_dict(pretrained)
+    assert not result.missing_keys and not result.unexpected_keys
+    assert torch.equal(model[2].weight, pretrained["2.weight"]) and torch.equal(model[2].bias, pretrained["2.bias"])
+    assert all(torch.equal(fresh[k], v) for k, v in model[2].fp8_state.state_dict().items())
+    assert any("2.fp8_state is not in the state dict" in r.getMessage() for r in caplog.records)
+    # a dict that holds part of a layer's scaling state is a broken one: a strict load still says what is missing
+    partial = {**pretrained, **{f"2.{k}": v for k, v in model[2].state_dict().items() if k != "fp8_state.scale"}}
+    with pytest.raises(RuntimeError, match=r'Missing key\(s\) in state_dict: "2.fp8_state.scale"'):
+        model.load_state_dict(partial)
+
+
 # ---------------------------------------------------------------------------------------------------- eval
 
 

@@ -64,10 +64,16 @@ class ScalingState(nn.Module):
         # for the step (the weight's) are only valid for the generation they were made in
         self.generation = 0
 
-    def _load_from_state_dict(self, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
         self._seeded = None
         self.generation += 1
-        super()._load_from_state_dict(*args, **kwargs)
+        if not any(key.startswith(prefix) for key in state_dict):
+            # the state dict of the model before its conversion (pretrained weights): no scaling state to load, so
+            # this layer's stays as it is (fresh: its first step seeds the scales), and a strict load does not fail
+            log.info("minifloat: %s is not in the state dict loaded (saved before FP8 conversion?); the layer's "
+                     "scaling state is kept", prefix.rstrip("."))
+            return
+        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _host_seeded(self) -> list[bool]:
         if self._seeded is None:
