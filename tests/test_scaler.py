@@ -18,6 +18,8 @@ from torch import nn
 import minifloat as mf
 from minifloat.amp.scaler import LossScaler, SkipReason, StepRecord
 from minifloat.amp.unscale import check_and_unscale_, check_and_unscale_fallback
+from minifloat.fp8.recipes import Role
+from minifloat.fp8.scaling import ROLE_INDEX
 
 SEED = 0
 INF = float("inf")
@@ -279,6 +281,36 @@ def test_low_precision_gradients_unscaled_in_fp32_and_overflow_skips(dtype):
     scaler.update()
     assert not record.stepped and record.nonfinite_params
     assert scaler.get_scale() == 2.0**9
+
+
+def test_a_skipped_step_leaves_no_amax_in_the_fp8_history():
+    """An overflowing loss-scaled backward can record finite but inflated output-gradient amaxes before a gradient
+    overflows. The step is skipped (no FP8 step end), so those amaxes stayed in row 0 and entered the next step's
+    scales. The scaler drops them: row 0 holds the forward's amaxes only, and the next step's scales equal those of
+    a run that never met the bad batch."""
+    def run(bad: bool):
+        torch.manual_seed(0)
+        model = mf.convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                         nn.Linear(64, 16)), recipe=mf.DelayedScaling(), keep_first_last=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.0)  # weights never move: the scales depend on data only
+        scaler = LossScaler.for_dtype(torch.float16, model=model)
+        x = torch.randn(8, 32)
+        for mult in [1.0, 1e4, 1.0] if bad else [1.0, 1.0]:
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = (model(x) * mult).float().square().mean()
+            scaler.scale(loss).backward()
+            record = scaler.step(opt)
+            if mult != 1.0:
+                assert not record.stepped
+                rows = [m.fp8_state.amax_history[0] for m in mf.fp8_layers(model)]
+                assert all(r[ROLE_INDEX[Role.GRAD_OUTPUT]] == 0 for r in rows), "the backward's amaxes stayed"
+                assert all(r[ROLE_INDEX[Role.INPUT]] > 0 for r in rows), "the forward's amaxes are kept"
+            scaler.update()
+            scaler.update(new_scale=2.0**16)  # the same loss scale in both runs after the skip
+            opt.zero_grad()
+        return [m.fp8_state.scale.clone() for m in mf.fp8_layers(model)]
+    for clean, after_skip in zip(run(False), run(True)):
+        assert torch.equal(clean, after_skip)
 
 
 # (name, dtype) — the dtypes whose kernel path the fallback must reproduce bit for bit

@@ -224,6 +224,7 @@ class LossScaler:
             return outputs
         if self._fp8_watch is not None and not self._watching:
             self._fp8_watch.mark()
+            self._fp8_watch.save_amaxes()  # after the forward: a skipped step drops only its backward's amaxes
             self._watching = True
         return _apply(outputs, lambda t: t * torch.full((), self._scale, dtype=torch.float32, device=t.device))
 
@@ -279,6 +280,8 @@ class LossScaler:
             optimizer.step(*args, **kwargs)
             return StepRecord(stepped=True, scale=self._scale)
         names = self._nonfinite_names(optimizer)
+        if self._fp8_watch is not None:
+            self._fp8_watch.restore_amaxes()
         log.warning(
             "LossScaler: skipped optimizer step at scale %g: non-finite gradients in %s", self._scale, _short(names)
         )

@@ -368,6 +368,19 @@ class NonfiniteWatch:
             raise RuntimeError("NonfiniteWatch.rises called before mark")
         return self._counts() - self._before
 
+    def save_amaxes(self) -> None:
+        """Keep this step's amaxes so far (row 0 of every history seen at `mark()`): one stacking launch."""
+        rows = [s.amax_history[0] for _, s in self._layers]
+        self._saved = (torch.stack(rows) if rows else None, [s.generation for _, s in self._layers])
+
+    @torch.no_grad()
+    def restore_amaxes(self) -> None:
+        """Put back the amaxes `save_amaxes` kept, dropping those recorded since (a loss-scaled backward that
+        overflowed, whose step is skipped: they would enter the next step's scales). Not once a layer's step ended."""
+        rows, generations = getattr(self, "_saved", (None, []))
+        if rows is not None and generations == [s.generation for _, s in self._layers]:
+            torch._foreach_copy_([s.amax_history[0] for _, s in self._layers], list(rows.unbind(0)))
+
     def operands(self, counts: Sequence[float]) -> tuple[tuple[str, Role], ...]:
         """(layer name, role) of every positive entry of `counts`, `rises()` flattened on the host, in module order
         (the model itself is named "")."""
