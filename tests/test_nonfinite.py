@@ -443,7 +443,7 @@ def test_a_nonfinite_input_on_the_cpu_is_said_once(caplog, recipe):
     with eager_kernels(), caplog.at_level("WARNING", logger="minifloat"):
         for inputs in (x, bad, bad):
             layer(inputs)
-    said = [r for r in caplog.records if "non-finite values in input" in r.getMessage()]
+    said = [r for r in caplog.records if "non-finite values in the input of an FP8 layer" in r.getMessage()]
     assert len(said) == 1
     col = ROLES.index(Role.INPUT)
     assert int(layer.fp8_state.nonfinite[col]) == 2
@@ -474,3 +474,14 @@ def test_a_cached_weight_cast_is_recorded_once_per_step(monkeypatch):
         layer(x)
     weight = (D_OUT, D_IN)
     assert recorded == [(BATCH, D_IN), weight, (BATCH, D_IN), (BATCH, D_IN), weight]
+
+
+def test_the_nonfinite_warning_names_the_layer(caplog):
+    torch.manual_seed(SEED)
+    model = mf.convert(nn.Sequential(nn.Linear(D_IN, D_IN), nn.Linear(D_IN, D_IN), nn.Linear(D_IN, D_OUT)),
+                       recipe=mf.CurrentScaling(), keep_first_last=False)
+    bad = torch.randn(BATCH, D_IN)
+    bad[BAD_AT] = math.inf
+    with eager_kernels(), caplog.at_level("WARNING", logger="minifloat"):
+        model(bad)
+    assert any("non-finite values in the input of layer '0'" in r.getMessage() for r in caplog.records)

@@ -153,7 +153,7 @@ class Fp8Linear(nn.Linear):
         new.bias = linear.bias
         new.fp8_state = ScalingState(new.fp8_state.history_len, device=linear.weight.device)
         _add_random_state(new.fp8_state, new.recipe, name)
-        new.fp8_name = name
+        new.fp8_name = new.fp8_state.layer_name = name
         new.train(linear.training)
         fp8_steps.track(new)
         return new

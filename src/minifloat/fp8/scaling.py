@@ -56,6 +56,7 @@ class ScalingState(nn.Module):
         self.register_buffer("initialized", torch.zeros(n, dtype=torch.bool, device=device))
         self.register_buffer("nonfinite", torch.zeros(n, dtype=torch.int64, device=device))
         self._warned = False
+        self.layer_name = ""  # the owning layer's name in its model (convert sets it), for messages
         self._seeded: list[bool] | None = None  # host mirror of `initialized`, so GPU runs avoid a sync per cast
         self._reciprocals: tuple | None = None  # (key of `scale`, 1 / scale, 1 / (1 / scale)): delayed_cast_scales
         self._scratch: torch.Tensor | None = None  # amax_slot's scratch for the one-pass kernels (not a buffer)
@@ -240,7 +241,10 @@ class ScalingState(nn.Module):
             self._warn_nonfinite(role)
 
     def _warn_nonfinite(self, role: Role) -> None:
-        log.warning("minifloat: non-finite values in %s; its amax was not recorded and its scale is kept", role.value)
+        name = getattr(self, "layer_name", "")  # (a state pickled before it existed has none)
+        where = f"layer {name!r}" if name else "an FP8 layer"
+        log.warning("minifloat: non-finite values in the %s of %s; its amax was not recorded and its scale is kept "
+                    "(this layer says it once)", role.value, where)
         self._warned = True
 
     def advance(self, recipe) -> None:
