@@ -210,7 +210,7 @@ BAD_CALLS = [
     ("optimizer-params", lambda: PrecisionPolicy.preset("bf16").optimizer(torch.optim.AdamW, list(mlp().parameters())),
      TypeError, "PrecisionPolicy.optimizer: model must be a torch nn.Module, got list"),
     ("autocast-device", lambda: PrecisionPolicy.preset("bf16").autocast("tpu"), ValueError,
-     "device_type must be one of"),
+     "device_type must be a device type with torch.autocast"),
     ("fp8-step-str", lambda: mf.fp8_step("model"), TypeError, "fp8_step: model must be a torch nn.Module"),
     ("linear-0d", lambda: mf.Fp8Linear(32, 32)(torch.tensor(1.0)), ValueError,
      r"takes a tensor whose last dimension is 32, got a tensor of shape \(\)"),

@@ -28,7 +28,7 @@ from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.master import MasterWeightOptimizer
 from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
-from minifloat.core.autocast import autocast_off
+from minifloat.core.autocast import autocast_device, autocast_off
 from minifloat.core.validate import check_bool, check_choice
 from minifloat.fp8.convert import check_keep_blocks, check_model, check_no_other_recipe, convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
@@ -46,7 +46,6 @@ ISLAND_ATTR = "minifloat_fp32_island"  # set on a module apply() made an fp32 is
 _SOFTMAX = (nn.Softmax, nn.LogSoftmax)
 _LOSSES = (nn.CrossEntropyLoss, nn.NLLLoss)
 
-AUTOCAST_DEVICES = ("cpu", "cuda", "xpu", "mps", "hpu", "mtia", "meta")  # device types torch.autocast takes
 _NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 STATE_NAMES = tuple(f.value for f in StateFormat)
 
@@ -193,10 +192,7 @@ class PrecisionPolicy:
 
         fp16 also needs loss scaling (mf.LossScaler or torch.amp.GradScaler) around backward and the step.
         """
-        if not isinstance(device_type, str) or device_type.partition(":")[0] not in AUTOCAST_DEVICES:
-            raise ValueError(f"PrecisionPolicy.autocast: device_type must be one of {AUTOCAST_DEVICES} (a device's "
-                             f"type, as tensor.device.type gives it), got {device_type!r}")
-        return torch.autocast(device_type.partition(":")[0], dtype=self.compute_dtype, enabled=self.autocast_enabled)
+        return torch.autocast(autocast_device(device_type), dtype=self.compute_dtype, enabled=self.autocast_enabled)
 
     def optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], model: nn.Module,
                   **kwargs) -> torch.optim.Optimizer:
@@ -269,8 +265,7 @@ class PrecisionPolicy:
         if self.fp32_norms:
             model = swap_norms(model)
         kinds = self.plan(model, head=head)
-        check_no_other_recipe("minifloat.PrecisionPolicy.apply", model, self.recipe,
-                              lambda name, _: self.recipe is None or kinds.get(name) == "fp8")
+        check_no_other_recipe("minifloat.PrecisionPolicy.apply", model, self.recipe, lambda *_: True)  # all FP8
         islands = {name for name, kind in kinds.items() if kind not in ("fp8", "linear")}
         for name, m in model.named_modules():
             if isinstance(m, ScalingState):

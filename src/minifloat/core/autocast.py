@@ -31,6 +31,17 @@ for _device_type in ("cpu", "cuda", "meta", "xpu", "mps"):
     has_autocast(_device_type)
 
 
+def autocast_device(device_type) -> str:
+    """The device type of `device_type` ("cuda:0" -> "cuda") for torch.autocast; ValueError naming the fix for one
+    without autocast ("meta" passes: torch.autocast accepts it and does nothing)."""
+    base = device_type.partition(":")[0] if isinstance(device_type, str) else None
+    if base is None or not (base == "meta" or has_autocast(base)):
+        known = [t for t in ("cpu", "cuda", "xpu", "mps") if has_autocast(t)]
+        raise ValueError(f"device_type must be a device type with torch.autocast (as tensor.device.type gives it: "
+                         f"{', '.join(known)}, ...), got {device_type!r}")
+    return base
+
+
 def autocast_off(device_type: str) -> contextlib.AbstractContextManager:
     """A context that disables torch.autocast for `device_type`, or does nothing where autocast does not exist."""
     if has_autocast(device_type):
