@@ -57,15 +57,43 @@ def test_invalid_option_is_one_line(capsys, name, argv, words):
     assert all(w in line for w in words), line
 
 
-@pytest.mark.parametrize("command", [["demo", *DEMO[1:], "--out"], ["audit", "--json"]], ids=["demo", "audit"])
-def test_output_under_a_file_is_refused_before_the_work(capsys, tmp_path, command):
+# (command and output flag, the words of the error line for a path under a file)
+UNDER_A_FILE = [(["demo", *DEMO[1:], "--out"], "out", "cannot create the folder"),
+                (["audit", "--json"], "audit.json", "a-file is a file, not a folder"),
+                (["memory", "--model", "tiny", "--json"], "memory.json", "a-file is a file, not a folder")]
+
+
+@pytest.mark.parametrize("command, name, words", UNDER_A_FILE, ids=["demo", "audit", "memory"])
+def test_output_under_a_file_is_refused_before_the_work(capsys, tmp_path, command, name, words):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a folder\n")
-    target = blocker / "out" if command[0] == "demo" else blocker / "audit.json"
+    target = blocker / name
     status, line = run(capsys, [*command, str(target)])
     assert status == USER_ERROR
-    assert f"{command[-1]} {target}: cannot create the folder" in line
+    assert f"{command[-1]} {target}: " in line and words in line, line
     assert "final loss" not in capsys.readouterr().out  # nothing trained
+
+
+# (name, the --json path under tmp_path, words of the error line): an output file checked before the work
+JSON_PATHS = [
+    ("a folder", ".", "is a folder; give the path of a file"),
+    ("a missing folder", "new/sub/x.json", "the folder {tmp}/new/sub does not exist"),
+]
+
+
+# (command before --json, what its output shows once it ran)
+JSON_COMMANDS = [(["audit", "--batch", "2"], "audit"), (["memory", "--model", "tiny"], "MiB")]
+
+
+@pytest.mark.parametrize("command, ran", JSON_COMMANDS, ids=["audit", "memory"])
+@pytest.mark.parametrize("name, path, words", JSON_PATHS, ids=[c[0] for c in JSON_PATHS])
+def test_json_path_is_checked_before_the_work(capsys, tmp_path, command, ran, name, path, words):
+    target = tmp_path / path
+    status, line = run(capsys, [*command, "--json", str(target)])
+    assert status == USER_ERROR
+    assert f"--json {target}" in line and words.format(tmp=tmp_path) in line, line
+    assert ran not in capsys.readouterr().out  # no table, no verdict: nothing ran
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # no folder made
 
 
 # ---- data folders -------------------------------------------------------------------------------------------------

@@ -285,10 +285,14 @@ def test_run_export_keeps_the_delayed_input_scales(fp8_run, tmp_path):
 def test_static_needs_a_source(tmp_path):
     with pytest.raises(ValueError, match="static activation scales need calibration"):
         export_hf(tiny(), tmp_path / "a", format="hf-fp8", activations="static")
-    with pytest.raises(ValueError, match="stores no static activation scales"):
+    with pytest.raises(ValueError, match="asks for static activation scales, which format 'hf-fp8-block' does not"):
         export_hf(tiny(), tmp_path / "b", format="hf-fp8-block", activations="static")
     with pytest.raises(ValueError, match="only 'hf-fp8'"):
         export_hf(tiny(), tmp_path / "c", format="hf-fp8-block", calibration=[TOKENS])
+    with pytest.raises(ValueError, match="calibration gives static activation scales, which activations='dynamic' "
+                                         "does not write"):  # read and silently ignored before
+        export_hf(tiny(), tmp_path / "e", format="hf-fp8", activations="dynamic", calibration=[TOKENS])
+    assert not (tmp_path / "e").exists()
     export_hf(tiny(), tmp_path / "d", format="hf-fp8")  # auto: no scales to be had, so dynamic
     assert not read_hf_export(tmp_path / "d").input_scales
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
@@ -483,11 +487,14 @@ CLI_ERRORS = [
     ("bad format", ["--run", "{run}", "--out", "{tmp}/o", "--format", "gguf"], ["--format", "'gguf'"]),
     ("bad dtype", ["--run", "{run}", "--out", "{tmp}/o", "--dtype", "fp8"], ["--dtype", "'fp8'"]),
     ("static blocks", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8-block", "--activations", "static"],
-     ["stores no static activation scales"]),
+     ["--activations static asks for static activation scales", "does not store"]),
     ("calibrate zero", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8", "--calibrate", "0"],
      ["--calibrate", ">= 1"]),
     ("calibrate blocks", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8-block", "--calibrate", "1"],
      ["does not store"]),
+    ("calibrate dynamic", ["--run", "{run}", "--out", "{tmp}/o", "--format", "hf-fp8", "--calibrate", "2",
+                           "--activations", "dynamic"],
+     ["calibration gives static activation scales", "--activations dynamic does not write", "--activations auto"]),
 ]
 
 
@@ -497,4 +504,18 @@ def test_cli_bad_input_is_one_line(fp8_run, tmp_path, capsys, name, argv, words)
     (tmp_path / "mine" / "notes.txt").write_text("mine")
     line = one_error_line(capsys, ["export", *[a.format(run=fp8_run, tmp=tmp_path) for a in argv]])
     assert all(w in line for w in words), line
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("fmt, activations", [("hf", "auto"), ("hf-fp8", "dynamic")])
+def test_cli_refuses_calibrate_before_reading_batches(fp8_run, tmp_path, capsys, monkeypatch, fmt, activations):
+    """--calibrate is refused by one rule for every format and scheme that writes no static scales, before the
+    run's validation batches are read."""
+    def read(*args, **kwargs):
+        raise AssertionError("calibration batches were read")
+
+    monkeypatch.setattr("minifloat.inference.export.run_calibration", read)
+    line = one_error_line(capsys, ["export", "--run", fp8_run, "--out", str(tmp_path / "o"), "--format", fmt,
+                                   "--activations", activations, "--calibrate", "2"])
+    assert "calibration gives static activation scales" in line
     assert not (tmp_path / "o").exists()

@@ -134,7 +134,7 @@ def console(monkeypatch) -> Console:
 
 
 def test_cli_prints_a_table_within_100_columns_and_writes_json(console, tmp_path):
-    path = tmp_path / "sub" / "memory.json"
+    path = tmp_path / "memory.json"
     argv = ["memory", "--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--max-bytes", "100000",
             "--device", "cpu", "--json", str(path)]
     assert main(argv) == 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pathlib
+
 from rich.console import Console
 from rich.markup import escape
 from rich.measure import Measurement
@@ -38,6 +40,20 @@ class CliError(Exception):
     def __init__(self, message: str, status: int = 2):
         super().__init__(message)
         self.status = status
+
+
+def output_file(flag: str, value: str) -> pathlib.Path:
+    """The file an option (`flag` `value`) writes, checked before the command's work: a CliError of one line
+    (status 2) when the path is a folder, or its folder does not exist or is not a folder. Nothing is created."""
+    path = pathlib.Path(value)
+    if path.is_dir():
+        raise CliError(f"{flag} {value} is a folder; give the path of a file to write")
+    folder = path.parent
+    if folder.exists() and not folder.is_dir():
+        raise CliError(f"{flag} {value}: {folder} is a file, not a folder; choose another path")
+    if not folder.is_dir():
+        raise CliError(f"{flag} {value}: the folder {folder} does not exist; create it first, or choose another path")
+    return path
 
 
 def error(message: str) -> None:

@@ -36,7 +36,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     --out that exists and is not empty is refused unless --overwrite, which replaces only an earlier export's files
     there; a folder holding a run or checkpoint is always refused. Exits with status 2 on a bad option, run
     folder or checkpoint."""
-    from minifloat.inference.export import export_hf, run_calibration
+    from minifloat.inference.export import check_activations, export_hf, run_calibration
 
     _choice("--format", args.format, FORMATS)
     _choice("--dtype", args.dtype, DTYPES)
@@ -46,6 +46,8 @@ def cmd_export(args: argparse.Namespace) -> int:
         if args.calibrate < 1:
             raise common.CliError(f"invalid option: --calibrate must be a number of batches >= 1, "
                                   f"got {args.calibrate}")
+        # the library's rules, before the batches are read: --calibrate needs hf-fp8 and static or auto scales
+        check_activations(args.format, args.activations, calibrated=True)
         calibration = run_calibration(args.run, args.calibrate, checkpoint=args.checkpoint)
     out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
                     activations=args.activations, calibration=calibration, tokenizer=args.tokenizer,
@@ -80,7 +82,7 @@ def add_parser(sub) -> None:
                         "them), dynamic, or auto (static when the run has them; default)")
     e.add_argument("--calibrate", type=int, default=None, metavar="N",
                    help="hf-fp8: static input scales from the run's first N validation batches (amax / 448 per "
-                        "layer), for a run without delayed scales of its own")
+                        "layer), for a run without delayed scales of its own; refused with --activations dynamic")
     e.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="the tokenizer.json to copy into --out, for a run that records none (.bin shards without "
                         "meta.json) or whose file moved; refused unless its vocabulary size is the run's")

@@ -51,7 +51,8 @@ def cmd_generate(args: argparse.Namespace) -> int:
     FP8 (--fp8), continue the prompt and print the continuation, then one stats line on stderr (tokens/s, peak
     memory). Greedy unless --temperature > 0. Text is encoded and decoded by the run's tokenizer: the one it trained
     with (train --tokenizer, or the tokenizer.json of a minifloat tokenize folder), read from the copy its checkpoint
-    keeps, so any working folder will do; else --tokenizer (.bin shards without one need it); a run on text without a tokenizer reads UTF-8 bytes (invalid sequences print as U+FFFD).
+    keeps, so any working folder will do; else --tokenizer (.bin shards without one need it); a run on text without
+    a tokenizer reads UTF-8 bytes (invalid sequences print as U+FFFD).
     Exits with status 2 on a bad option, run folder, checkpoint or tokenizer (missing, or of another vocabulary
     size than the run's)."""
     import torch

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import pathlib
 from typing import TYPE_CHECKING
 
 from rich.table import Table
@@ -38,13 +37,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                          seed=args.seed, data=args.data, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
                          device=args.device,
                          optimizer_state=args.optimizer_state, master=args.master)
-    json_path = pathlib.Path(args.json) if args.json else None
-    if json_path is not None:
-        try:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-        except OSError as err:
-            raise common.CliError(f"--json {args.json}: cannot create the folder {json_path.parent} "
-                                  f"({err.strerror or err})") from None
+    json_path = common.output_file("--json", args.json) if args.json else None  # before the work
     report = memory_report(config)
     common.print_table(memory_table(report))
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "

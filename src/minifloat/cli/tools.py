@@ -81,8 +81,8 @@ def _invalid_option() -> Iterator[None]:
 
 
 def _create_folder(flag: str, value: str, folder: pathlib.Path) -> None:
-    """Create the folder an option's output goes to (`value` itself or its parent) now, not after the work; a
-    CliError naming the option if it cannot be."""
+    """Create the folder an option's output goes to now, not after the work; a CliError naming the option if it
+    cannot be."""
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as err:
@@ -175,9 +175,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         check_choice("preset", args.preset, sorted(PRESETS))
         check_int("batch", args.batch, low=1)
         check_int("seed", args.seed, low=0)
-    json_path = pathlib.Path(args.json) if args.json else None
-    if json_path is not None:
-        _create_folder("--json", args.json, json_path.parent)
+    json_path = common.output_file("--json", args.json) if args.json else None  # checked before the work
     policy = PrecisionPolicy.preset(args.preset)
     torch.manual_seed(args.seed)
     if args.model == "byte-mlp":
@@ -264,5 +262,6 @@ def add_audit(sub) -> None:
     a.add_argument("--preflight", action="store_true",
                    help="also check FP16 overflow/underflow of weights and activations, and native BF16 support")
     a.add_argument("--full", action="store_true", help="list every recorded op, not only the summary rows")
-    a.add_argument("--json", default="", help="write every recorded op and violation as JSON to this path")
+    a.add_argument("--json", default="", metavar="PATH",
+                   help="write every recorded op and violation as JSON to PATH (a file in an existing folder)")
     a.set_defaults(func=cmd_audit)

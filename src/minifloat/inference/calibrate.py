@@ -43,7 +43,8 @@ from torch import nn
 from minifloat.core import roles
 from minifloat.core.batch import call_model
 from minifloat.fp8.modules import autocast as fp8_autocast
-from minifloat.fp8.recipes import CastSpec
+from minifloat.fp8.recipes import CastSpec, NVFP4Spec
+from minifloat.inference import nvfp4
 from minifloat.numerics.granularity import Granularity
 from minifloat.numerics.quantize import abs_max, quantize, scale_from_amax, sqnr_db
 
@@ -62,7 +63,9 @@ class Clip(str, enum.Enum):
 
 
 class Observer:
-    """Statistics of one layer's input over the batches of a pass.
+    """Statistics of one layer's input over the batches of a pass. Non-finite values (NaN, ±inf) are left out of
+    every statistic, which would otherwise be NaN or infinite for the whole pass; `nonfinite_batches` counts the
+    batches that held any.
 
     Args:
         channels: also keep per-channel amaxes (K,).
@@ -76,12 +79,22 @@ class Observer:
         self.amax: torch.Tensor | None = None
         self.channel_amax: torch.Tensor | None = None
         self.hist: torch.Tensor | None = None
+        self.batches = 0
+        self._nonfinite = torch.zeros((), dtype=torch.int64)  # a tensor: counted without a host sync per batch
+
+    @property
+    def nonfinite_batches(self) -> int:
+        return int(self._nonfinite)
 
     @torch.no_grad()
     def observe(self, x: torch.Tensor) -> None:
         x2 = x.detach().reshape(-1, x.shape[-1])  # (tokens, K)
         if self.divide is not None:
             x2 = x2.float() / self.divide
+        finite = torch.isfinite(x2)
+        self._nonfinite = self._nonfinite.to(x2.device) + (~finite).any()
+        self.batches += 1
+        x2 = torch.where(finite, x2, torch.zeros((), dtype=x2.dtype, device=x2.device))  # 0: no amax moves
         amax = abs_max(x2, None)
         self.amax = amax if self.amax is None else torch.maximum(self.amax, amax)
         if self.channels:
@@ -90,8 +103,19 @@ class Observer:
         if self.hist_range is not None:
             width = self.hist_range.float().clamp(min=torch.finfo(torch.float32).tiny) / HISTOGRAM_BINS
             index = (x2.abs().float() / width).floor().clamp(max=HISTOGRAM_BINS - 1).long().reshape(-1)
-            counts = torch.bincount(index, minlength=HISTOGRAM_BINS).double()
+            # weight 0 for the non-finite values: they count in no bin
+            counts = torch.bincount(index, weights=finite.reshape(-1).double(), minlength=HISTOGRAM_BINS)
             self.hist = counts if self.hist is None else self.hist + counts
+
+
+def warn_nonfinite(observers: Mapping[str, Observer]) -> None:
+    """One warning line naming each layer whose calibration input held NaN or ±inf, and in how many batches: those
+    values were left out of its statistics (Observer), so its scale comes from the finite ones."""
+    counts = {n: obs.nonfinite_batches for n, obs in observers.items()}
+    if bad := {n: c for n, c in counts.items() if c}:
+        log.warning("minifloat: calibration: %d layer(s) saw non-finite inputs (NaN or inf), left out of their "
+                    "amax: %s", len(bad), ", ".join(f"{n} ({c} of {observers[n].batches} batches)"
+                                                     for n, c in bad.items()))
 
 
 def check_batches(calibration) -> list:
@@ -183,8 +207,11 @@ def clipped_amax(obs: Observer, clip: Clip, percentile: float, spec: CastSpec) -
     return candidates[torch.argmin(error)]  # the first minimum: the largest such amax
 
 
-def static_scale(amax: torch.Tensor, spec: CastSpec) -> torch.Tensor:
-    """The static input's dequantization scale: 1 / (fp8_max / amax / 2^margin), as delayed scaling derives it."""
+def static_scale(amax: torch.Tensor, spec: CastSpec | NVFP4Spec) -> torch.Tensor:
+    """The static input's dequantization scale: 1 / (fp8_max / amax / 2^margin), as delayed scaling derives it;
+    NVFP4's global scale 1 / (2688 / amax) (minifloat.inference.nvfp4)."""
+    if isinstance(spec, NVFP4Spec):
+        return nvfp4.static_scale(amax)
     return 1.0 / scale_from_amax(amax, spec.fmt, margin=spec.margin, power_of_two=spec.power_of_two)
 
 
@@ -293,6 +320,7 @@ def calibrated_amaxes(model: nn.Module, batches: list, names: list[str], *, clip
     """
     first = {n: Observer(channels=alpha is not None) for n in names}
     reference, readers = run_pass(model, batches, first, producers=alpha is not None)
+    warn_nonfinite(first)  # once: a second pass sees the same batches
     scales, in_layer = smooth(model, batches, first, readers, reference, alpha) if alpha is not None else ({}, set())
     divide = {n: scales[n] for n in in_layer}
     if not static:
@@ -327,16 +355,26 @@ def swapped(model: nn.Module, name: str, module: nn.Module):
 
 def layer_sensitivities(model: nn.Module, batches: list, twins: Mapping[str, nn.Module]) -> dict[str, float]:
     """{layer: the output SQNR (dB) of `model` with that layer alone replaced by its twin} over all batches (see the
-    module docstring); one pass per twin and batch, plus the reference pass. inf where the twin changes nothing."""
-    noise, signal = dict.fromkeys(twins, 0.0), 0.0
+    module docstring); one pass per twin and batch, plus the reference pass. inf where the twin changes nothing.
+    Output elements the model itself computes as NaN or ±inf are left out (with one warning line): one bad value
+    would make every layer's SQNR NaN."""
+    noise, signal, nonfinite = dict.fromkeys(twins, 0.0), 0.0, 0
     with calibrating(model):
         for batch in batches:  # batches outside: one batch's reference output is kept at a time (LLM logits are big)
             reference = [t.double() for t in _tensors(call_model(model, batch))]
+            finite = [torch.isfinite(r) for r in reference]
+            nonfinite += not all(bool(f.all()) for f in finite)
+            reference = [torch.where(f, r, 0.0) for r, f in zip(reference, finite)]
             signal += sum(r.pow(2).sum().item() for r in reference)
             for name, twin in twins.items():
                 with swapped(model, name, twin):
                     out = _tensors(call_model(model, batch))
-                noise[name] += sum((r - o.double()).pow(2).sum().item() for r, o in zip(reference, out))
+                # a twin's NaN where the model's output is finite is infinite noise (never a perfect layer)
+                noise[name] += sum(torch.where(f, r - o.double(), 0.0).nan_to_num(nan=math.inf).pow(2).sum().item()
+                                   for r, o, f in zip(reference, out, finite))
+    if nonfinite:
+        log.warning("minifloat: sensitivity: the model's output held NaN or inf in %d of %d calibration batches; "
+                    "those elements were left out of every layer's SQNR", nonfinite, len(batches))
     return {n: 10 * math.log10(signal / noise[n]) if noise[n] > 0 else math.inf for n in twins}
 
 

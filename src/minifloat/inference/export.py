@@ -179,15 +179,19 @@ def model_input_scales(model: Llama, layers: list[str], spec: LayerSpec) -> dict
     return scales
 
 
-def _check_activations(fmt: hf.ExportFormat, activations: str, calibration: Iterable | None, clip: str) -> None:
-    """The activation options, checked before any work."""
+def check_activations(format: str, activations: str, *, calibrated: bool, clip: str = "max") -> None:
+    """An export's activation options, checked before any work (export_hf; `minifloat export` before it reads its
+    calibration batches): static scales need a format that stores them, calibration needs them written."""
+    check_choice("format", format, list(hf.FORMATS))
     check_choice("activations", activations, ACTIVATIONS)
     check_choice("clip", clip, [c.value for c in Clip])
-    if calibration is not None and not fmt.static:
-        raise ValueError(f"calibration gives static activation scales, which format {fmt.name!r} does not store "
+    if (calibrated or activations == "static") and not hf.FORMATS[format].static:
+        given = "calibration gives" if calibrated else "activations='static' asks for"
+        raise ValueError(f"{given} static activation scales, which format {format!r} does not store "
                          f"(only 'hf-fp8' does)")
-    if activations == "static" and not fmt.static:
-        raise ValueError(f"format {fmt.name!r} stores no static activation scales (only 'hf-fp8' does)")
+    if calibrated and activations == "dynamic":  # the batches would be read, their scales never written
+        raise ValueError("calibration gives static activation scales, which activations='dynamic' does not write; "
+                         "drop the calibration, or use activations='auto' or activations='static'")
 
 
 def _input_scales(model: Llama, fmt: hf.ExportFormat, layers: list[str], activations: str,
@@ -361,7 +365,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         dtype: of the unquantized tensors: "bfloat16", "float16" or "float32".
         checkpoint: with a run folder, "latest" or another checkpoint folder (see `run_checkpoint`).
         activations: "hf-fp8" only: "static" (input scales from `calibration` or the model's own static / delayed
-            scales, else an error), "dynamic" (none written), or "auto" (static when such scales exist).
+            scales, else an error), "dynamic" (none written; no calibration), or "auto" (static when such scales exist).
         calibration: model inputs (e.g. a list of (B, T) token batches) for static input scales: amax / 448 of each
             quantized layer's input over them, amax as `clip` ("max", "percentile" or "mse") and `percentile` set
             it (minifloat.inference.calibrate, as prepare_inference calibrates).
@@ -376,9 +380,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         FileNotFoundError: no such run folder or checkpoint.
         ValueError: an unknown format / dtype / activations, static scales that cannot be had, another model.
     """
-    check_choice("format", format, list(hf.FORMATS))
+    check_activations(format, activations, calibrated=calibration is not None, clip=clip)  # the format's too
     fmt, dtype = hf.FORMATS[format], _dtype(dtype)
-    _check_activations(fmt, activations, calibration, clip)
     out = Path(out_dir)
     _check_out(out, overwrite)
     model = model_or_run if isinstance(model_or_run, nn.Module) else load_run(model_or_run, checkpoint=checkpoint)

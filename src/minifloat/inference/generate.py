@@ -138,7 +138,16 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int | None,
 
 def _prompt_batch(prompt_ids, vocab_size: int, device: torch.device) -> torch.Tensor:
     """prompt_ids ((T,) or (B, T) token ids: a tensor or nested sequences of ints) as a (B, T) int64 tensor."""
-    prompt = torch.as_tensor(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids
+    if isinstance(prompt_ids, (str, bytes)):
+        raise ValueError(f"prompt_ids must be token ids, not {type(prompt_ids).__name__}: encode the text first, "
+                         f"run_tokenizer(run).encode(text) (minifloat.inference.tokenizer), or list(text.encode()) "
+                         f"for a model of byte tokens")
+    try:
+        prompt = torch.as_tensor(prompt_ids) if not isinstance(prompt_ids, torch.Tensor) else prompt_ids
+    except (TypeError, ValueError, RuntimeError) as err:  # not numbers, or rows of different lengths
+        raise ValueError(f"prompt_ids must be a (T,) or (B, T) batch of integer token ids (a tensor, or lists of "
+                         f"ints of one length), got a {type(prompt_ids).__name__} torch cannot read as one "
+                         f"({str(err).splitlines()[0] if str(err) else type(err).__name__})") from None
     if prompt.dim() == 1:
         prompt = prompt[None]
     if prompt.dim() != 2 or prompt.numel() == 0 or prompt.is_floating_point() or prompt.is_complex():

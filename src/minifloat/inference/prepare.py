@@ -29,7 +29,7 @@ from minifloat.core.validate import check_bool, check_choice, check_number
 from minifloat.fp8.convert import fp8_plan
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
-from minifloat.fp8.recipes import Recipe, Role, check_recipe
+from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role, check_recipe
 from minifloat.fp8.scaling import ROLE_INDEX
 from minifloat.inference.calibrate import (Clip, calibrated_amaxes, check_batches, combined_sqnr_db,
                                            layer_sensitivities, sensitive_layers, static_scale)
@@ -105,7 +105,8 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
     Args:
         model: any nn.Module (the reference Llama, an MLP, a Hugging Face model); Fp8Linear layers included.
         recipe: DelayedScaling / CurrentScaling (per tensor: weight per tensor, "row": per output channel),
-            BlockScaling (128×128 weight blocks, 1×128 activation tiles) or MXScaling (32-element E8M0 blocks).
+            BlockScaling (128×128 weight blocks, 1×128 activation tiles), MXScaling (32-element E8M0 blocks) or
+            NVFP4Scaling (E2M1 with E4M3 scales per 16 elements and an fp32 scale per tensor or token).
         calibration: an iterable of model inputs (a tensor, a tuple of positional arguments or a dict of keyword
             arguments each), for static scales and SmoothQuant.
         activations: "dynamic" (scaled per token at run time, at the recipe's activation granularity) or "static"
@@ -115,10 +116,10 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
         smooth: SmoothQuant's migration strength α in [0, 1] (None: no smoothing); needs calibration.
         keep: module names or glob patterns ("blocks.0.*") of linear layers to keep in high precision.
         keep_first_last: keep the input projections and the output head in high precision (mf.convert's rule).
-        keep_sensitive: a target output SQNR in dB (None: off); needs calibration. Each layer's SQNR with it alone
-            in FP8 is measured on the calibration batches (`sensitivity`: one pass per layer and batch); layers
-            stay in high precision, most noise per weight element first, until the others' combined SQNR (their
-            noise powers added) reaches the target (minifloat.inference.calibrate.sensitive_layers).
+        keep_sensitive: a target output SQNR in dB, > 0 (None: off); needs calibration. Each layer's SQNR with it
+            alone in FP8 is measured on the calibration batches (`sensitivity`: one pass per layer and batch);
+            layers stay in high precision, most noise per weight element first, until the others' combined SQNR
+            (their noise powers added) reaches the target (minifloat.inference.calibrate.sensitive_layers).
         backend: GEMM backend of the new layers ("auto", "native", "emulated"; None: auto).
     Returns:
         The model, with its mode unchanged.
@@ -133,7 +134,7 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
     check_choice("clip", clip, [c.value for c in Clip])
     check_number("percentile", percentile, low=0, high=100, low_open=True)
     check_number("smooth", smooth, low=0, high=1, allow_none=True)
-    check_number("keep_sensitive", keep_sensitive, allow_none=True)
+    check_number("keep_sensitive", keep_sensitive, low=0, low_open=True, allow_none=True)  # an output SQNR in dB
     check_bool("keep_first_last", keep_first_last)
     check_choice("backend", backend, [None, *BACKENDS])
     activations, clip = Activations(activations), Clip(clip)
@@ -141,6 +142,9 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
     if clip != Clip.MAX and not (static and calibration is not None):
         raise ValueError(f"clip={clip.value!r} sets calibrated static scales; it needs activations='static' and "
                          f"calibration")
+    if clip == Clip.MSE and isinstance(recipe.spec(Role.INPUT), NVFP4Spec):
+        raise ValueError("clip='mse' fits one scale per tensor to a format's grid, but NVFP4 scales every 16 "
+                         "elements at run time (its static scale only bounds them); use clip='max' or 'percentile'")
     if smooth is not None and calibration is None:
         raise ValueError("smooth needs calibration: SmoothQuant's scales come from activation statistics")
     if keep_sensitive is not None and calibration is None:

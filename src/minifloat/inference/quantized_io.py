@@ -86,9 +86,18 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
     Returns:
         The folder.
     Raises:
-        ValueError: the model has no FP8 inference layers. FileExistsError: `path` is a folder of something else.
+        ValueError: the model has no FP8 inference layers. FileExistsError: `path` is a file, lies under one, or is
+            a folder of something else.
     """
-    return save_checkpoint(path, model=model, extra={CONFIG_KEY: quantized_config(model)})
+    config = quantized_config(model)
+    directory = Path(path)
+    for p in (directory, *directory.parents):  # the nearest existing path must be a folder
+        if p.exists():
+            if not p.is_dir():
+                raise FileExistsError(f"{p} is a file; save_quantized writes a folder (tensors.safetensors, "
+                                      f"manifest.json): choose a new path or a folder")
+            break
+    return save_checkpoint(directory, model=model, extra={CONFIG_KEY: config})
 
 
 def _read_config(directory: Path) -> tuple[dict, dict[str, tuple[int, int, bool, LayerSpec, Recipe | None]]]:
