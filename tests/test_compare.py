@@ -3,8 +3,13 @@
 import io
 import json
 import math
+import os
 import pathlib
 import random
+import signal
+import subprocess
+import sys
+import time
 
 import pytest
 from rich.console import Console
@@ -124,13 +129,15 @@ def test_reuse_trains_again_when_the_config_differs(summary, monkeypatch):
     monkeypatch.setattr(compare_module, "train", lambda config, **kw: trained.append(config.preset) or
                         (_ for _ in ()).throw(RuntimeError("stop")))
     # seed 1 was never run here: nothing to reuse, and the seed-0 runs are not replaced without overwrite
-    with pytest.raises(RunExistsError, match="--reuse cannot take \\(bf16: made with seed=0, this comparison asks "
-                                              "for 1; fp8-current: made with seed=0.*--overwrite"):
+    with pytest.raises(RunExistsError, match="--reuse cannot take \\(bf16: made with --seed 0, this comparison asks "
+                                              "for 1; fp8-current: made with --seed 0.*--overwrite"):
         compare(["fp8-current"], base=TrainConfig(**TINY, seed=1), out=out, progress=False, reuse=True)
     assert trained == []
-    with pytest.raises(RuntimeError, match="stop"):
+    with pytest.raises(ValueError, match="--reuse keeps the finished runs in --out and --overwrite replaces them"):
         compare(["fp8-current"], base=TrainConfig(**TINY, seed=1, overwrite=True), out=out, progress=False,
                 reuse=True)
+    with pytest.raises(RuntimeError, match="stop"):
+        compare(["fp8-current"], base=TrainConfig(**TINY, seed=1, overwrite=True), out=out, progress=False)
     assert trained == ["bf16"]
 
 
@@ -445,3 +452,72 @@ def test_cli_reuse_flag_reaches_compare(tmp_path, monkeypatch, flag):
     monkeypatch.setattr(compare_module, "compare", fake)
     assert main(["compare", "--presets", "fp8-current", "--out", str(tmp_path), *flag]) == 2
     assert seen == {"reuse": bool(flag)}
+
+
+def test_reuse_takes_runs_whatever_how_the_call_ran(summary, monkeypatch):
+    """Settings of how and where a call runs (device, TF32, compile, overwrite: never inherited by a resume) do not
+    make another run: a comparison made with their defaults is reused under other values."""
+    out, s = summary
+    import minifloat.training.compare as compare_module
+
+    monkeypatch.setattr(compare_module, "train", lambda *a, **k: pytest.fail("reuse trained a finished run"))
+    again = compare(["fp8-current"], base=TrainConfig(**TINY, seed=0, device="cpu", tf32=False, compile_mode="default"),
+                    out=out, progress=False, reuse=True)
+    assert again["presets"]["bf16"]["final_val_loss"] == s["presets"]["bf16"]["final_val_loss"]
+
+
+def test_reuse_compares_the_data_by_content_not_by_path(tmp_path, monkeypatch):
+    import minifloat.training.compare as compare_module
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for i, name in enumerate(["abc.py", "bisect.py", "heapq.py", "glob.py"]):
+        (data / name).write_text((pathlib.Path(json.__file__).parent.parent / name).read_text())
+    base = dict(TINY, max_bytes=None, data=str(data))
+    compare(["bf16"], base=TrainConfig(**base), out=tmp_path / "c", progress=False)
+    moved = tmp_path / "moved"
+    data.rename(moved)
+    monkeypatch.setattr(compare_module, "train", lambda *a, **k: pytest.fail("reuse trained a finished run"))
+    compare(["bf16"], base=TrainConfig(**dict(base, data=str(moved))), out=tmp_path / "c", progress=False, reuse=True)
+    (moved / "glob.py").write_text("changed = True\n" * 200)
+    with pytest.raises(RunExistsError, match=r"bf16: trained on other data \(changed: glob.py\)"):
+        compare(["bf16"], base=TrainConfig(**dict(base, data=str(moved))), out=tmp_path / "c", progress=False,
+                reuse=True)
+
+
+def test_a_train_run_folder_is_not_a_comparison_folder(tmp_path, capsys):
+    run = tmp_path / "run"
+    assert main(["train", "--out", str(run), "--steps", "1", "--batch-size", "2", "--seq-len", "16",
+                 "--max-bytes", "100000", "--eval-every", "1", "--eval-batches", "1"]) == 0
+    for extra in ([], ["--overwrite"]):
+        assert main(["compare", "--out", str(run), "--presets", "bf16", "--steps", "1", *extra]) == 2
+        assert "holds a training run (run.json); compare trains each preset into OUT/<preset>" in \
+            capsys.readouterr().err
+    assert not (run / "bf16").exists()
+
+
+@pytest.mark.parametrize("sig, status", [(signal.SIGINT, 130)])
+def test_a_signal_stops_the_comparison_and_reuse_resumes_it(tmp_path, sig, status):
+    """Ctrl-C used to stop only the preset training: the comparison went on, summarised a cut-short baseline against
+    a finished run and exited 0. Now it stops with the preset (after its checkpoint), writes no summary, exits with
+    128 + the signal, and --reuse resumes the stopped preset from its checkpoint."""
+    out = tmp_path / "c"
+    flags = ["--presets", "bf16,fp8-current", "--steps", "150", "--batch-size", "2", "--seq-len", "16",
+             "--max-bytes", "100000", "--eval-every", "150", "--eval-batches", "1", "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "minifloat.cli", "compare", *flags], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
+    deadline = time.monotonic() + 120
+    while not ((out / "bf16" / "log.csv").is_file() and
+               len((out / "bf16" / "log.csv").read_text().splitlines()) > 3):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(sig)
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == status, (stdout, stderr)
+    assert "Traceback" not in stderr
+    assert f"stopped by {sig.name} while training bf16" in stdout and "--reuse" in stdout
+    assert not (out / "summary.json").exists() and not (out / "fp8-current").exists()
+    assert main(["compare", *flags, "--reuse"]) == 0
+    rows = (out / "bf16" / "log.csv").read_text().splitlines()
+    assert len(rows) == 1 + 150  # the header, then every step once: resumed, not trained again
+    assert json.loads((out / "summary.json").read_text())["presets"]["fp8-current"]["final_val_loss"] > 0

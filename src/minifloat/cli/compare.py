@@ -26,11 +26,12 @@ def base_config(args: argparse.Namespace):
     flags given on top; without --seq-len, the default is cut to the model's context."""
     import dataclasses
 
+    from minifloat.cli.train import given_settings
     from minifloat.training.compare import default_config
     from minifloat.training.model import SIZES
 
     base = default_config(args.device or "auto")
-    fields = {name: getattr(args, name) for name in settings() if getattr(args, name) is not None}
+    fields = given_settings(args, settings())
     if args.overwrite:
         fields["overwrite"] = True
     if args.shadow_every:
@@ -54,14 +55,22 @@ def cmd_compare(args: argparse.Namespace) -> int:
     With --shadow-every the FP8 presets run the shadow check and the table counts their fallbacks to BF16; tok/s
     leaves out each run's warm-up steps (compilation). An OUT holding an earlier comparison is refused unless
     --overwrite, or --reuse: a preset whose run finished there with the same settings is read back instead of
-    trained again (after an interrupted compare, or to add presets one command at a time). Exits with status 2 on an
+    trained again, and one a signal stopped resumes from its checkpoint (after an interrupted compare, or to add
+    presets one command at a time). SIGTERM / Ctrl-C stop the preset training after its current step, with a
+    checkpoint, and the comparison with it (exit status 128 + the signal's number). Exits with status 2 on an
     invalid option."""
-    from minifloat.training.compare import compare
+    import signal
+
+    from minifloat.training.compare import ComparisonStopped, compare
 
     # a bad option, data folder or existing comparison is one error line from main(), before anything trains
     base = base_config(args)
     presets = [p.strip() for p in args.presets.split(",") if p.strip()]
-    summary = compare(presets, base=base, out=args.out, reuse=args.reuse)
+    try:
+        summary = compare(presets, base=base, out=args.out, reuse=args.reuse)
+    except ComparisonStopped as stop:
+        common.console.print(str(stop), highlight=False)
+        return 128 + getattr(signal, stop.result.stopped_by).value
     common.print_table(summary_table(summary))
     common.print_table(speed_table(summary))
     for line in table_note(summary):
@@ -121,6 +130,11 @@ def table_note(summary: dict) -> list[str]:
             "peak memory: the most GPU memory held in tensors during the run."]
 
 
+# settings whose `minifloat train` help speaks of what compare does not do (resume a run, shapes on meta)
+HELPS = {"steps": "optimizer steps each preset trains",
+         "tokenizer": "tokenizer.json of Hugging Face tokenizers that turns the --data text into tokens; the model's "
+                      "vocabulary is the tokenizer's (default: bytes, 256 ids; token shards name their own)",
+         "device": "auto (a CUDA GPU when torch sees one, else the CPU), cpu, cuda or cuda:N"}
 HELP = "train under several presets and compare loss curves, speed and numerics with BF16"  # in `minifloat --help`
 
 
@@ -137,7 +151,8 @@ def add_parser(sub) -> None:
                    help="replace an earlier comparison in OUT (only the files the comparison and its runs wrote)")
     c.add_argument("--reuse", action="store_true",
                    help="read back each preset whose run finished in OUT with the same settings instead of training "
-                        "it again; the others train (the tables and plots are written anew)")
+                        "it again, and resume those a signal stopped; the others train (the tables and plots are "
+                        "written anew). Settings of how a call runs (--device, --compile, ...) may differ")
     on_gpu = {name: f"; on CUDA {'none' if value is None else value}" for name, value in GPU_SETTINGS.items()}
-    add_settings(c, settings(), defaults=DEFAULT_CONFIG, extra_help=on_gpu)
+    add_settings(c, settings(), defaults=DEFAULT_CONFIG, extra_help=on_gpu, helps=HELPS)
     c.set_defaults(func=cmd_compare)

@@ -37,6 +37,20 @@ def _flagged() -> dict:
     return {name: f for name, f in SETTINGS.items() if f.metadata["flag"]}
 
 
+def given_settings(args: argparse.Namespace, names) -> dict:
+    """The settings among `names` given as flags, as TrainConfig takes them: on|off as bools, --nan-steps as steps;
+    a bad on|off is one CliError line (argparse's own choices error is a usage block)."""
+    flagged = _flagged()
+    fields = {name: getattr(args, name) for name in names if getattr(args, name) is not None}
+    for name in [n for n in fields if flagged[n].metadata["on_off"]]:
+        if fields[name] not in ("on", "off"):
+            raise common.CliError(f"invalid option: {_flag(name)} must be on or off, got {fields[name]!r}")
+        fields[name] = fields[name] == "on"
+    if "nan_steps" in fields:
+        fields["nan_steps"] = _steps(fields["nan_steps"])
+    return fields
+
+
 def train_config(args: argparse.Namespace):
     """The TrainConfig the flags ask for (minifloat.training.config.config_from: with --resume, flags not given take
     the checkpoint's values, so `minifloat train --out DIR --resume --steps 800` continues the run as it was set up)."""
@@ -45,14 +59,7 @@ def train_config(args: argparse.Namespace):
     from minifloat.training.parallel import launched_by_torchrun
     from minifloat.training.sharded import read_extra
 
-    fields = {name: getattr(args, name) for name in _flagged() if getattr(args, name) is not None}
-    for name, f in _flagged().items():  # checked here: argparse's own choices error is a usage block, not one line
-        if f.metadata["on_off"] and name in fields:
-            if fields[name] not in ("on", "off"):
-                raise common.CliError(f"invalid option: {_flag(name)} must be on or off, got {fields[name]!r}")
-            fields[name] = fields[name] == "on"
-    if "nan_steps" in fields:
-        fields["nan_steps"] = _steps(fields["nan_steps"])
+    fields = given_settings(args, _flagged())
     if launched_by_torchrun() and "nproc" not in fields:  # `torchrun --nproc-per-node N -m minifloat.train`
         fields["nproc"] = int(os.environ["WORLD_SIZE"])
     saved = None
@@ -150,9 +157,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_settings(parser, names, *, defaults=None, extra_help: dict | None = None) -> None:
+def add_settings(parser, names, *, defaults=None, extra_help: dict | None = None, helps: dict | None = None) -> None:
     """A flag for each TrainConfig setting in `names`, made from the settings' metadata (help, group, metavar,
-    choices), in argument groups by the settings' group. Every flag defaults to None (not given). The help shows the
+    choices), in argument groups by the settings' group. Every flag defaults to None (not given). The help
+    (`helps[name]` in place of the setting's own, for a command where it says more than applies) shows the
     default of `defaults` (a TrainConfig; the config's own field defaults when None) and `extra_help[name]`."""
     from minifloat.training.config import GROUPS, spelled
 
@@ -164,7 +172,7 @@ def add_settings(parser, names, *, defaults=None, extra_help: dict | None = None
         default_value = spelled(name, f.default if defaults is None else getattr(defaults, name))
         unset = default_value is None or default_value is False or default_value == ()
         default = "" if unset or "(default" in meta["help"] else f" (default {default_value})"
-        text = meta["help"] + default + ((extra_help or {}).get(name) or "")
+        text = (helps or {}).get(name, meta["help"]) + default + ((extra_help or {}).get(name) or "")
         options = dict(default=None, help=text.replace("%", "%%"))
         if meta["on_off"]:
             options["metavar"] = "on|off"

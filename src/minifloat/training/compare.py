@@ -30,6 +30,7 @@ from minifloat.training.checkpoint import MANIFEST_FILE, checkpoint_extra, load_
 from minifloat.training.data import load_corpus, val_batches
 from minifloat.training.model import Llama
 from minifloat.amp.policy import PRESETS
+from minifloat.training.config import NOT_INHERITED
 from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train, warmup_steps
 from minifloat.training.rundir import RUN_FILE, RunExistsError, run_items
 from minifloat.training.throughput import resolve_device
@@ -111,9 +112,10 @@ def capture_numerics(config: TrainConfig) -> telemetry.Recorder:
     return rec
 
 
-def finished_result(config: TrainConfig) -> TrainResult | None:
+def finished_result(config: TrainConfig, corpus=None) -> TrainResult | None:
     """The TrainResult of a run of `config` that already finished in config.out, rebuilt from its log.csv, val.csv
-    and final checkpoint; None when there is none, or it was made with another config or stopped early.
+    and final checkpoint; None when there is none, or it was made with other settings (`_difference`; the data
+    compared with `corpus`, the loaded data, by content) or stopped early.
 
     Only the summary's fields are rebuilt: losses, final loss, validation losses, tokens/s (from the per-step
     timings, the loop's warm-up steps left out as in the run), skipped steps and the shadow check's switches (from
@@ -123,7 +125,7 @@ def finished_result(config: TrainConfig) -> TrainResult | None:
     if not (manifest.exists() and (out / "log.csv").exists() and (out / "val.csv").exists()):
         return None
     extra = checkpoint_extra(out / CHECKPOINT_DIR)
-    if extra.get("step") != config.steps or extra.get("config") != config.flat():
+    if extra.get("step") != config.steps or _difference(extra, config, corpus) is not None:
         return None
     with open(out / "log.csv", newline="") as f:
         rows = list(csv.DictReader(f))
@@ -154,7 +156,7 @@ def _measured(out: pathlib.Path, config: TrainConfig) -> dict:
         info = json.loads((out / RUN_FILE).read_text())
     except (OSError, ValueError):
         return {}
-    if not isinstance(info, dict) or info.get("config") != json.loads(json.dumps(config.flat())):  # tuples: lists
+    if not isinstance(info, dict) or _differing(info.get("config"), config) is not None:
         return {}
     measured = info.get("measured")
     if not (isinstance(measured, dict) and measured.get("last_step") == config.steps):
@@ -165,38 +167,82 @@ def _measured(out: pathlib.Path, config: TrainConfig) -> dict:
 COMPARE_FILES = ("summary.json", "loss_curves.png", "numerics_heatmap.png")  # written into `out` itself
 
 
-def _refuse_existing(out: pathlib.Path, configs: dict[str, TrainConfig], overwrite: bool, reuse: bool) -> None:
+# settings that say how and where a call runs, not what it trains (never inherited by a resume): a run made with
+# other values is the same run. The data and tokenizer are compared by content (the corpus manifest), not by path.
+RUN_CONTROL = (*NOT_INHERITED, "data", "tokenizer")
+
+
+def _differing(saved, config: TrainConfig) -> str | None:
+    """The first setting (but RUN_CONTROL) `saved`, a recorded config, has another value for than `config`, as
+    "made with --flag X, this comparison asks for Y"; None when they agree."""
+    if not isinstance(saved, dict):
+        return "no recorded settings"
+    wanted, saved = json.loads(json.dumps(config.flat())), json.loads(json.dumps(saved))  # tuples become lists
+    for key, value in wanted.items():
+        if key not in RUN_CONTROL and key in saved and saved[key] != value:
+            return f"made with --{key.replace('_', '-')} {saved[key]!r}, this comparison asks for {value!r}"
+    return None
+
+
+def _difference(extra: dict, config: TrainConfig, corpus) -> str | None:
+    """Why the checkpoint whose extra is `extra` is not a run of `config` on `corpus`'s data; None when it is."""
+    why = _differing(extra.get("config"), config)
+    saved = extra.get("data")
+    if why is None and corpus is not None:
+        changes = corpus.manifest.changes(saved) if isinstance(saved, dict) else ["no record of it"]
+        why = f"trained on other data ({changes[0]})" if changes else None
+    return why
+
+
+def _state(config: TrainConfig, corpus) -> tuple[str, str]:
+    """("finished" | "resumable" | "other", why) of the run in config.out, for --reuse."""
+    if finished_result(config, corpus) is not None:
+        return "finished", ""
+    try:
+        extra = checkpoint_extra(pathlib.Path(config.out) / CHECKPOINT_DIR)
+    except (OSError, ValueError):
+        return "other", "no complete checkpoint"
+    if (why := _difference(extra, config, corpus)) is not None:
+        return "other", why
+    step = extra.get("step")
+    if isinstance(step, int) and step < config.steps:
+        return "resumable", f"stopped at step {step} of {config.steps}"
+    return "other", f"at step {step}, this comparison asks for {config.steps}" if step != config.steps else \
+        "its logs are incomplete"
+
+
+def _refuse_existing(out: pathlib.Path, configs: dict[str, TrainConfig], overwrite: bool, reuse) -> None:
     """Raise RunExistsError when `out` holds an earlier comparison that this one would replace: a preset's run
-    (unless `reuse` takes it as finished) or the comparison's own files (kept out of the check by `reuse`, which
-    asks for them to be written again). `overwrite` allows both; the runs' own rule (minifloat.training.rundir)
-    then removes only what a run writes."""
+    (unless `reuse`, the loaded corpus, finds it finished or resumable) or the comparison's own files (kept out of the
+    check by `reuse`, which asks for them to be written again). `overwrite` allows both; the runs' own rule
+    (minifloat.training.rundir) then removes only what a run writes. A `minifloat train` run in `out` itself is
+    refused either way: the comparison's runs and files would mix with it."""
+    if (out / RUN_FILE).exists():
+        raise RunExistsError(f"--out {out} holds a training run ({RUN_FILE}); compare trains each preset into "
+                             f"OUT/<preset>: choose another --out")
     if overwrite:
         return
-    taken = [p for p, c in configs.items()
-             if run_items(pathlib.Path(c.out)) and not (reuse and finished_result(c) is not None)]
-    taken += [] if reuse else [f for f in COMPARE_FILES if (out / f).exists()]
-    if taken and reuse:
-        why = "; ".join(f"{p}: {_not_reusable(configs[p])}" for p in taken)
+    states = {p: _state(c, reuse) if reuse is not None else ("other", "") for p, c in configs.items()
+              if run_items(pathlib.Path(c.out))}
+    taken = [p for p, (state, _) in states.items() if state == "other"]
+    taken += [] if reuse is not None else [f for f in COMPARE_FILES if (out / f).exists()]
+    if taken and reuse is not None:
+        why = "; ".join(f"{p}: {states[p][1]}" for p in taken)
         raise RunExistsError(f"--out {out} holds runs --reuse cannot take ({why}); pass --overwrite to replace them, "
                              f"or choose another --out")
     if taken:
         raise RunExistsError(f"--out {out} already holds a comparison ({', '.join(taken)}); pass --overwrite to "
-                             f"replace it, or choose another --out")
+                             f"replace it, or --reuse to keep its finished runs and resume the interrupted ones")
 
 
-def _not_reusable(config: TrainConfig) -> str:
-    """Why the run in config.out is not one `finished_result` takes: the first setting it was made with otherwise,
-    or that it did not finish."""
-    try:
-        extra = checkpoint_extra(pathlib.Path(config.out) / CHECKPOINT_DIR)
-    except (OSError, ValueError):
-        return "no complete checkpoint"
-    saved, wanted = extra.get("config") or {}, config.flat()
-    for key in wanted:
-        if key in saved and saved[key] != wanted[key]:
-            return f"made with {key}={saved[key]!r}, this comparison asks for {wanted[key]!r}"
-    return f"stopped at step {extra.get('step')} of {config.steps}" if extra.get("step") != config.steps else \
-        "its logs are incomplete"
+class ComparisonStopped(Exception):
+    """A signal (SIGTERM, SIGINT) stopped a preset's run: the comparison stops too, with nothing summarized."""
+
+    def __init__(self, preset: str, result: TrainResult, steps: int):
+        super().__init__(f"stopped by {result.stopped_by} while training {preset} (step {result.last_step} of "
+                         f"{steps}, checkpointed); no summary written. The same command with --reuse keeps the "
+                         f"finished presets and resumes {preset}")
+        self.preset, self.result = preset, result
 
 
 def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: TrainConfig = DEFAULT_CONFIG,
@@ -210,8 +256,9 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
             FP8 preset in `base`) applies to the FP8 presets; the others run without the shadow check.
         out: output folder; preset p trains into out/p/.
         progress: show each run's progress bar.
-        reuse: take the result of a preset whose run already finished in out/p with the same config (see
-            `finished_result`) instead of training it again, e.g. after an interrupted compare.
+        reuse: take the result of a preset whose run already finished in out/p with the same settings (see
+            `finished_result`) instead of training it again, and resume one a signal stopped (an interrupted
+            compare); settings of how a call runs (RUN_CONTROL: device, compile, overwrite, ...) may differ.
     Returns:
         The summary written to summary.json: {"command", "config", "presets": {name: metrics}, "files"}.
         rel_diff_vs_bf16 is (val_loss - val_loss_bf16) / val_loss_bf16, a fraction. numerics_heatmap.png is written
@@ -219,6 +266,7 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
     Raises:
         ValueError: an unknown or repeated preset, or an invalid `base` (before anything trains).
         RunExistsError: `out` holds an earlier comparison and base.overwrite is off (before anything trains).
+        ComparisonStopped: a signal stopped a preset's run (after its checkpoint); nothing is summarized.
     """
     presets = list(presets)
     if unknown := [p for p in presets if p not in PRESETS]:
@@ -233,15 +281,21 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
                                       shadow_every=base.shadow_every if PRESETS[p].recipe is not None else 0)
                for p in presets}
 
-    _refuse_existing(out, configs, base.overwrite, reuse)
+    if reuse and base.overwrite:
+        raise ValueError("--reuse keeps the finished runs in --out and --overwrite replaces them: pass one of them")
+    corpus = load_corpus(base.data, max_bytes=base.max_bytes, tokenizer=base.tokenizer) if reuse else None
+    _refuse_existing(out, configs, base.overwrite, corpus if reuse else None)
     results = {}
     for p, config in configs.items():
-        if reuse and (done := finished_result(config)) is not None:
+        state = _state(config, corpus)[0] if reuse and run_items(pathlib.Path(config.out)) else "new"
+        if state == "finished":
             log.info("minifloat: compare: reusing the finished run of %s in %s", p, config.out)
-            results[p] = done
+            results[p] = finished_result(config, corpus)
             continue
-        log.info("minifloat: compare: training %s into %s", p, config.out)
-        results[p] = train(config, progress=progress)
+        log.info("minifloat: compare: %s %s in %s", "resuming" if state == "resumable" else "training", p, config.out)
+        results[p] = train(dataclasses.replace(config, resume=state == "resumable"), progress=progress)
+        if results[p].stopped_by:
+            raise ComparisonStopped(p, results[p], config.steps)
     metrics = {p: _summarize(r) for p, r in results.items()}
     baseline, speed = metrics[BASELINE]["final_val_loss"], metrics[BASELINE]["tokens_per_s"]
     for m in metrics.values():
