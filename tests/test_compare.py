@@ -395,6 +395,16 @@ def test_compare_flags_are_trains_settings():
     assert base.steps == DEFAULT_CONFIG.steps and base.model == DEFAULT_CONFIG.model  # the CPU's defaults
 
 
+@pytest.mark.parametrize("value, expected", [("on", True), ("off", False)])
+def test_on_off_flags_are_read_as_train_reads_them(value, expected):
+    """`--tf32 on|off` failed whatever the value ("--tf32 must be a bool, got 'off'"): compare passed the word."""
+    from minifloat.cli.compare import base_config
+
+    assert base_config(compare_args(["--tf32", value])).tf32 is expected
+    assert f"--tf32 {value}" in _command(["bf16"], base_config(compare_args(["--tf32", value])), pathlib.Path("x")) \
+        or expected  # on is the default, which the command line leaves out
+
+
 def test_on_cuda_the_defaults_are_the_gpu_experiment(monkeypatch):
     """--device cuda (faked: this machine may have no GPU) gives GPU_SETTINGS; a model with a shorter context gets
     its own max_seq_len, not an invalid --seq-len."""
