@@ -127,6 +127,10 @@ def test_train_with_shadow_and_rollback_reports_them(tmp_path, console):
     (["--rollback-after", "-1"], "rollback_after"),
     (["--eval-batches", "0"], "eval_batches"),
     (["--max-bytes", "1"], "max_bytes"),
+    (["--nan-steps", "99", "--steps", "5"], "nan_steps"),  # never reached: was accepted and did nothing
+    (["--compile-mode", "reduce-overhead"], "compile_mode"),  # without --compile: was accepted and did nothing
+    (["--compile-scope", "blocks"], "compile_scope"),
+    (["--parallel", "fsdp"], "parallel"),  # one process: was accepted and did nothing
 ])
 def test_train_rejects_bad_flags(argv, field, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path), *argv]) == 2

@@ -123,7 +123,11 @@ SPELLING_CASES = [
     ("field='value'", "use activations='dynamic' otherwise", "use --activations dynamic otherwise"),
     ("field=value", "got keep_blocks=0,1 here", "got --keep-blocks 0,1 here"),
     ("a field that must be something", "keep_blocks must be FIRST,LAST", "--keep-blocks must be FIRST,LAST"),
-    ("a field as a word is kept", "the steps of keep_blocks ran", "the steps of keep_blocks ran"),
+    ("a field as a word is kept", "the steps of the run ran", "the steps of the run ran"),
+    # a name with an underscore is no plain word: "fp8_margin overrides ..." used to reach the user as Python
+    ("a field with an underscore", "keep_blocks keeps none, see keep_blocks.", "--keep-blocks keeps none, see "
+                                                                                "--keep-blocks."),
+    ("a longer name is kept", "keep_blocks_x is other", "keep_blocks_x is other"),
     ("a switch", "pass overwrite=True to replace it", "pass --overwrite to replace it"),
     ("a path is kept", "no file /tmp/keep_blocks=1/a", "no file /tmp/keep_blocks=1/a"),
     ("another field is kept", "max_seq_len=128 is too short", "max_seq_len=128 is too short"),

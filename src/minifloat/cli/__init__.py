@@ -132,12 +132,15 @@ def with_flags(message: str, flags: dict[str, str]) -> str:
     """`message` with the library's Python spelling of an option put as the command line spells it:
     `activations='dynamic'` -> `--activations dynamic`, `overwrite=True` -> `--overwrite`, and a field a sentence
     begins with, "keep_blocks must be ..." -> "--keep-blocks must be ..." (only before "must": a field's name is also
-    a plain word elsewhere, "the model has ...")."""
+    a plain word elsewhere, "the model has ..."), and a field with an underscore wherever it stands alone
+    ("fp8_margin overrides ..." -> "--fp8-margin overrides ...")."""
     for field, flag in flags.items():
         message = re.sub(rf"(?<![\w./\\-]){re.escape(field)}=(?:'([^']*)'|([\w.,+-]+))",
                          lambda m, flag=flag: flag if m.group(2) == "True" else
                          f"{flag} {m.group(1) if m.group(1) is not None else m.group(2)}", message)
-        message = re.sub(rf"(?<![\w./\\-]){re.escape(field)}(?= must )", flag, message)
+        # a field named with an underscore is no plain word: put as its flag wherever it stands alone
+        ahead = r"(?![\w=])" if "_" in field else r"(?= must )"
+        message = re.sub(rf"(?<![\w./\\-]){re.escape(field)}{ahead}", flag, message)
     return message
 
 

@@ -68,7 +68,13 @@ def train_config(args: argparse.Namespace):
         if ckpt.is_dir():  # else train() says there is no checkpoint
             saved = read_extra(ckpt).get("config") or {}
     config = config_from(fields, saved)
+    if given := [_flag(name) for name in ("compile_mode", "compile_scope") if name in fields and not config.compile]:
+        raise common.CliError(f"invalid option: {' and '.join(given)} {'choose' if len(given) > 1 else 'chooses'} how "
+                              f"--compile compiles; add --compile")
     if config.nproc == 1 and config.parallel is not None and not launched_by_torchrun():
+        if "parallel" in fields:
+            raise common.CliError(f"invalid option: --parallel {config.parallel} lays the model out over several "
+                                  f"processes; add --nproc N (N > 1), or launch the ranks with torchrun")
         config = dataclasses.replace(config, parallel=None)  # one process: no layout to choose
     return config
 

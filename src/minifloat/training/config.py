@@ -89,8 +89,12 @@ class TrainConfig:
             raise ValueError(f"master {self.master} trains in one process: sharded checkpoints cannot store its "
                              f"{'generator' if self.master == 'bf16-sr' else 'compensation'} state yet; got "
                              f"nproc={self.nproc}, use --nproc 1 or --master fp32")
+        if self.nan_steps and max(self.nan_steps) >= self.steps:
+            last = max(self.nan_steps)
+            raise ValueError(f"nan_steps={','.join(map(str, self.nan_steps))} puts NaN into step {last}, which a run "
+                             f"of steps={self.steps} never reaches (its steps are 0 to {self.steps - 1})")
         if self.shadow_every and PRESETS[self.preset].recipe is None:
-            raise ValueError(f"shadow_every checks FP8 against BF16, but preset {self.preset!r} has no FP8 recipe; "
+            raise ValueError(f"shadow_every checks FP8 against BF16, but preset={self.preset!r} has no FP8 recipe; "
                              f"use an fp8 preset or shadow_every=0, got shadow_every={self.shadow_every!r}")
 
     def flat(self) -> dict:

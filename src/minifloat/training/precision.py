@@ -81,20 +81,21 @@ class Precision:
         recipe = PRESETS[self.preset].recipe
         check_number("bf16_tail", self.bf16_tail, low=0.0, high=1.0, high_open=True)
         if self.bf16_tail and recipe is None:
-            raise ValueError(f"bf16_tail switches the FP8/FP4 layers to BF16 late in training, but preset "
-                             f"{self.preset!r} has none; use an fp8 or fp4 preset or bf16_tail=0, got "
+            raise ValueError(f"bf16_tail switches the FP8/FP4 layers to BF16 late in training, but "
+                             f"preset={self.preset!r} has none; use an fp8 or fp4 preset or bf16_tail=0, got "
                              f"bf16_tail={self.bf16_tail!r}")
         for field in FP8_OVERRIDES:
             if getattr(self, field) is not None and not (recipe is not None and recipe.delayed):
-                raise ValueError(f"{field} overrides a DelayedScaling recipe, but preset {self.preset!r} has "
-                                 f"{type(recipe).__name__ if recipe else 'no FP8 recipe'}; use fp8-delayed")
+                raise ValueError(f"{field} overrides a DelayedScaling recipe, but preset={self.preset!r} has "
+                                 f"{type(recipe).__name__ if recipe else 'no FP8 recipe'}; use preset='fp8-delayed'")
         for field in NVFP4_OVERRIDES:
             value = getattr(self, field)
             if value is not None and not isinstance(value, bool):
                 raise ValueError(f"{field} must be True, False or None, got {value!r}")
             if value is not None and not isinstance(recipe, NVFP4Scaling):
-                raise ValueError(f"{field} overrides an NVFP4Scaling recipe, but preset {self.preset!r} has "
-                                 f"{type(recipe).__name__ if recipe else 'no low-precision recipe'}; use nvfp4")
+                raise ValueError(f"{field} overrides an NVFP4Scaling recipe, but preset={self.preset!r} has "
+                                 f"{type(recipe).__name__ if recipe else 'no low-precision recipe'}; use "
+                                 f"preset='nvfp4'")
         if self.keep_blocks is not None:
             if not isinstance(self.keep_blocks, tuple):  # a list would make the config unhashable
                 raise ValueError(f"keep_blocks must be a tuple (first, last), {KEEP_BLOCKS_RULE}, or None, got "

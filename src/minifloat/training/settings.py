@@ -254,4 +254,5 @@ class RunSettings:
         check_bool("resume", self.resume)
         check_bool("overwrite", self.overwrite)
         if self.resume and self.overwrite:
-            raise ValueError("resume=True continues the run in out and overwrite=True replaces it: choose one")
+            raise ValueError(f"resume=True continues the run in out={self.out!r} and overwrite=True replaces it: "
+                             f"choose one")
