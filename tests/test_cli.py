@@ -131,6 +131,8 @@ def test_train_with_shadow_and_rollback_reports_them(tmp_path, console):
     (["--compile-mode", "reduce-overhead"], "compile_mode"),  # without --compile: was accepted and did nothing
     (["--compile-scope", "blocks"], "compile_scope"),
     (["--parallel", "fsdp"], "parallel"),  # one process: was accepted and did nothing
+    # every block kept in high precision: trained an FP8 preset with no FP8 layer, after a warning
+    (["--preset", "fp8-delayed", "--model", "tiny", "--keep-blocks", "5,5", "--max-bytes", "100000"], "keep_blocks"),
 ])
 def test_train_rejects_bad_flags(argv, field, tmp_path, capsys):
     assert main(["train", "--out", str(tmp_path), *argv]) == 2
