@@ -12,10 +12,12 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import pickle
 import random
 import re
 import shutil
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -321,6 +323,38 @@ def test_damaged_checkpoint_raises_and_changes_nothing(ckpt_copy, name, damage, 
     assert_states_equal(clone_state(run.model), before)
     assert run.optimizer.state_dict() == optim_before  # same tensor objects: nothing replaced
     assert run.loader.position == 1
+
+
+# the damage whose line ends with how to recover (another format version has another fix: another release)
+FIXABLE = [case for case in DAMAGE_CASES if case[2] is CheckpointError and case[0] != "format version"]
+
+
+@pytest.mark.parametrize("name, damage, error, pattern", FIXABLE, ids=[c[0] for c in FIXABLE])
+def test_damage_is_named_with_its_fix(ckpt_copy, name, damage, error, pattern):
+    """What is wrong stays in the line (the pattern), and the fix follows it, within what the command line prints."""
+    damage(ckpt_copy)
+    run = make_run(OTHER_SEED)
+    with pytest.raises(CheckpointError, match=pattern) as info:
+        load_checkpoint(ckpt_copy, model=run.model, optimizer=run.optimizer, scaler=run.scaler, loader=run.loader)
+    message = " ".join(str(info.value).split())  # as the command line prints it
+    assert message.endswith(f"; {ckpt.CHECKPOINT_FIX}") and "--overwrite" in message, message
+    assert len(message) <= MESSAGE_LIMIT, len(message)
+
+
+def test_a_saved_checkpoint_gets_the_umask_mode(tmp_path):
+    """Not mkdtemp's 0700 nor the 0600 safetensors writes: the folder and every file get what the umask gives new
+    ones, the first checkpoint and the one that replaces it."""
+    umask = 0o027
+    old = os.umask(umask)
+    try:
+        for step in (1, 2):
+            path = save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(2, 2), extra={"step": step},
+                                   files={"tokenizer.json": b"{}"})
+            modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in [path, *path.iterdir()]}
+            assert modes == {"ckpt": 0o777 & ~umask, TENSORS_FILE: 0o666 & ~umask, MANIFEST_FILE: 0o666 & ~umask,
+                             "tokenizer.json": 0o666 & ~umask}, {k: oct(v) for k, v in modes.items()}
+    finally:
+        os.umask(old)
 
 
 # (name, model that does not fit the checkpoint, key the error names)

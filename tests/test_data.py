@@ -20,6 +20,7 @@ from minifloat.training.data import (
     split_files,
     val_batches,
 )
+from minifloat.training.textfiles import TextFiles
 
 SEED = 0
 B, T = 4, 8
@@ -230,6 +231,15 @@ def test_bad_paths_raise_naming_the_path_and_the_fix(tmp_path, caplog, name, mak
     assert message.endswith("point --data (DataConfig.path) at a folder of UTF-8 text files, or at token shards "
                             "(a .bin file or a folder of them, as minifloat tokenize writes)")
     assert not caplog.records  # the error alone: no warning about skipped files before it
+
+
+@pytest.mark.parametrize("name, make, error, words", BAD_PATH_CASES, ids=[c[0] for c in BAD_PATH_CASES])
+def test_a_reader_of_text_alone_ends_the_errors_with_its_own_fix(tmp_path, name, make, error, words):
+    """minifloat tokenize reads text only: its data errors must not offer token shards (training's DATA_FIX)."""
+    path = make(tmp_path)
+    with pytest.raises(error, match=words) as info:
+        TextFiles.scan(DataConfig(path=path), fix="point --data at a folder of text")
+    assert str(info.value).endswith("; point --data at a folder of text") and "shards" not in str(info.value)
 
 
 @pytest.mark.parametrize("name, kwargs", [

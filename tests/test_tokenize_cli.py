@@ -187,12 +187,55 @@ def test_refuses_a_folder_holding_files_and_overwrite_keeps_the_users(tmp_path, 
     ("shard tokens 0", ["--shard-tokens", "0"], "--shard-tokens must be at least 1"),
     ("missing tokenizer", ["--tokenizer", "/nonexistent/tokenizer.json"], "does not exist"),
     ("missing text folder", ["--data", "/nonexistent/text"], "does not exist"),
+    # shards `minifloat train` would refuse at its default --seq-len (64): nothing is written
+    ("a cap too small for one sequence", ["--max-bytes", "10"], "raise --max-bytes (now 10)"),
+    ("shards too short for one sequence", ["--shard-tokens", "20"], "raise --shard-tokens (now 20) to 65"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_errors_are_one_line(tmp_path, capsys, text, name, extra, words):
     status, stdout, err = tokenize(tmp_path, capsys, *extra)
     lines = err.splitlines()
     assert status == USER_ERROR and len(lines) == 1 and words in lines[0] and "Traceback" not in err, lines
+    assert ".bin" not in lines[0], lines  # tokenize reads text: token shards are no fix it can take
     assert not (tmp_path / "tok").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tok.tmp")]
+
+
+@pytest.mark.parametrize("name, cut", [
+    ("no text folder", lambda text: ["--data", str(text / "missing")]),
+    ("an empty folder", lambda text: ["--data", str(text / "empty")]),
+    ("one text file", lambda text: ["--data", str(text / "one")]),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_data_errors_offer_text_only(tmp_path, capsys, text, name, cut):
+    (text / "empty").mkdir()
+    (text / "one").mkdir()
+    (text / "one" / "a.txt").write_text("one file cannot be split by file\n")
+    status = main(["tokenize", *cut(text), "--out", str(tmp_path / "tok")])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == USER_ERROR and len(lines) == 1, lines
+    assert lines[0].endswith(lib_tokenize.TEXT_FIX) and "shard" not in lines[0], lines
+
+
+def _nanogpt_folder(tmp_path, tok):
+    (tmp_path / "nano").mkdir()
+    for name in ("train.bin", "val.bin"):
+        (tmp_path / "nano" / name).write_bytes((tok / "train_000000.bin").read_bytes())
+    return tmp_path / "nano"
+
+
+@pytest.mark.parametrize("name, data", [
+    ("a minifloat tokenize folder", lambda tmp_path, tok: tok),
+    ("one of its shards", lambda tmp_path, tok: tok / "train_000000.bin"),
+    ("nanoGPT's train.bin and val.bin", _nanogpt_folder),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_token_shards_as_data_are_refused_naming_train(tmp_path, capsys, text, name, data):
+    """Its meta.json and tokenizer.json would be read as text (a useless corpus): one line pointing at train."""
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB))[0] == 0
+    shards = data(tmp_path, tmp_path / "tok")
+    status = main(["tokenize", "--data", str(shards), "--out", str(tmp_path / "again")])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == USER_ERROR and len(lines) == 1, lines
+    assert "token shard" in lines[0] and f"minifloat train --data {shards}" in lines[0], lines
+    assert not (tmp_path / "again").exists()
 
 
 def test_help_explains_itself(capsys):

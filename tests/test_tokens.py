@@ -548,3 +548,94 @@ def test_ids_past_a_tokenizers_vocabulary_are_refused(tmp_path, tokenizer_file):
     with pytest.raises(ValueError, match=r"train.bin holds the id 999, outside the vocabulary of 320 ids "
                                          r"\(--tokenizer"):
         load_corpus(str(tmp_path), tokenizer=str(tokenizer_file))
+
+
+# ---- the tokenizer a minifloat tokenize folder names --------------------------------------------------------------
+
+@pytest.fixture
+def tokenized(tmp_path) -> pathlib.Path:
+    """A `minifloat tokenize` folder: shards, meta.json and the tokenizer.json it names."""
+    from minifloat.training.tokenize import tokenize_folder
+
+    tokenize_folder(str(text_folder(tmp_path / "text")), str(tmp_path / "tok"), vocab_size=300)
+    return tmp_path / "tok"
+
+
+def _tokenizer_gone(tok):
+    (tok / "tokenizer.json").unlink()
+    return "tokenizer.json", "which is missing"
+
+
+def _tokenizer_garbled(tok):
+    (tok / "tokenizer.json").write_text('{"version": "1.0", "trunc')
+    return "tokenizer.json", "is not a Hugging Face tokenizers file"
+
+
+def _tokenizer_of_another_vocabulary(tok):
+    train_bpe(["some other text, to make another tokenizer"], vocab_size=280).save(str(tok / "tokenizer.json"))
+    return "tokenizer.json", r"is not the one meta.json records .*the shards' 300"
+
+
+def _tokenizer_of_the_same_vocabulary(tok):
+    """Another tokenizer of the same size: only meta.json's SHA-256 tells it apart."""
+    data = json.loads((tok / "tokenizer.json").read_text(encoding="utf-8"))
+    vocab = data["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300 - 2:]  # swap the ids of the last two merges' tokens
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (tok / "tokenizer.json").write_text(json.dumps(data), encoding="utf-8")
+    return "tokenizer.json", r"is not the one meta.json records \(sha256"
+
+
+def _tokenizer_entry_a_path(tok):
+    meta = json.loads((tok / META_FILE).read_text())
+    meta["tokenizer"]["file"] = "../elsewhere/tokenizer.json"
+    (tok / META_FILE).write_text(json.dumps(meta))
+    return META_FILE, r"is corrupt: .*a tokenizer \{file: NAME, sha256: HEX\} or null"
+
+
+# (name, damage(tokenize folder) -> (the file the message names, words it holds))
+TOKENIZER_DAMAGE = [
+    ("tokenizer.json missing", _tokenizer_gone),
+    ("tokenizer.json not JSON", _tokenizer_garbled),
+    ("another tokenizer, another vocabulary", _tokenizer_of_another_vocabulary),
+    ("another tokenizer, the same vocabulary", _tokenizer_of_the_same_vocabulary),
+    ("meta.json's tokenizer entry a path", _tokenizer_entry_a_path),
+]
+
+
+@pytest.mark.parametrize("name, damage", TOKENIZER_DAMAGE, ids=[c[0] for c in TOKENIZER_DAMAGE])
+def test_a_tokenize_folder_needs_the_tokenizer_its_meta_json_records(tokenized, tmp_path, capsys, name, damage):
+    """Training on the folder without its tokenizer would leave the run's checkpoints without the copy `generate`
+    and `export` read: one line naming the file and the fix, for the folder and for one of its shards."""
+    named, words = damage(tokenized)
+    for data in (tokenized, tokenized / "train_000000.bin"):
+        with pytest.raises(ValueError, match=words) as info:
+            load_corpus(str(data))
+        message = str(info.value)
+        assert named in message and "\n" not in message
+        assert "minifloat tokenize" in message, message
+    out = tmp_path / "run"
+    status = main(["train", "--model", "tiny", "--steps", "1", "--seq-len", "16", "--data", str(tokenized),
+                   "--out", str(out)])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == USER_ERROR and len(lines) == 1 and named in lines[0] and "Traceback" not in lines[0], lines
+    assert "minifloat tokenize" in lines[0] and not lines[0].endswith("…"), lines  # the fix is on the printed line
+    assert not out.exists()
+
+
+def test_the_fixes_a_missing_tokenizer_names_work(tokenized, tmp_path):
+    """Either fix the line offers works: the tokenizer passed as --tokenizer (then kept, the folder's not read), or
+    put back; the run's checkpoints then keep that tokenizer. Shards made without a tokenizer still need none."""
+    original = (tokenized / "tokenizer.json").read_bytes()
+    given = tmp_path / "given.json"
+    given.write_bytes(original)
+    (tokenized / "tokenizer.json").unlink()
+    with pytest.raises(ValueError, match="pass it as --tokenizer"):
+        load_corpus(str(tokenized))
+    assert load_corpus(str(tokenized), tokenizer=str(given)).tokenizer_json == original
+    (tokenized / "tokenizer.json").write_bytes(original)
+    assert load_corpus(str(tokenized)).tokenizer_json == original
+    meta = json.loads((tokenized / META_FILE).read_text())
+    meta["tokenizer"] = None  # as a hand-written meta.json of shards made without one
+    (tokenized / META_FILE).write_text(json.dumps(meta))
+    assert load_corpus(str(tokenized)).tokenizer_json is None

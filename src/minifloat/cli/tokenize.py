@@ -21,7 +21,9 @@ def cmd_tokenize(args: argparse.Namespace) -> int:
     count), written into a temporary folder and moved in when complete. The text is read a file at a time and the
     ids are written to the shards as each batch of files is encoded, so memory does not grow with the corpus (a
     progress bar on a terminal). An --out that holds files is refused unless --overwrite, which replaces only the
-    files a previous tokenize wrote. Exits with status 2 on a bad option, text folder or tokenizer."""
+    files a previous tokenize wrote. Each split must hold a shard of one sequence of minifloat train's default
+    --seq-len, as training asks. Exits with status 2 on a bad option, text folder or tokenizer, on a --data that
+    holds token shards already (train on those directly), or on text too short for that sequence."""
     from rich.progress import BarColumn, Progress, TextColumn, TimeRemainingColumn
 
     from minifloat.training.tokenize import tokenize_folder

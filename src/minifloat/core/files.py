@@ -2,6 +2,9 @@
 
 Checkpoint manifests, the sharded checkpoint's state, the exported model's configs and a run's run.json all write
 JSON through `write_json`, so each is complete on disk before the folder or file that holds it is moved into place.
+
+A temporary file or folder that becomes one of the user's (tempfile.mkstemp's 0600, mkdtemp's 0700, the 0600 file
+safetensors writes) gets the permissions the user's umask gives any new one (`apply_umask`), as an `open` would.
 """
 
 from __future__ import annotations
@@ -10,6 +13,25 @@ import json
 import os
 from pathlib import Path
 from typing import Any
+
+
+def umask() -> int:
+    """The process's umask: read from /proc on Linux, else set and put back at once (os.umask only swaps it)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def apply_umask(path: str | os.PathLike) -> None:
+    """Give `path` the permissions the umask gives a new file (0o666 & ~umask) or folder (0o777 & ~umask)."""
+    os.chmod(path, (0o777 if os.path.isdir(path) else 0o666) & ~umask())
 
 
 def fsync_path(path: Path) -> None:

@@ -29,8 +29,7 @@ case (`_transformers_warnings`; docs/inference.md, "What transformers loads").
 Embeddings, norms and lm_head stay in `dtype`; the linears kept in high precision are listed under both
 "ignored_layers" (vLLM) and "modules_to_not_convert" (transformers). Weights are cast through minifloat's one
 rounding path (minifloat.numerics.quantize, E4M3, "tensor" / "block" granularity). A static input scale comes from
-calibration batches (amax / 448) or, for a model trained with delayed scaling, from each layer's delayed input
-scale: exactly the scale its FP8 forward used.
+calibration batches (amax / 448) or, for a model trained with delayed scaling, from its delayed input scale.
 
 Which linears are quantized: a model trained in FP8 keeps its own choice (its Fp8Linear layers), a model prepared
 for FP8 inference its Fp8InferenceLinear layers (their stored weights are written as they are when the layout
@@ -61,7 +60,7 @@ from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpe
 from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
-from minifloat.core.files import fsync_path, write_json
+from minifloat.core.files import apply_umask, fsync_path, write_json
 from minifloat.training.checkpoint import MANIFEST_FILE, load_checkpoint, move_into_place
 from minifloat.training.config import SETTINGS, TrainConfig, recorded
 from minifloat.training.data import load_corpus, val_batches
@@ -406,7 +405,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
             shutil.copyfile(loaded.path, tmp / hf.TOKENIZER_FILE)
             eot = loaded.tokenizer.id_to_token(eot_id) if eot_id is not None else None
             write_json(tmp / hf.TOKENIZER_CONFIG_FILE, hf.tokenizer_config(eot), indent=2)
-        for path in (*tmp.iterdir(), tmp):
+        for path in (*tmp.iterdir(), tmp):  # mkdtemp's 0700, safetensors' 0600: the umask's modes, as `open` gives
+            apply_umask(path)
             fsync_path(path)
         _check_out(out, overwrite)  # nothing appeared there meanwhile
         _put_in_place(tmp, out)

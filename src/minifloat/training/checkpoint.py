@@ -19,9 +19,11 @@ Tied weights (Llama's lm_head.weight is wte.weight) share storage, which safeten
 exact view of one already stored is not stored again, and the manifest maps both state-dict keys to one tensor name.
 
 Writes are atomic: everything goes into a temporary sibling directory, is fsynced, and is renamed into place; an
-existing checkpoint at the path is replaced only once the new one is complete. Loads check the manifest's format
-version, the file's hash and every key and shape against the objects passed in, and decode everything into memory
-before any object is touched: a truncated or mismatched checkpoint raises and changes nothing.
+existing checkpoint at the path is replaced only once the new one is complete. The directory and its files get the
+permissions the umask gives new ones (not mkdtemp's 0700). Loads check the manifest's format version, the file's
+hash and every key and shape against the objects passed in, and decode everything into memory before any object is
+touched: a truncated or mismatched checkpoint raises and changes nothing, with a line that ends with the fix
+(CHECKPOINT_FIX: restore a backup, or start the run again).
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from minifloat.core.files import fsync_path, write_json
+from minifloat.core.files import apply_umask, fsync_path, write_json
 from minifloat.core.rng import rng_state, set_rng_state
 from minifloat.core.version import __version__
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
@@ -59,6 +61,10 @@ _STATEFUL = ("scaler", "guard", "loader")  # objects with plain-data state_dict(
 _ENTRIES = {**dict.fromkeys(("tensors_file", "tensors", "model", "rng", "extra"), (dict, False)),
             "optimizer_type": (str, True), **dict.fromkeys(("optimizer", *_STATEFUL), (dict, True))}
 NAMES_SHOWN = 3  # names (keys, tensors) an error message lists before "and N more"
+MALFORMED_DETAIL = 160  # characters of the underlying error a "malformed" message quotes
+# what a damaged checkpoint's error line ends with: the state it held is lost unless a copy exists
+CHECKPOINT_FIX = ("restore the checkpoint from a backup, or start the run again (minifloat train --overwrite, or "
+                  "another --out)")
 
 
 
@@ -70,7 +76,8 @@ def _malformed(what: str) -> Iterator[None]:
     except CheckpointError:
         raise
     except (TypeError, ValueError, KeyError, IndexError, AttributeError, SafetensorError) as err:
-        raise CheckpointError(f"{what} is malformed ({type(err).__name__}: {err})") from err
+        detail = " ".join(str(err).split())[:MALFORMED_DETAIL]  # the fix after it stays on the printed line
+        raise CheckpointError(f"{what} is malformed ({type(err).__name__}: {detail}); {CHECKPOINT_FIX}") from err
 
 
 def _names(items: list, sep: str = ", ") -> str:
@@ -146,7 +153,9 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     directory.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
     try:
+        apply_umask(tmp)  # mkdtemp's 0700 (and safetensors' 0600 below): the permissions the umask gives new ones
         save_file(table.tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})
+        apply_umask(tmp / TENSORS_FILE)
         fsync_path(tmp / TENSORS_FILE)
         manifest = {
             "format_version": FORMAT_VERSION, "minifloat_version": __version__, "torch_version": torch.__version__,
@@ -216,19 +225,21 @@ def _read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
-        raise CheckpointError(f"{manifest_path} is missing; {directory} is not a complete checkpoint") from None
+        raise CheckpointError(f"{manifest_path} is missing; {directory} is not a complete checkpoint; "
+                              f"{CHECKPOINT_FIX}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{manifest_path} is not valid JSON (truncated or corrupt): {err}") from None
+        raise CheckpointError(f"{manifest_path} is not valid JSON (truncated or corrupt): {err}; "
+                              f"{CHECKPOINT_FIX}") from None
     version = manifest.get("format_version") if isinstance(manifest, dict) else None
     if version != FORMAT_VERSION:
         raise CheckpointError(f"{manifest_path}: checkpoint format version {version!r}, but this minifloat reads "
                               f"format version {FORMAT_VERSION}")
     if absent := sorted(_ENTRIES.keys() - manifest.keys()):
-        raise CheckpointError(f"{manifest_path} lacks the entries {absent}")
+        raise CheckpointError(f"{manifest_path} lacks the entries {absent}; {CHECKPOINT_FIX}")
     for entry, (kind, nullable) in _ENTRIES.items():
         if not (isinstance(value := manifest[entry], kind) or nullable and value is None):
             raise CheckpointError(f"{manifest_path} is corrupt: its entry {entry!r} is a {type(value).__name__}, "
-                                  f"not a {kind.__name__}")
+                                  f"not a {kind.__name__}; {CHECKPOINT_FIX}")
     return manifest
 
 
@@ -239,20 +250,22 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     manifest = _read_manifest(directory)
     expected = manifest["tensors_file"]
     if not tensors_path.is_file():
-        raise CheckpointError(f"{tensors_path} is missing; {directory} is not a complete checkpoint")
+        raise CheckpointError(f"{tensors_path} is missing; {directory} is not a complete checkpoint; {CHECKPOINT_FIX}")
     size = tensors_path.stat().st_size
     if size != expected["bytes"]:
         raise CheckpointError(f"{tensors_path} is truncated or corrupt: {size} bytes, the manifest says "
-                              f"{expected['bytes']}")
+                              f"{expected['bytes']}; {CHECKPOINT_FIX}")
     digest = _sha256(tensors_path)
     if digest != expected["sha256"]:
-        raise CheckpointError(f"{tensors_path} is corrupt: sha256 {digest}, the manifest says {expected['sha256']}")
+        raise CheckpointError(f"{tensors_path} is corrupt: sha256 {digest}, the manifest says {expected['sha256']}; "
+                              f"{CHECKPOINT_FIX}")
     tensors = load_file(str(tensors_path))
     listed = {name: (spec["dtype"], tuple(spec["shape"])) for name, spec in manifest["tensors"].items()}
     found = {name: (str(t.dtype).removeprefix("torch."), tuple(t.shape)) for name, t in tensors.items()}
     if listed != found:
         diff = sorted(n for n in listed.keys() | found.keys() if listed.get(n) != found.get(n))
-        raise CheckpointError(f"{tensors_path} does not hold the tensors {manifest_path} lists: {_names(diff)}")
+        raise CheckpointError(f"{tensors_path} does not hold the tensors {manifest_path} lists: {_names(diff)}; "
+                              f"{CHECKPOINT_FIX}")
     return manifest, tensors
 
 

@@ -45,7 +45,8 @@ TEXT_PATTERNS = ("*.txt", "*.md", "*.rst", "*.py", "*.c", "*.h", "*.cpp", "*.js"
 ALWAYS_EXCLUDED = (".*", "__pycache__")
 STDLIB_EXCLUDED = (*ALWAYS_EXCLUDED, "site-packages", "dist-packages", "_sysconfigdata*", "config-*",
                    "test", "tests", "idle_test")
-# the fix every "no usable data" error ends with (`--data` is the command line's name for DataConfig.path)
+# the fix every "no usable data" error ends with (`--data` is the command line's name for DataConfig.path); a reader
+# of text alone (minifloat tokenize) passes its own (`select_files`' fix), which offers no token shards
 DATA_FIX = ("point --data (DataConfig.path) at a folder of UTF-8 text files, or at token shards (a .bin file or a "
             "folder of them, as minifloat tokenize writes)")
 READ_BYTES = 1 << 24  # a text file is read, checked and hashed 16 MiB at a time
@@ -250,14 +251,15 @@ def split_files(paths: list[str], val_fraction: float) -> dict[str, Split]:
     return splits
 
 
-def select_files(config: DataConfig, *, keep: bool) -> tuple[pathlib.Path, dict[Split, bytes], list[FileEntry],
-                                                             dict[str, str]]:
+def select_files(config: DataConfig, *, keep: bool, fix: str = DATA_FIX) -> tuple[pathlib.Path, dict[Split, bytes],
+                                                                                 list[FileEntry], dict[str, str]]:
     """The files `config` describes, found, split and checked by ByteCorpus.load's rules (and with its errors).
 
     Args:
         config: the corpus.
         keep: hold the bytes read; False reads, checks and hashes each file and lets its bytes go
             (minifloat.training.textfiles reads them again, one file at a time).
+        fix: what each error ends with: how to point --data at usable data (DATA_FIX: text or token shards).
     Returns:
         (root, each split's bytes joined (b"" unless keep), the files taken, {skipped file: reason}).
     """
@@ -268,21 +270,21 @@ def select_files(config: DataConfig, *, keep: bool) -> tuple[pathlib.Path, dict[
         root = pathlib.Path(config.path).expanduser()
         patterns, excluded = config.patterns or TEXT_PATTERNS, ALWAYS_EXCLUDED
     if not root.exists():
-        raise FileNotFoundError(f"data path {str(root)!r} does not exist; {DATA_FIX}")
+        raise FileNotFoundError(f"data path {str(root)!r} does not exist; {fix}")
     if not root.is_dir():
-        raise NotADirectoryError(f"data path {str(root)!r} is a file, not a folder; {DATA_FIX}")
+        raise NotADirectoryError(f"data path {str(root)!r} is a file, not a folder; {fix}")
     skipped: dict[str, str] = {}  # relative path -> reason
     paths, others = _find_files(root, patterns, excluded, skipped)
     if not paths and not others:
-        raise FileNotFoundError(f"data folder {str(root)!r} holds no files; {DATA_FIX}")
+        raise FileNotFoundError(f"data folder {str(root)!r} holds no files; {fix}")
     if not paths:
         raise FileNotFoundError(f"none of the {others} file(s) under data folder {str(root)!r} matches the "
-                                f"patterns {list(patterns)}; {DATA_FIX}")
+                                f"patterns {list(patterns)}; {fix}")
     streams, files = _read_splits(root, paths, config, skipped, keep=keep)
     if not streams:  # a split drew only binary, unreadable or empty files: split the non-empty text files alone
         text = [rel for rel in paths if (got := _read_text(root / rel, rel, skipped, keep=False)) and got[1]]
         if len(text) < 2:
-            raise ValueError(_too_few_text_files(root, text, skipped))
+            raise ValueError(_too_few_text_files(root, text, skipped, fix))
         streams, files = _read_splits(root, text, config, skipped, keep=keep)  # both non-empty: see split_files
     if skipped:
         rel, reason = next(iter(skipped.items()))
@@ -322,14 +324,14 @@ def _read_splits(root: pathlib.Path, paths: list[str], config: DataConfig, skipp
     return streams, files
 
 
-def _too_few_text_files(root: pathlib.Path, text: list[str], skipped: dict[str, str]) -> str:
+def _too_few_text_files(root: pathlib.Path, text: list[str], skipped: dict[str, str], fix: str) -> str:
     """The message for a folder with fewer than two non-empty text files, naming what was found and skipped."""
     found = f"found only {text[0]!r}" if text else "found none"
     if skipped:
         rel, reason = next(iter(skipped.items()))
         found += f" and skipped {len(skipped)} binary, non-UTF-8 or unreadable file(s), e.g. {rel} ({reason})"
     return (f"need at least 2 non-empty text files under data folder {str(root)!r} for a train/validation split by "
-            f"file, {found}; {DATA_FIX}")
+            f"file, {found}; {fix}")
 
 
 def _excluded(name: str, excluded: tuple[str, ...]) -> bool:

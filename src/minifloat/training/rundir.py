@@ -18,6 +18,8 @@ import signal
 import tempfile
 import threading
 
+from minifloat.core.files import apply_umask
+
 CHECKPOINT_DIR = "ckpt"
 TENSORBOARD_DIR = "tensorboard"
 RUN_FILE = "run.json"
@@ -41,7 +43,8 @@ def prepare_run_dir(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None
     """Make `out` ready for a run.
 
     A folder holding a run (any of RUN_ITEMS) is refused unless `resume` (the run continues: nothing is removed
-    here) or `overwrite` (the RUN_ITEMS are removed; other files stay). A new or unrelated folder is used as is.
+    here) or `overwrite` (the RUN_ITEMS are removed; other files stay). A new or unrelated folder is used as is. The
+    refusal offers --resume only when the run has a checkpoint (`resume` needs one), else --overwrite.
 
     Raises:
         RunExistsError: `out` holds a run and neither flag is set.
@@ -60,8 +63,12 @@ def prepare_run_dir(out: pathlib.Path, *, resume: bool, overwrite: bool) -> None
                                     f"without --resume, or point --out at the run to continue")
         return
     if found and not overwrite:
-        raise RunExistsError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue it, "
-                             f"--overwrite to replace it, or choose another --out")
+        if (out / CHECKPOINT_DIR).is_dir():  # what --resume continues from
+            raise RunExistsError(f"--out {out} already holds a run ({', '.join(found)}); pass --resume to continue "
+                                 f"it, --overwrite to replace it, or choose another --out")
+        raise RunExistsError(f"--out {out} already holds a run ({', '.join(found)}) without a checkpoint to continue "
+                             f"from; pass --overwrite to replace it (your own files in the folder stay), or choose "
+                             f"another --out")
     for name in found:
         path = out / name
         if path.is_dir() and not path.is_symlink():
@@ -90,6 +97,7 @@ class CsvLog:
                 kept = [row for row in csv.DictReader(f) if row.get("step", "").isdigit()
                         and int(row["step"]) < keep_before]
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        apply_umask(tmp)  # mkstemp's 0600 would become the log's: it gets what the umask gives a new file
         with os.fdopen(fd, "w", newline="") as f:
             writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
             writer.writeheader()

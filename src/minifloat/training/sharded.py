@@ -43,7 +43,8 @@ from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.version import __version__
 from minifloat.optim.blockwise import BlockwiseOptimizer
 from minifloat.core.files import fsync_path, write_json
-from minifloat.training.checkpoint import add_files, check_carried, checkpoint_extra, move_into_place
+from minifloat.training.checkpoint import (CHECKPOINT_FIX, add_files, check_carried, checkpoint_extra,
+                                          move_into_place)
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
 from minifloat.training.parallel import World, barrier
 
@@ -197,7 +198,8 @@ def _read_state(directory: Path) -> dict:
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise CheckpointError(f"{path} is not valid JSON (truncated or corrupt): {err}") from None
+        raise CheckpointError(f"{path} is not valid JSON (truncated or corrupt): {str(err)[:160]}; {CHECKPOINT_FIX}") \
+            from None
     if not isinstance(state, dict) or state.get("format") != FORMAT or state.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{path}: not a {FORMAT} checkpoint of format version {FORMAT_VERSION}")
     return state

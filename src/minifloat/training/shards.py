@@ -141,7 +141,8 @@ def read_meta(folder: pathlib.Path) -> dict:
     """meta.json of a folder written by `minifloat tokenize`, checked.
 
     Returns:
-        {"dtype", "vocab_size", "tokenizer" ({"file", "sha256"} or None), "shards": [{"file", "split", "tokens"}]}.
+        {"dtype", "vocab_size", "tokenizer" ({"file": a name in the folder, "sha256"}, or None: made without one),
+        "shards": [{"file", "split", "tokens"}]}.
     Raises:
         ValueError naming the file and what is wrong with it.
     """
@@ -157,14 +158,21 @@ def read_meta(folder: pathlib.Path) -> dict:
     shards = meta.get("shards")
     ok = (meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("vocab_size"), int)
           and meta["vocab_size"] >= 1 and isinstance(shards, list) and shards
-          and all(isinstance(s, dict) and isinstance(s.get("file"), str) and s["file"].endswith(".bin")
-                  and "/" not in s["file"] and "\\" not in s["file"] and s.get("split") in ("train", "val")
+          and all(isinstance(s, dict) and _plain_name(s.get("file")) and s["file"].endswith(".bin")
+                  and s.get("split") in ("train", "val")
                   and isinstance(s.get("tokens"), int) and s["tokens"] >= 0 for s in shards))
     tokenizer = meta.get("tokenizer")
-    if not ok or not (tokenizer is None or isinstance(tokenizer, dict) and isinstance(tokenizer.get("sha256"), str)):
-        raise ValueError(f"{path} is corrupt: it needs dtype uint16/uint32, an int vocab_size and a non-empty list of "
-                         f"shards, each {{file: NAME.bin, split: train/val, tokens: N}}; {fix}")
+    if not ok or not (tokenizer is None or isinstance(tokenizer, dict) and isinstance(tokenizer.get("sha256"), str)
+                      and _plain_name(tokenizer.get("file"))):
+        raise ValueError(f"{path} is corrupt: it needs dtype uint16/uint32, an int vocab_size, a non-empty list of "
+                         f"shards, each {{file: NAME.bin, split: train/val, tokens: N}}, and a tokenizer "
+                         f"{{file: NAME, sha256: HEX}} or null; {fix}")
     return meta
+
+
+def _plain_name(name) -> bool:
+    """Whether `name` names a file in the folder itself (no path, not . or ..)."""
+    return isinstance(name, str) and name not in ("", ".", "..") and "/" not in name and "\\" not in name
 
 
 def file_sha256(path: pathlib.Path) -> str:

@@ -33,17 +33,21 @@ class TextFiles:
     files: tuple[FileEntry, ...]  # as ByteCorpus's manifest lists them: nbytes and sha256 of the bytes taken
     skipped: tuple[tuple[str, str], ...]
     config: DataConfig
+    fix: str = DATA_FIX  # what a data error ends with: how to point --data at usable data
 
     @classmethod
-    def scan(cls, config: DataConfig | None = None) -> TextFiles:
+    def scan(cls, config: DataConfig | None = None, *, fix: str = DATA_FIX) -> TextFiles:
         """Find, read, check and hash the files `config` describes, keeping none of their bytes.
 
+        Args:
+            config: the corpus (the standard library's sources when None).
+            fix: what each data error ends with (DATA_FIX: text or token shards; minifloat tokenize reads text only).
         Raises:
             ByteCorpus.load's errors (no such folder, no text files, fewer than two).
         """
         config = config or DataConfig()
-        root, _, files, skipped = select_files(config, keep=False)
-        return cls(root, tuple(files), tuple(skipped.items()), config)
+        root, _, files, skipped = select_files(config, keep=False, fix=fix)
+        return cls(root, tuple(files), tuple(skipped.items()), config, fix)
 
     def entries(self, split: Split | str) -> list[FileEntry]:
         """The files of one split, in order."""
@@ -101,7 +105,7 @@ class TextFiles:
         except OSError as err:
             raise ValueError(f"data file {entry.path} under {self.root} cannot be read any more "
                              f"({err.strerror or type(err).__name__}); leave the folder alone while it is "
-                             f"read, or {DATA_FIX}") from None
+                             f"read, or {self.fix}") from None
         if digest.hexdigest() != entry.sha256:
             raise ValueError(f"data file {entry.path} under {self.root} changed while the folder was read; "
                              f"leave the folder alone while it is read, and run again")

@@ -9,7 +9,9 @@ ids (uint16 when the vocabulary fits, else uint32; little-endian, no header):
 
 meta.json (minifloat.training.shards.read_meta) names the dtype, vocabulary, tokenizer (file, SHA-256) and every
 shard with its split and token count. Everything is written into a temporary folder beside OUT and moved in when
-complete, meta.json last, so an interrupted run leaves no folder that looks finished.
+complete, meta.json last, so an interrupted run leaves no folder that looks finished. A --data that holds token shards
+already is refused (its meta.json would be read as text), and so is text whose shards `minifloat train` would refuse
+(a split without a shard of one sequence of its default --seq-len): nothing is written then.
 
 The work streams, so memory grows neither with the corpus nor with its largest file: the files are listed, checked
 and hashed first, keeping none of their bytes (minifloat.training.textfiles), then read again a part of a file at a
@@ -33,15 +35,22 @@ import torch
 
 from minifloat.core.files import fsync_path, write_json
 from minifloat.core.validate import check_int
-from minifloat.training.data import DataConfig, Split
+from minifloat.training.data import DEFAULT_VAL_FRACTION, DataConfig, Split
+from minifloat.training.settings import ModelData
 from minifloat.training.shards import META_FILE, META_FORMAT, META_VERSION, STORAGE
 from minifloat.training.textfiles import TextFiles
 from minifloat.training.tokenizer import ENCODE_CHARS, encode_batches, load_tokenizer, train_bpe
+from minifloat.training.tokens import is_token_data
 
 DEFAULT_VOCAB_SIZE = 8192
 DEFAULT_SHARD_TOKENS = 100_000_000  # llm.c's shard size: 200 MB of uint16
 TOKENIZER_FILE = "tokenizer.json"
 UINT16_VOCAB = 1 << 16  # ids 0 … 65535 fit a uint16
+# each split must hold a shard of one sequence of `minifloat train`'s default --seq-len (+ 1 tokens), what training
+# asks of its data before step 1 (minifloat.training.data.require_windows): shards it cannot train on are refused
+TRAIN_SEQ_LEN = ModelData().seq_len
+# the fix a data error ends with: tokenize reads text, so token shards are no answer (training's DATA_FIX offers them)
+TEXT_FIX = "point --data at a folder of UTF-8 text files (minifloat tokenize reads text)"
 
 
 def shard_name(split: Split, index: int) -> str:
@@ -77,16 +86,21 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
         the meta.json written.
     Raises:
         FileExistsError: `out` holds files and overwrite is False.
-        ValueError: a bad tokenizer, vocab_size, shard_tokens or batch_chars; ByteCorpus.load's errors for the text;
-            a text file that changed while it was read.
+        ValueError: a bad tokenizer, vocab_size, shard_tokens or batch_chars; `data` holding token shards already;
+            ByteCorpus.load's errors for the text (ending with TEXT_FIX); a text file that changed while it was read;
+            a split too short for one sequence of TRAIN_SEQ_LEN in one shard (nothing is written then).
     """
     if not isinstance(shard_tokens, int) or shard_tokens < 1:
         raise ValueError(f"shard_tokens must be an int >= 1, got {shard_tokens!r}")
     check_int("batch_chars", batch_chars, low=1)
+    if data is not None and is_token_data(str(data)):  # its meta.json and tokenizer.json would be read as text
+        held = "is a token shard" if pathlib.Path(data).expanduser().is_file() else "holds token shards"
+        raise ValueError(f"--data {data} {held} already, and minifloat tokenize reads text; train on it with: "
+                         f"minifloat train --data {data}")
     out_path = pathlib.Path(out).expanduser()
     _check_out(out_path, overwrite)
     loaded = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad tokenizer fails before the reading
-    files = TextFiles.scan(DataConfig(path=data, max_bytes=max_bytes))
+    files = TextFiles.scan(DataConfig(path=data, max_bytes=max_bytes), fix=TEXT_FIX)
     tmp = out_path.parent / f".{out_path.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -117,6 +131,7 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
                 for ids in encode_batches(loaded, texts, batch_chars=batch_chars):
                     writer.write(ids)
             shards += writer.shards
+        _check_windows(shards, data=data, max_bytes=max_bytes, shard_tokens=shard_tokens)
         meta = {"format": META_FORMAT, "version": META_VERSION, "dtype": dtype, "vocab_size": loaded.vocab_size,
                 "eot_id": loaded.eot_id, "tokenizer": {**loaded.describe(), "trained": tokenizer is None},
                 "source": {"data": str(files.root), "max_bytes": max_bytes, "digest": digest.hexdigest(),
@@ -166,6 +181,26 @@ class ShardWriter:
             os.fsync(self._file.fileno())
             self._file.close()
             self._file = None
+
+
+def _check_windows(shards: list[dict], *, data: str | None, max_bytes: int | None, shard_tokens: int) -> None:
+    """Refuse shards `minifloat train` would refuse at its default --seq-len: each split needs a shard of one
+    sequence (TRAIN_SEQ_LEN + 1 tokens), as training's require_windows asks of a run's data before step 1."""
+    need, where = TRAIN_SEQ_LEN + 1, "the standard library's sources" if data is None else f"--data {data}"
+    for split in Split:
+        sizes = [s["tokens"] for s in shards if s["split"] == split.value]
+        if max(sizes, default=0) >= need:
+            continue
+        if sum(sizes) >= need:  # enough tokens, cut too short
+            held, fix = f"in shards of {max(sizes)} at most", f"raise --shard-tokens (now {shard_tokens}) to {need}"
+        else:
+            cap = f"raise --max-bytes (now {max_bytes}), or " if max_bytes is not None else ""
+            held, fix = "in all", (f"{cap}add text files (each file goes to one split, about "
+                                   f"{DEFAULT_VAL_FRACTION:.0%} of them to validation)")
+        name = "validation" if split == Split.VAL else "training"
+        raise ValueError(f"the {name} split of {where} encodes to {sum(sizes)} tokens {held}, but minifloat train "
+                         f"needs one sequence in a shard ({need} tokens at its default --seq-len {TRAIN_SEQ_LEN}); "
+                         f"{fix}")
 
 
 def _check_out(out: pathlib.Path, overwrite: bool) -> None:

@@ -21,9 +21,9 @@ END_OF_TEXT = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>")
 BPE_SPECIAL = "<|endoftext|>"  # the one special token of the BPE `train_bpe` makes (id 0)
 TOKENIZER_FIX = "pass a tokenizer.json saved by Hugging Face tokenizers (Tokenizer.save) or by minifloat tokenize"
 ENCODE_BATCH = 64  # texts per encode_batch call at most (the Rust side encodes them in parallel)
-# characters per encode_batch call at most (a longer text is cut into pieces: text_pieces): tokenizers holds about 100-250 bytes per
-# token while it encodes (each Encoding's tokens, offsets and masks; per-byte alignments), so 1 Mi characters peak at
-# a few hundred MB (measured with tokenizers 0.23), whatever the corpus
+# characters per encode_batch call at most (a longer text is cut into pieces: text_pieces): tokenizers holds about
+# 100-250 bytes per token while it encodes (each Encoding's tokens, offsets and masks; per-byte alignments), so 1 Mi
+# characters peak at a few hundred MB (measured with tokenizers 0.23), whatever the corpus
 ENCODE_CHARS = 1 << 20
 CUT_CONTEXT = 1024  # characters on each side of a cut in a long text that the cut's check encodes (text_pieces)
 CUT_TRIES = 32  # candidate cuts of each kind (line break, space) checked per piece at most
@@ -52,25 +52,29 @@ class LoadedTokenizer:
         return {"file": self.path.name, "sha256": self.sha256, "vocab_size": self.vocab_size}
 
 
-def load_tokenizer(path: str | pathlib.Path) -> LoadedTokenizer:
+def load_tokenizer(path: str | pathlib.Path, *, fix: str | None = None) -> LoadedTokenizer:
     """Read a tokenizer.json.
 
+    Args:
+        path: the file.
+        fix: what the error line tells the user to do (default: pass a good one with --tokenizer); a reader of a
+            file the user did not name (a minifloat tokenize folder's) says how to mend that file.
     Raises:
         ValueError naming the file and the fix: missing, unreadable, or not a tokenizers file.
     """
     path = pathlib.Path(path).expanduser()
     if not path.is_file():
         what = "is a folder" if path.is_dir() else "does not exist"
-        raise ValueError(f"tokenizer {str(path)!r} {what}; {TOKENIZER_FIX} with --tokenizer")
+        raise ValueError(f"tokenizer {str(path)!r} {what}; {fix or f'{TOKENIZER_FIX} with --tokenizer'}")
     try:
         raw = path.read_bytes()
         tokenizer = Tokenizer.from_str(raw.decode("utf-8"))
     except OSError as err:
-        raise ValueError(f"tokenizer {str(path)!r} cannot be read ({err.strerror}); {TOKENIZER_FIX}") from None
+        raise ValueError(f"tokenizer {str(path)!r} cannot be read ({err.strerror}); {fix or TOKENIZER_FIX}") from None
     except Exception as err:  # noqa: BLE001 - tokenizers raises a bare Exception on bad JSON (and UTF-8 errors)
         reason = " ".join(str(err).split())[:120]
         raise ValueError(f"tokenizer {str(path)!r} is not a Hugging Face tokenizers file ({reason}); "
-                         f"{TOKENIZER_FIX}") from None
+                         f"{fix or TOKENIZER_FIX}") from None
     return LoadedTokenizer(tokenizer, path, hashlib.sha256(raw).hexdigest(), raw)
 
 

@@ -101,11 +101,13 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
 
     Args:
         data: a `.bin` file or a folder (see `is_token_data`).
-        tokenizer: a tokenizer.json: the vocabulary when the shards name none, else checked against theirs.
+        tokenizer: a tokenizer.json: the vocabulary when the shards name none, else checked against theirs (the
+            tokenizer.json a meta.json names is then not read); None: meta.json's, which must be there.
         val_fraction: a lone shard's share of validation tokens (DataConfig's default when None).
     Raises:
-        ValueError naming the file and the fix: a corrupt shard or meta.json, a vocabulary that disagrees with the
-        tokenizer's, ids outside the vocabulary (checked on a sample of each shard), a split left without shards.
+        ValueError naming the file and the fix: a corrupt shard or meta.json, a tokenizer.json meta.json names that
+        is missing, garbled or not the one it records, a vocabulary that disagrees with the tokenizer's, ids outside
+        the vocabulary (checked on a sample of each shard), a split left without shards.
     """
     config = DataConfig(path=data, **({} if val_fraction is None else {"val_fraction": val_fraction}))
     root = pathlib.Path(data).expanduser()
@@ -129,10 +131,11 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
         paths = [root] if root.is_file() else sorted(p for p in root.glob("*.bin") if p.is_file())
         shards = [read_shard(p, p.name) for p in paths]
         splits = _split_by_name([s.rel for s in shards], config.val_fraction)
+    loaded = load_tokenizer(tokenizer) if tokenizer is not None else None
+    kept = loaded.data if loaded is not None else _meta_tokenizer(folder, meta)  # a missing one fails before mapping
     if len({s.dtype for s in shards}) > 1:
         kinds = ", ".join(f"{s.rel}: {s.dtype}" for s in shards)
         raise ValueError(f"the token shards under {folder} mix id types ({kinds}); {SHARD_FIX}")
-    loaded = load_tokenizer(tokenizer) if tokenizer is not None else None
     vocab_size = _vocabulary(shards, meta, loaded, folder)
     pieces = _pieces(shards, splits, config.val_fraction)
     for split in Split:
@@ -149,22 +152,34 @@ def load_token_shards(data: str, *, tokenizer: str | None = None, val_fraction: 
     files = tuple(FileEntry(name, split, t.numel() * shard.itemsize, hashes[shard.rel])
                   for split in Split for shard, name, t in pieces[split])
     manifest = Manifest(str(folder), files, (), _digest(files, vocab_size, source), vocab_size, source)
-    kept = loaded.data if loaded is not None else _meta_tokenizer(folder, meta)
     return TokenCorpus(streams[Split.TRAIN], streams[Split.VAL], vocab_size, manifest, config, kept)
 
 
 def _meta_tokenizer(folder: pathlib.Path, meta: dict | None) -> bytes | None:
-    """The bytes of the tokenizer.json meta.json names, when it is in the folder with the SHA-256 meta.json records
-    (None otherwise: training does not need it)."""
-    named = (meta or {}).get("tokenizer") or {}
-    name = named.get("file")
-    if not isinstance(name, str) or pathlib.PurePath(name).name != name or not name:
+    """The bytes of the tokenizer.json meta.json names (None when it names none: shards made without one), checked:
+    it is in the folder, it is a tokenizers file, and it is the one meta.json records (its SHA-256). The run's
+    checkpoints keep a copy, which `minifloat generate` and `export` need to turn the ids back into text.
+
+    Raises:
+        ValueError naming the file and the fix: missing, garbled, or another tokenizer than meta.json records.
+    """
+    named = (meta or {}).get("tokenizer")
+    if named is None:
         return None
-    try:
-        data = (folder / name).read_bytes()
-    except OSError:
-        return None
-    return data if hashlib.sha256(data).hexdigest() == named.get("sha256") else None
+    path, meta_path = folder / named["file"], folder / META_FILE
+    # the fix stays short: a line is cut at minifloat.cli.MESSAGE_LIMIT characters, and tokenizers' reason comes first
+    fix = (f"put back the {named['file']} minifloat tokenize wrote (or pass it as --tokenizer), or re-create the "
+           f"folder with minifloat tokenize")
+    if not path.exists():
+        raise ValueError(f"{meta_path} names the tokenizer {path}, which is missing; {fix}")
+    loaded = load_tokenizer(path, fix=fix)
+    if loaded.sha256 != named["sha256"]:
+        vocab = (f"; {loaded.vocab_size} ids, the shards' {meta['vocab_size']}"
+                 if loaded.vocab_size != meta["vocab_size"] else "")
+        raise ValueError(f"tokenizer {str(path)!r} is not the one {META_FILE} records (sha256 {loaded.sha256[:12]}…, "
+                         f"{META_FILE} says {named['sha256'][:12]}…{vocab}): the ids would decode to other text; "
+                         f"{fix}")
+    return loaded.data
 
 
 def _split_by_name(names: list[str], val_fraction: float) -> dict[str, Split]:
