@@ -96,10 +96,31 @@ def read_shard(path: pathlib.Path, rel: str, *, dtype: str | None = None, tokens
         shard = _llmc(path, rel, size)
     else:  # nanoGPT's: bare uint16
         shard = Shard(path, rel, "raw", "uint16", 0, size // 2)
+        _refuse_wider_ids(path, rel, size)
     if (size - shard.offset) % shard.itemsize:
         raise ValueError(f"token shard {rel} holds {size} bytes, not a whole number of {shard.dtype} ids "
                          f"({shard.itemsize} bytes each): truncated or not a token shard; {SHARD_FIX}")
     return shard
+
+
+# bare ids written as uint32 and read as uint16 show every second 16-bit value as 0 or 1 (an id's high half below
+# 131,072, Llama 3's 128k vocabulary included): seen in this many values, at least, it is no run of real uint16 ids
+WIDE_SIGNATURE = 1024
+
+
+def _refuse_wider_ids(path: pathlib.Path, rel: str, size: int) -> None:
+    """ValueError when a bare shard's first ids look like uint32 ids, which the bare layout would read as uint16
+    (garbage ids, and a vocabulary of 65,536, without an error)."""
+    head = _head(path, min(size, 64 * 1024) // 4 * 4)
+    if len(head) < 4 * WIDE_SIGNATURE:
+        return
+    ids = struct.unpack(f"<{len(head) // 2}H", head)
+    high, low = ids[1::2], ids[0::2]
+    if max(high) <= 1 and max(low) > 1:
+        raise ValueError(f"token shard {rel} looks like uint32 ids (every second 16-bit value is 0 or 1), which a bare "
+                         f".bin is not read as (nanoGPT's layout is uint16): write the ids as uint16 when all are "
+                         f"below 65,536, or describe the shards in a meta.json with dtype uint32 (docs/training.md, "
+                         f"\"Data\")")
 
 
 def _head(path: pathlib.Path, n: int) -> bytes:
