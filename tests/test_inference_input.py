@@ -23,7 +23,7 @@ from minifloat.inference.prepare import sensitivity
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.fp4 import quantize_nvfp4
 from minifloat.numerics.quantize import abs_max
-from minifloat.training.model import Llama, LlamaConfig
+from test_inference import features, mlp, output, storage_state, tiny_llama, tokens  # the same models, inputs
 
 SEED = 0
 NVFP4 = {"nvfp4": mf.NVFP4Scaling(), "nvfp4-1x16": mf.NVFP4Scaling(weight_2d=False)}
@@ -46,35 +46,6 @@ def eager():
     torch.manual_seed(SEED)
     with eager_kernels():  # compiled and eager kernels agree bit for bit (tests/test_quantize.py); skip compile time
         yield
-
-
-def tiny_llama() -> Llama:
-    torch.manual_seed(SEED)
-    return Llama(LlamaConfig.preset("tiny")).eval()
-
-
-def mlp(width: int = 64) -> nn.Sequential:
-    torch.manual_seed(SEED)
-    return nn.Sequential(nn.Linear(32, width), nn.GELU(), nn.Linear(width, width), nn.GELU(),
-                         nn.Linear(width, width), nn.GELU(), nn.Linear(width, 16)).eval()
-
-
-def tokens(n: int = 2) -> list[torch.Tensor]:
-    return [torch.randint(0, 256, (2, 16)) for _ in range(n)]
-
-
-def features(n: int = 2) -> list[torch.Tensor]:
-    return [torch.randn(8, 32) for _ in range(n)]
-
-
-def output(model, x):
-    out = model(x)
-    return out[0] if isinstance(out, tuple) else out
-
-
-def storage_state(model) -> dict[str, torch.Tensor]:
-    """The state dict with 1-byte tensors as their bytes (torch.equal on float8 compares NaN codes as unequal)."""
-    return {k: v.view(torch.uint8) if v.element_size() == 1 else v for k, v in model.state_dict().items()}
 
 
 # ------------------------------------------------------------------------------------------------ NVFP4
