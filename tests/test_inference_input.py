@@ -20,10 +20,10 @@ from minifloat.inference import nvfp4
 from minifloat.inference.generate import generate
 from minifloat.inference.layers import Activations, LayerSpec, inference_layers
 from minifloat.inference.prepare import sensitivity
-from minifloat.numerics.compiling import eager_kernels
 from minifloat.numerics.fp4 import quantize_nvfp4
 from minifloat.numerics.quantize import abs_max
-from test_inference import features, mlp, output, storage_state, tiny_llama, tokens  # the same models, inputs
+from test_inference import eager, features, mlp, output, storage_state, tiny_llama, tokens  # noqa: F401 - eager: its
+# autouse fixture (seeded, eager kernels); the same models and inputs
 
 SEED = 0
 NVFP4 = {"nvfp4": mf.NVFP4Scaling(), "nvfp4-1x16": mf.NVFP4Scaling(weight_2d=False)}
@@ -39,13 +39,6 @@ NVFP4_MEMORY_RATIO_MAX = 0.29
 # (2^-9 relative, ~54 dB)
 FP32_GRAD_SQNR_FLOOR_DB = 120.0
 BF16_GRAD_SQNR_FLOOR_DB = 48.0
-
-
-@pytest.fixture(autouse=True)
-def eager():
-    torch.manual_seed(SEED)
-    with eager_kernels():  # compiled and eager kernels agree bit for bit (tests/test_quantize.py); skip compile time
-        yield
 
 
 # ------------------------------------------------------------------------------------------------ NVFP4
