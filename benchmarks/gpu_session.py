@@ -74,6 +74,8 @@ CALLS: dict[int, tuple[Step, ...]] = {
                                          "--json", "{out}/gpu_graphs.json", "--overwrite")),
     ),
     3: (
+        # since 2026-11-28: NVFP4 inference layers (per-token global scales through torch.ldexp), never run on a GPU
+        Step("inference", 90, _pytest("-m", "gpu", "tests/test_gpu_inference.py")),
         Step("bench-compiled", 200, _bench("--sections", "llama8b", "--variants", "delayed,current",
                                            "--compile-variants", "delayed,current", "--budget-s", "180", "--json",
                                            "{out}/gpu_compiled.json", "--overwrite")),
