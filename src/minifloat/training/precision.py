@@ -100,10 +100,14 @@ class Precision:
             if not isinstance(self.keep_blocks, tuple):  # a list would make the config unhashable
                 raise ValueError(f"keep_blocks must be a tuple (first, last), {KEEP_BLOCKS_RULE}, or None, got "
                                  f"{self.keep_blocks!r}")
-            check_keep_blocks(self.keep_blocks)
+            try:
+                check_keep_blocks(self.keep_blocks)
+            except ValueError:  # the value as the flag spells it, not a Python tuple
+                raise ValueError(f"keep_blocks={keep_blocks_spelled(self.keep_blocks)} is not FIRST,LAST, "
+                                 f"{KEEP_BLOCKS_RULE}") from None
             if recipe is None:
-                raise ValueError(f"keep_blocks {keep_blocks_spelled(self.keep_blocks)!r} keeps transformer blocks "
-                                 f"out of a low-precision recipe, but preset {self.preset!r} has none; use an fp8 or "
+                raise ValueError(f"keep_blocks={keep_blocks_spelled(self.keep_blocks)} keeps transformer blocks "
+                                 f"out of a low-precision recipe, but preset={self.preset!r} has none; use an fp8 or "
                                  f"fp4 preset")
         self.policy()  # DelayedScaling validates the overridden values
 
