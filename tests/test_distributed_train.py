@@ -216,6 +216,32 @@ def test_cli_launches_ranks_rank_0_writes(cli_run):
     assert read_extra(out / "ckpt")["step"] == 2
 
 
+@pytest.mark.parametrize("damage", ["truncated", "missing"])
+def test_a_damaged_shard_is_one_error_naming_the_fix(cli_run, tmp_path, damage):
+    """A truncated or deleted shard file ended a resume in DCP's tracebacks (its CheckpointException is a
+    BaseException, which no `except Exception` caught): now one CheckpointError line with the fix."""
+    import shutil
+
+    from minifloat.training.checkpoint import CHECKPOINT_FIX
+    from minifloat.training.jsonstate import CheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(cli_run / "ckpt", ckpt)
+    shard = max(ckpt.glob("*.safetensors"), key=lambda p: p.stat().st_size)
+    if damage == "truncated":
+        with open(shard, "r+b") as f:
+            f.truncate(1000)
+    else:
+        shard.unlink()
+    config = TrainConfig(**SMALL, steps=3, grad_accum=2, out=str(tmp_path / "unused"))
+    run = build(config, torch.device("cpu"))
+    with pytest.raises(CheckpointError, match="cannot be loaded .* a shard is missing or damaged") as caught:
+        load_sharded(ckpt, model=run.model, optimizer=run.optimizer)
+    line = str(caught.value)
+    assert line.endswith(CHECKPOINT_FIX) and "\n" not in line and "Traceback" not in line
+    assert len(line) - len(str(ckpt)) < 310  # within the CLI's 400 characters for a path of up to 90
+
+
 @pytest.mark.slow  # 20 s
 def test_cli_resumes_two_ranks_run_on_one_process(cli_run):
     out = cli_run

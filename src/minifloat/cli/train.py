@@ -132,7 +132,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         status, message = launch(launch_argv(args, config), nproc=config.nproc)
         if message is not None:
             raise common.CliError(message, status=status)
-        return 0
+        return status  # 0, or the status of a stop on SIGINT / SIGTERM (rank 0 printed its line)
     result = run_rank(config) if config.parallel is not None else train(config)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0

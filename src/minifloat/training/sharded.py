@@ -213,6 +213,17 @@ def read_extra(directory: str | os.PathLike) -> dict[str, Any]:
     return decode(_read_state(directory)["extra"], {})
 
 
+def _first_failure(err: BaseException) -> str:
+    """The first rank's failure inside a DCP CheckpointException (its message holds every rank's traceback), or the
+    error itself, as one short line."""
+    failures = getattr(err, "failures", None)
+    inner = next(iter(failures.values())) if isinstance(failures, dict) and failures else err
+    if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):  # (exception, its traceback)
+        inner = inner[0]
+    text = str(inner).strip().splitlines()[-1] if str(inner).strip() else ""
+    return f"{type(inner).__name__}: {text}"[:100]
+
+
 def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
                  scaler=None, guard=None, loader=None) -> dict[str, Any]:
     """Restore a `save_sharded` checkpoint into this rank's objects, resharding to this run's layout (any number of
@@ -226,6 +237,7 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
             model (a key missing, another shape).
     """
     from torch.distributed.checkpoint import load
+    from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.hf_storage import HuggingFaceStorageReader
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
@@ -238,13 +250,18 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
     tensors, _, aliases = _tensor_state(model, optimizer)
     if aliases != state["aliases"]:
         raise CheckpointError(f"tied weights differ: {state['aliases']} in the checkpoint, {aliases} in the model")
+    dcp_log = logging.getLogger("torch.distributed.checkpoint")
+    level, dcp_log.level = dcp_log.level, logging.CRITICAL  # its warnings (with tracebacks) say what the error does
     try:
         with warnings.catch_warnings():  # DCP warns that one process loads; that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
             load(tensors, storage_reader=HuggingFaceStorageReader(str(directory)),
                  no_dist=not (torch.distributed.is_available() and torch.distributed.is_initialized()))
-    except Exception as err:  # DCP wraps every rank's failure (missing key, shape) in one CheckpointException
-        raise CheckpointError(f"the checkpoint {directory} does not fit the model and optimizer: {err}") from err
+    except (Exception, CheckpointException) as err:  # DCP's is a BaseException, every rank's failures in one
+        raise CheckpointError(f"the checkpoint {directory} cannot be loaded ({_first_failure(err)}): a shard is "
+                              f"missing or damaged, or it is another model's; {CHECKPOINT_FIX}") from None
+    finally:
+        dcp_log.level = level
     model_state = {**tensors["model"], **{alias: tensors["model"][key] for alias, key in aliases.items()}}
     # the optimizer has its state already (_tensor_state), so this runs no optimizer step and no FP8 step
     set_state_dict(model, optimizer, model_state_dict=model_state,
