@@ -282,6 +282,22 @@ def test_run_export_keeps_the_delayed_input_scales(fp8_run, tmp_path):
     assert torch.equal(logits(load_hf_export(tmp_path / "out")), logits(prepared))
 
 
+def test_a_run_exports_in_fp8_exactly_the_layers_it_trained_in_fp8(tmp_path):
+    """A run whose --keep-blocks kept its last block in BF16 (so do the 4-bit presets) exported that block in FP8
+    anyway: the export followed prepare_inference's choice, not the run's."""
+    out = tmp_path / "kept"
+    config = TrainConfig(model="tiny", preset="fp8-delayed", keep_blocks=(0, 1), steps=1, batch_size=2, seq_len=32,
+                         warmup=1, eval_every=100, eval_batches=1, max_bytes=50_000, out=str(out))
+    with eager_kernels():
+        train(config, progress=False)
+    trained = load_run(str(out))
+    fp8 = [name for name, m in trained.named_modules() if isinstance(m, mf.Fp8Linear)]
+    assert fp8 and not any(name.startswith("blocks.1.") for name in fp8)
+    assert quantized_layers(trained) == fp8
+    export_hf(str(out), tmp_path / "export", format="hf-fp8", activations="static")  # the delayed input scales
+    assert set(read_hf_export(tmp_path / "export").quantized) == set(fp8)
+
+
 def test_static_needs_a_source(tmp_path):
     with pytest.raises(ValueError, match="static activation scales need calibration"):
         export_hf(tiny(), tmp_path / "a", format="hf-fp8", activations="static")

@@ -152,10 +152,13 @@ def run_calibration(run: str | os.PathLike, batches: int, *, checkpoint: str = "
 
 
 def quantized_layers(model: Llama) -> list[str]:
-    """The linears an FP8 export quantizes, in module order: the model's Fp8InferenceLinear layers and those
-    prepare_inference would convert (minifloat.inference.prepare.inference_plan; see the module docstring)."""
-    planned = set(inference_plan(model))
-    return [name for name, m in model.named_modules() if isinstance(m, Fp8InferenceLinear) or name in planned]
+    """The linears an FP8 export quantizes, in module order: a model trained in FP8 its Fp8Linear layers (those kept
+    in BF16, by --keep-blocks or a 4-bit preset's last block, stay so), any other its Fp8InferenceLinear layers and
+    those prepare_inference would convert (minifloat.inference.prepare.inference_plan; see the module docstring)."""
+    trained = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
+    planned = set() if trained else set(inference_plan(model))
+    return [name for name, m in model.named_modules()
+            if isinstance(m, (Fp8Linear, Fp8InferenceLinear)) or name in planned]
 
 
 def model_input_scales(model: Llama, layers: list[str], spec: LayerSpec) -> dict[str, torch.Tensor] | None:
@@ -165,13 +168,10 @@ def model_input_scales(model: Llama, layers: list[str], spec: LayerSpec) -> dict
     scales = {}
     for name in layers:
         module = model.get_submodule(name)
-        if isinstance(module, Fp8Linear):
-            scale = training_input_scale(module, spec)
-        elif (isinstance(module, Fp8InferenceLinear) and module.spec.activations == Activations.STATIC
-              and module.spec.input.fmt == spec.input.fmt and not module.spec.smooth):
+        scale = training_input_scale(module, spec) if isinstance(module, Fp8Linear) else None
+        if (isinstance(module, Fp8InferenceLinear) and module.spec.activations == Activations.STATIC
+                and module.spec.input.fmt == spec.input.fmt and not module.spec.smooth):
             scale = module.input_scale
-        else:
-            scale = None
         if scale is None:
             return None
         scales[name] = scale.detach().float().cpu().reshape(())
