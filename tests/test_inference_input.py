@@ -279,3 +279,31 @@ def test_generate_refuses_a_prompt_that_is_not_token_ids(name, prompt, words):
     with pytest.raises(ValueError) as err:
         generate(tiny_llama(), prompt, max_new_tokens=2)
     assert "\n" not in str(err.value) and all(w in str(err.value) for w in words), str(err.value)
+
+
+# ------------------------------------------------------------------------------------------------ HF's kept layers
+
+# T5's logits with FP8 layers against fp32: measured 24.7 dB (dynamic, the tiny random T5 below)
+T5_SQNR_FLOOR_DB = 20.0
+
+
+def test_a_hugging_face_models_fp32_modules_stay_in_high_precision():
+    """T5 casts the input of its `wo` layers to `wo.weight.dtype` (transformers keeps them in fp32:
+    `_keep_in_fp32_modules`). Stored as FP8 codes, that cast made the input float8 and the forward failed (dynamic)
+    or returned float8 (static). Those layers now stay in high precision, and an FP8 input is refused clearly."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(d_model=64, d_kv=16, d_ff=128, num_layers=2, num_decoder_layers=2, num_heads=4,
+                                   vocab_size=128, decoder_start_token_id=0)
+    torch.manual_seed(SEED)
+    reference = transformers.T5ForConditionalGeneration(config).eval()
+    model = mf.prepare_inference(copy.deepcopy(reference), recipe=mf.CurrentScaling())
+    converted = dict(inference_layers(model))
+    assert converted and not any(name.split(".")[-1] == "wo" for name in converted)
+    x = torch.randint(3, 128, (1, 12))
+    with torch.no_grad():
+        ours = model(input_ids=x, decoder_input_ids=x[:, :4]).logits
+        theirs = reference(input_ids=x, decoder_input_ids=x[:, :4]).logits
+    assert mf.sqnr_db(theirs, ours) >= T5_SQNR_FLOOR_DB
+    layer = next(iter(converted.values()))
+    with pytest.raises(TypeError, match="got a torch.float8_e4m3fn input, which its model cast"):
+        layer(torch.randn(2, layer.in_features).to(torch.float8_e4m3fn))

@@ -151,3 +151,13 @@ def linears_in_blocks(model: nn.Module, first: int | float, last: int | float) -
     first, last = block_count(first, len(blocks)), block_count(last, len(blocks))
     kept = blocks[:first] + blocks[max(first, len(blocks) - last):]
     return {n for n, _ in named_linears(model) if any(n.startswith(b + ".") for b in kept)}
+
+
+def kept_in_fp32(model: nn.Module) -> set[str]:
+    """The linears a Hugging Face model keeps in full precision (`_keep_in_fp32_modules`, e.g. T5's `wo`, matched as
+    transformers matches it: a component of the module's name). Such a model's forward casts their input to their
+    weight's dtype, which for stored FP8 weights would be float8: they stay in high precision."""
+    wanted = getattr(model, "_keep_in_fp32_modules", None) or ()
+    if isinstance(wanted, str):
+        wanted = (wanted,)
+    return {name for name, _ in named_linears(model) if any(w in name.split(".") for w in wanted)}

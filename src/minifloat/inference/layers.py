@@ -314,6 +314,10 @@ class Fp8InferenceLinear(nn.Module):
                         power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype.itemsize == 1:  # a forward that casts its input to `layer.weight.dtype` (an FP8 code buffer)
+            raise TypeError(f"{type(self).__name__}({self.in_features} -> {self.out_features}) got a {x.dtype} input, "
+                            f"which its model cast to the stored weight's dtype; keep this layer in high precision "
+                            f"(prepare_inference's keep=[its name])")
         if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
             return FrozenWeightLinear.apply(x, self.bias, self)
         return self.product(x)
