@@ -131,6 +131,7 @@ def test_train_with_shadow_and_rollback_reports_them(tmp_path, console):
     (["--compile-mode", "reduce-overhead"], "compile_mode"),  # without --compile: was accepted and did nothing
     (["--compile-scope", "blocks"], "compile_scope"),
     (["--parallel", "fsdp"], "parallel"),  # one process: was accepted and did nothing
+    (["--nproc", "2", "--parallel", "ddp", "--tp-size", "4"], "tp_size"),  # without fsdp+tp: ignored before
     # every block kept in high precision: trained an FP8 preset with no FP8 layer, after a warning
     (["--preset", "fp8-delayed", "--model", "tiny", "--keep-blocks", "5,5", "--max-bytes", "100000"], "keep_blocks"),
 ])

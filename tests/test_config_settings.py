@@ -322,3 +322,22 @@ def test_a_run_with_typed_settings_resumes_from_its_flat_record(tmp_path):
     assert resumed == dataclasses.replace(first, steps=3, resume=True, device="auto")
     assert resumed == _parse(["--out", out, "--resume", "--steps", "3"])
     assert train(resumed, progress=False).last_step == 3
+
+
+def test_a_resume_that_cannot_split_the_micro_batches_names_a_layout_that_can():
+    """An fsdp+tp checkpoint on 2 ranks (one data rank, 1 micro-batch per step) resumed under ddp on 2 ranks: the
+    refusal used to say "resume with --nproc 2", the very flag given."""
+    saved = TrainConfig(nproc=2, parallel="fsdp+tp", tp_size=2, preset="fp8-delayed", out="x").flat()
+    config = TrainConfig(nproc=2, parallel="ddp", preset="fp8-delayed", out="x")
+    with pytest.raises(ValueError, match=r"1 micro-batches per step, which 2 data ranks cannot split evenly: resume "
+                                         r"on --nproc 1 \(with --grad-accum 1\)"):
+        config.check_resume(saved, 3, where="ckpt")
+
+
+def test_tensor_parallel_needs_a_per_tensor_recipe():
+    """MX and block scaling split no weight over tensor-parallel ranks: refused before any rank starts (it failed
+    in every rank, with a Python repr of the recipe, leaving an empty run folder)."""
+    for preset in ("mxfp8", "fp8-block", "nvfp4"):
+        with pytest.raises(ValueError, match=rf"parallel='fsdp\+tp' .* but preset='{preset}'"):
+            TrainConfig(nproc=2, parallel="fsdp+tp", preset=preset, out="x")
+    assert TrainConfig(nproc=2, parallel="fsdp+tp", preset="fp8-current", out="x").parallel == "fsdp+tp"

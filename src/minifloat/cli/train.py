@@ -71,6 +71,9 @@ def train_config(args: argparse.Namespace):
     if given := [_flag(name) for name in ("compile_mode", "compile_scope") if name in fields and not config.compile]:
         raise common.CliError(f"invalid option: {' and '.join(given)} {'choose' if len(given) > 1 else 'chooses'} how "
                               f"--compile compiles; add --compile")
+    if "tp_size" in fields and config.parallel != "fsdp+tp":
+        raise common.CliError("invalid option: --tp-size sets the tensor-parallel groups of --parallel fsdp+tp; add "
+                              "--parallel fsdp+tp, or leave --tp-size out")
     if config.nproc == 1 and config.parallel is not None and not launched_by_torchrun():
         if "parallel" in fields:
             raise common.CliError(f"invalid option: --parallel {config.parallel} lays the model out over several "

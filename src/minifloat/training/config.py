@@ -7,6 +7,7 @@ import operator
 import pathlib
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.fp8.recipes import ROLES
 from minifloat.training.model import LlamaConfig
 from minifloat.training.precision import NVFP4_OVERRIDES, Precision, keep_blocks_from, keep_blocks_spelled  # noqa: F401
 from minifloat.training.settings import (COMPILE_MODES, DEVICE_PATTERN, GROUPS, NOT_RECORDED, PARALLEL,  # noqa: F401
@@ -85,6 +86,12 @@ class TrainConfig:
         if self.parallel == "fsdp+tp" and self.seq_len % self.tp_size:
             raise ValueError(f"fsdp+tp splits seq_len over tensor-parallel groups of --tp-size {self.tp_size} ranks, "
                              f"but seq_len is {self.seq_len}: choose a --tp-size dividing it")
+        recipe = self.policy().recipe
+        if self.parallel == "fsdp+tp" and recipe is not None and not all(
+                getattr(recipe.spec(role), "per_tensor", False) for role in ROLES):
+            raise ValueError(f"parallel='fsdp+tp' splits each linear layer over its tensor-parallel ranks, which needs "
+                             f"one scale per tensor, but preset={self.preset!r} scales {type(recipe).__name__}'s "
+                             f"rows or blocks: use preset='fp8-delayed' or preset='fp8-current', or parallel='fsdp'")
         if self.master != "fp32" and self.nproc > 1:
             raise ValueError(f"master {self.master} trains in one process: sharded checkpoints cannot store its "
                              f"{'generator' if self.master == 'bf16-sr' else 'compensation'} state yet; got "
@@ -165,8 +172,8 @@ class TrainConfig:
                                  f"this run asks for {micro} on {ranks}: resume with --grad-accum "
                                  f"{saved_micro // ranks}" if saved_micro % ranks == 0 else
                                  f"the checkpoint at {where} was trained with {saved_micro} micro-batches per step, "
-                                 f"which {ranks} data ranks cannot split evenly: resume with --nproc "
-                                 f"{saved.get('nproc', 1)}")
+                                 f"which {ranks} data ranks cannot split evenly: resume on "
+                                 f"{_ranks_for(saved_micro)}")
         for field, consequence in RESUME_FIXED:
             if field == "grad_accum" and saved_ranks != ranks:
                 continue  # checked above, as micro-batches per step
@@ -180,6 +187,11 @@ class TrainConfig:
         if self.steps <= saved_step:
             raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
                              f"--steps above {saved_step} to train on")
+
+
+def _ranks_for(micro: int) -> str:
+    """How a resume gets a number of data ranks that splits `micro` micro-batches per step evenly, in flags."""
+    return "--nproc 1 (with --grad-accum {micro}), or data ranks dividing {micro}".format(micro=micro)
 
 
 def _flat_reads() -> None:
