@@ -59,7 +59,11 @@ class Recorder:
         self.step += 1
 
     def to_json(self) -> str:
-        return json.dumps([dataclasses.asdict(r) for r in self.records], indent=1, allow_nan=True)
+        """The records as strict JSON: a value that is not a finite number (NaN block scales of a recipe without
+        them, an infinite SQNR) is null, which every JSON reader takes."""
+        finite = [{k: None if isinstance(v, float) and not math.isfinite(v) else v
+                   for k, v in dataclasses.asdict(r).items()} for r in self.records]
+        return json.dumps(finite, indent=1, allow_nan=False)
 
     def by_layer(self) -> dict[tuple[str, str], list[CastRecord]]:
         out: dict[tuple[str, str], list[CastRecord]] = {}
