@@ -231,3 +231,16 @@ def test_bad_input_gets_one_clear_error(name, call, error, words):
 def test_policy_autocast_takes_a_device_string_with_an_index():
     with PrecisionPolicy.preset("fp8-delayed").autocast("cpu:0"):
         assert torch.is_autocast_enabled("cpu")
+
+
+def test_gpt2s_conv1d_projections_are_named_when_nothing_converts(caplog):
+    """GPT-2's projections are transformers' Conv1D, not nn.Linear: the warning counted only the nn.Linear head and
+    read as "working as configured"; it now names the Conv1D layers, the real reason."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=32)
+    for apply in (lambda m: mf.convert(m), lambda m: PrecisionPolicy.preset("fp8-delayed").apply(m)):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="minifloat"):
+            apply(transformers.GPT2LMHeadModel(config))
+        assert any("8 transformers Conv1D projection(s) (transformer.h.0.attn.c_attn, ...) are not nn.Linear"
+                   in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]

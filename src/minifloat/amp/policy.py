@@ -1,9 +1,9 @@
 """PrecisionPolicy: which dtype every part of training runs in, and `apply(model)` to make any nn.Module follow it.
 
-A policy names the dtype of the parameters, of the matmuls (compute), of the optimizer's weights and state, of the
-gradient reductions, an optional FP8 recipe for the linear layers, and the float32 islands mixed-precision practice
-keeps (Micikevicius et al., arXiv 1710.03740 §3; DeepSeek-V3, arXiv 2412.19437 §3.3): norms, softmax, cross-entropy,
-attention scores·V, embeddings and the output head.
+A policy names the dtype of the parameters, matmuls (compute), optimizer weights and state, gradient reductions, an
+optional FP8 recipe for the linear layers, and the float32 islands mixed-precision practice keeps (Micikevicius et
+al., arXiv 1710.03740 §3; DeepSeek-V3, arXiv 2412.19437 §3.3): norms, softmax, cross-entropy, scores·V, embeddings
+and the output head.
 
     policy = PrecisionPolicy.preset("fp8-delayed")
     policy.apply(model)                                    # cast, fp32 norms / embeddings / head, FP8 linears
@@ -30,6 +30,7 @@ from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
 from minifloat.core.autocast import autocast_device, autocast_off
 from minifloat.core.validate import check_bool, check_choice
+from minifloat.fp8 import convert as convert_module
 from minifloat.fp8.convert import check_keep_blocks, check_model, check_no_other_recipe, convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling, Recipe,
@@ -158,9 +159,8 @@ class PrecisionPolicy:
 
     @property
     def state_formats(self) -> tuple[str, ...] | None:
-        """`optimizer_state_dtype` as state formats (one per optimizer state, or one for all), or None for a dtype.
-
-        Raises ValueError naming the known formats for an unknown one."""
+        """`optimizer_state_dtype` as state formats (one per optimizer state, or one for all), or None for a dtype;
+        ValueError naming the known formats for an unknown one."""
         value = self.optimizer_state_dtype
         if value is None or isinstance(value, torch.dtype):
             return None
@@ -188,10 +188,8 @@ class PrecisionPolicy:
         return PRESETS[name]
 
     def autocast(self, device_type: str = "cpu"):
-        """torch.autocast in compute_dtype (disabled when compute_dtype is fp32), for the forward pass and loss.
-
-        fp16 also needs loss scaling (mf.LossScaler or torch.amp.GradScaler) around backward and the step.
-        """
+        """torch.autocast in compute_dtype (disabled when compute_dtype is fp32), for the forward pass and loss. fp16
+        also needs loss scaling (mf.LossScaler or torch.amp.GradScaler) around backward and the step."""
         return torch.autocast(autocast_device(device_type), dtype=self.compute_dtype, enabled=self.autocast_enabled)
 
     def optimizer(self, optimizer_cls: Callable[..., torch.optim.Optimizer], model: nn.Module,
@@ -305,7 +303,7 @@ class PrecisionPolicy:
         if islands:
             reasons.append(f"{len(islands)} kept in fp32 as {'/'.join(sorted({kinds[n] for n in islands}))}")
         return f"all {len(linears)} of the {type(model).__name__}'s nn.Linear layers stay in high precision: " + \
-            "; ".join(reasons)
+            "; ".join(reasons) + convert_module.other_projections(model)
 
     def describe(self, model: nn.Module | None = None, *, head: str | None = "auto") -> Table:
         """A rich Table of what runs in which dtype: the policy's settings, or (given a model) each module apply()

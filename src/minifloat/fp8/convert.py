@@ -174,7 +174,8 @@ def _nothing_converted(model: nn.Module, plan: Fp8Plan, filter) -> str:
     """Why `plan` leaves every layer of `model` in high precision, for convert's one warning line."""
     linears = roles.named_linears(model)
     if not linears:
-        return f"the {type(model).__name__} has no nn.Linear layer (the only kind convert runs in FP8)"
+        return f"the {type(model).__name__} has no nn.Linear layer (the only kind convert runs in FP8)" + \
+            other_projections(model)
     reasons = []
     if plan.kept:
         reasons.append(f"{len(plan.kept)} kept as input projection or output head (keep_first_last=True) or in a "
@@ -185,7 +186,16 @@ def _nothing_converted(model: nn.Module, plan: Fp8Plan, filter) -> str:
     refused = len(linears) - len(plan.kept) - len(plan.misshapen)
     if refused and filter is not None:
         reasons.append(f"{refused} refused by `filter`")
-    return f"every nn.Linear of the {type(model).__name__} stays in high precision: " + "; ".join(reasons)
+    return f"every nn.Linear of the {type(model).__name__} stays in high precision: " + "; ".join(reasons) + \
+        other_projections(model)
+
+
+def other_projections(model: nn.Module) -> str:
+    """", and N layers of another kind ..." when the model's projections are not nn.Linear (GPT-2's transformers
+    Conv1D): the real reason nothing converts, which the nn.Linear count alone hides."""
+    other = [name for name, m in model.named_modules() if type(m).__name__ == "Conv1D" and hasattr(m, "nf")]
+    return (f"; and its {len(other)} transformers Conv1D projection(s) ({other[0]}, ...) are not nn.Linear, the only "
+            f"kind convert runs in FP8" if other else "")
 
 
 def fp8_layers(model: nn.Module) -> list[Fp8Linear]:
