@@ -535,3 +535,17 @@ def test_cli_refuses_calibrate_before_reading_batches(fp8_run, tmp_path, capsys,
                                    "--activations", activations, "--calibrate", "2"])
     assert "calibration gives static activation scales" in line
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("damage", ["weights", "config"])
+def test_a_damaged_export_is_one_error_naming_the_file(tmp_path, damage):
+    """load_hf_export of a truncated model.safetensors or a garbled config.json raised safetensors' or json's own
+    error, naming neither the file nor the fix."""
+    export_hf(tiny(), tmp_path / "e", format="hf")
+    path = tmp_path / "e" / (hf.WEIGHTS_FILE if damage == "weights" else hf.CONFIG_FILE)
+    if damage == "weights":
+        path.write_bytes(path.read_bytes()[:1000])
+    else:
+        path.write_text("{not json")
+    with pytest.raises(ValueError, match=rf"{path.name} is .*; export it again \(minifloat export --overwrite\)"):
+        load_hf_export(tmp_path / "e")

@@ -280,10 +280,20 @@ def read_hf_export(path: str | os.PathLike) -> HfExport:
     for name in (CONFIG_FILE, WEIGHTS_FILE):
         if not (path / name).is_file():
             raise FileNotFoundError(f"{path / name} is missing; {path} is not a Hugging Face export")
-    config_json = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    fix = "export it again (minifloat export --overwrite) or restore the folder from a copy"
+    try:
+        config_json = json.loads((path / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"{path / CONFIG_FILE} is not valid JSON ({err}); {fix}") from None
+    if not isinstance(config_json, dict):
+        raise ValueError(f"{path / CONFIG_FILE} holds no config object; {fix}")
     config = llama_config(config_json)
     fmt = _export_format(config_json.get("quantization_config"), path / CONFIG_FILE)
-    raw = {minifloat_name(name): t for name, t in load_file(str(path / WEIGHTS_FILE)).items()}
+    try:
+        loaded = load_file(str(path / WEIGHTS_FILE))
+    except Exception as err:  # noqa: BLE001 - safetensors' own error type (a header it cannot read)
+        raise ValueError(f"{path / WEIGHTS_FILE} is truncated or not a safetensors file ({err}); {fix}") from None
+    raw = {minifloat_name(name): t for name, t in loaded.items()}
     tensors, quantized, input_scales = {}, {}, {}
     for key, tensor in raw.items():
         layer, _, leaf = key.rpartition(".")
