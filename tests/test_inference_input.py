@@ -307,3 +307,21 @@ def test_a_hugging_face_models_fp32_modules_stay_in_high_precision():
     layer = next(iter(converted.values()))
     with pytest.raises(TypeError, match="got a torch.float8_e4m3fn input, which its model cast"):
         layer(torch.randn(2, layer.in_features).to(torch.float8_e4m3fn))
+
+
+def test_load_quantized_errors_name_its_own_fix(tmp_path):
+    """A damaged save_quantized folder said "start the run again (minifloat train --overwrite ...)", the training
+    checkpoint's fix; a model that is not a module, or the manifest's path for the folder's, got other errors."""
+    from minifloat.inference.quantized_io import QUANTIZED_FIX
+    from minifloat.training.jsonstate import CheckpointError
+
+    path = mf.save_quantized(mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling()), tmp_path / "q")
+    tensors = next(p for p in path.iterdir() if p.suffix == ".safetensors")
+    tensors.write_bytes(tensors.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated") as caught:
+        mf.load_quantized(path)
+    assert str(caught.value).endswith(QUANTIZED_FIX) and "minifloat train" not in str(caught.value)
+    with pytest.raises(TypeError, match="model must be a torch nn.Module or None, got str"):
+        mf.load_quantized(path, model="foo")
+    with pytest.raises(FileNotFoundError, match="load_quantized takes its folder"):
+        mf.load_quantized(path / "manifest.json")

@@ -30,7 +30,8 @@ from torch import nn
 from minifloat.core.version import __version__
 from minifloat.fp8.recipes import RECIPE_TYPES, Recipe
 from minifloat.inference.layers import Fp8InferenceLinear, LayerSpec, inference_layers
-from minifloat.training.checkpoint import MANIFEST_FILE, checkpoint_extra, load_checkpoint, save_checkpoint
+from minifloat.training.checkpoint import (CHECKPOINT_FIX, MANIFEST_FILE, checkpoint_extra, load_checkpoint,
+                                           save_checkpoint)
 from minifloat.training.jsonstate import CheckpointError
 from minifloat.training.model import Llama, LlamaConfig
 
@@ -187,6 +188,25 @@ def load_quantized(path: str | os.PathLike, model: nn.Module | None = None) -> n
             (missing, extra, reshaped or retyped tensors); `model` is then left as it was.
     """
     directory = Path(path)
+    if directory.name == MANIFEST_FILE and directory.is_file():
+        raise FileNotFoundError(f"{directory} is a file of the saved model: load_quantized takes its folder, "
+                                f"{directory.parent}")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"load_quantized: model must be a torch nn.Module or None, got {type(model).__name__}")
+    try:
+        return _load_quantized(directory, model)
+    except CheckpointError as err:  # the training checkpoint's fix does not apply to a saved inference model
+        text = str(err)
+        if not text.endswith(CHECKPOINT_FIX):
+            raise
+        raise CheckpointError(text.removesuffix(CHECKPOINT_FIX) + QUANTIZED_FIX) from None
+
+
+# what a damaged save_quantized folder can do
+QUANTIZED_FIX = "restore the folder from a copy, or save the model again with save_quantized"
+
+
+def _load_quantized(directory: Path, model: nn.Module | None) -> nn.Module:
     config, layers = _read_config(directory)
     rebuilt = model is None
     if rebuilt:
