@@ -159,3 +159,5 @@ def test_python_dash_m_minifloat_runs_the_cli():
     done = subprocess.run([sys.executable, "-m", "minifloat", "formats"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     assert "e4m3" in done.stdout.lower() and "448" in done.stdout
+    e8m0 = next(line for line in done.stdout.splitlines() if "e8m0" in line).split("│")
+    assert [cell.strip() for cell in e8m0][8] == "-"  # no subnormals (it printed 2^-127, docs/fp8.md says "—")
