@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import logging
+import re
 
 import pytest
 import torch
@@ -325,3 +326,12 @@ def test_load_quantized_errors_name_its_own_fix(tmp_path):
         mf.load_quantized(path, model="foo")
     with pytest.raises(FileNotFoundError, match="load_quantized takes its folder"):
         mf.load_quantized(path / "manifest.json")
+
+
+@pytest.mark.parametrize("batch, words", [("def ", "(a str)"), (torch.randn(2, 8), "(a torch.float32 tensor of shape"),
+                                          (torch.full((2, 8), 999), "(IndexError: index out of range")],
+                         ids=["text", "floats", "ids-past-the-vocabulary"])
+def test_calibration_batches_the_model_cannot_take_are_named(batch, words):
+    """A calibration batch the model's forward rejects surfaced as torch's own error from deep inside it."""
+    with pytest.raises(ValueError, match=r"calibration batch 0 .*" + re.escape(words) + r".*give batches the model"):
+        mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling(), activations="static", calibration=[batch])

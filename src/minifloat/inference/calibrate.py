@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from minifloat.core import roles
-from minifloat.core.batch import call_model
+from minifloat.core.batch import call_on_batch, call_model
 from minifloat.fp8.modules import autocast as fp8_autocast
 from minifloat.fp8.recipes import CastSpec, NVFP4Spec
 from minifloat.inference import nvfp4
@@ -180,7 +180,7 @@ def run_pass(model: nn.Module, batches: list, observers: dict[str, Observer], *,
     try:
         with calibrating(model):
             for i, batch in enumerate(batches):
-                out = call_model(model, batch)
+                out = call_on_batch(model, batch, "calibration", i)
                 first = out if i == 0 else first
                 produced.clear()
     finally:
