@@ -33,7 +33,8 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from minifloat.core.switch import ThreadSwitch
-from minifloat.fp8.scaling import advance_states, reduce_states
+from minifloat.fp8.recipes import Role
+from minifloat.fp8.scaling import ROLE_INDEX, advance_states, reduce_states
 
 STEP_ON = ("optimizer", "manual")
 
@@ -144,3 +145,19 @@ def fp8_step(model: nn.Module) -> int:
     if not isinstance(model, nn.Module):
         raise TypeError(f"minifloat.fp8_step: model must be a torch nn.Module, got {type(model).__name__}")
     return _end_step([m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")])
+
+
+@torch.no_grad()
+def rescale_gradient_amaxes(model: nn.Module, factor: float) -> int:
+    """Multiply every delayed-scaling layer's recorded output-gradient amaxes by `factor` (and divide its scale by
+    it), for gradients that change size by that factor from now on: a run resumed with another number of
+    micro-batches per rank, each rank dividing its losses by its own count. Returns how many layers changed."""
+    layers = [m for m in model.modules() if hasattr(m, "fp8_state") and getattr(m, "recipe", None) is not None
+              and m.recipe.delayed]
+    col = ROLE_INDEX[Role.GRAD_OUTPUT]
+    for layer in layers:
+        state = layer.fp8_state
+        state.amax_history[:, col].mul_(factor)
+        state.scale[col].div_(factor)  # scale = fp8 max / amax: the cast in-flight keeps its place in the range
+        state.generation += 1
+    return len(layers)

@@ -48,6 +48,7 @@ from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, load_corpus, require_windows
 from minifloat.training.optimizer import grad_param_groups
 from minifloat.distributed.fsdp import precompute_fp8_scales
+from minifloat.fp8.step import rescale_gradient_amaxes
 from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
                                          rank_device)
 from minifloat.training.rundir import (CHECKPOINT_DIR, CHECKPOINT_TOKENIZER, RUN_FILE, TENSORBOARD_DIR, CsvLog,
@@ -153,6 +154,8 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
     else:  # every DDP rank loads the same full state
         extra = load_checkpoint(ckpt_dir, model=run.model, optimizer=run.optimizer, scaler=run.scaler,
                                 guard=run.guard, loader=loader)
+    if (old_k := saved["config"].get("grad_accum", 1)) != config.grad_accum:  # other ranks: each divides by its K
+        rescale_gradient_amaxes(run.model, old_k / config.grad_accum)  # delayed scales follow the gradients' size
     if config.shadow_every and "shadow" in extra:  # resumed without the check, the run is plain FP8 again
         run.shadow.load_state_dict(extra["shadow"])
     log.info("minifloat: resumed from %s at step %d", ckpt_dir, extra["step"])
