@@ -29,9 +29,9 @@ from minifloat.amp.master import MasterWeightOptimizer
 from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
 from minifloat.core.autocast import autocast_device, autocast_off
-from minifloat.core.validate import check_bool, check_choice
+from minifloat.core.validate import check_bool, check_choice, check_module
 from minifloat.fp8 import convert as convert_module
-from minifloat.fp8.convert import check_keep_blocks, check_model, check_no_other_recipe, convert, fp8_plan
+from minifloat.fp8.convert import check_keep_blocks, check_no_other_recipe, convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling, Recipe,
                                    check_recipe)
@@ -196,7 +196,7 @@ class PrecisionPolicy:
                   **kwargs) -> torch.optim.Optimizer:
         """`optimizer_cls` over the model's parameters, behind the `master_weights` mode's wrapper (fp32 masters:
         MasterWeightOptimizer; bf16-sr / bf16-kahan: LowPrecisionWeightOptimizer, `seed` among kwargs)."""
-        check_model("PrecisionPolicy.optimizer", model)  # the model, not its parameters: roles decide the states
+        check_module("PrecisionPolicy.optimizer", model)  # the model, not its parameters: roles decide the states
         if self.state_formats is not None:
             # minifloat.optim's optimizers (BlockwiseOptimizer) name their states in STATES; optim is a layer above
             if not isinstance(getattr(optimizer_cls, "STATES", None), tuple):
@@ -259,7 +259,7 @@ class PrecisionPolicy:
         Returns:
             The model (a new module if `model` itself is a torch.nn.LayerNorm / RMSNorm).
         """
-        check_model("PrecisionPolicy.apply", model)
+        check_module("PrecisionPolicy.apply", model)
         if self.fp32_norms:
             model = swap_norms(model)
         kinds = self.plan(model, head=head)

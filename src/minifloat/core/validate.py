@@ -66,3 +66,12 @@ def _bounds(low, high, low_open: bool, high_open: bool) -> str:
 
 def _or_none(allow_none: bool) -> str:
     return " or None" if allow_none else ""
+
+
+def check_module(caller: str, model, *, allow_none: bool = False) -> None:
+    """TypeError unless `model` is a torch nn.Module (or None, with allow_none), naming `caller`."""
+    from torch import nn  # here: the other validators need no torch
+
+    if not (isinstance(model, nn.Module) or (allow_none and model is None)):
+        raise TypeError(f"minifloat.{caller}: model must be a torch nn.Module{' or None' if allow_none else ''}, "
+                        f"got {type(model).__name__}")

@@ -20,6 +20,7 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.roles import MIN_DIM_MULTIPLE
+from minifloat.core.validate import check_module
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
 
@@ -100,7 +101,7 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
         cores accept) stay in high precision; one warning lists them. When no layer of the model runs in FP8
         afterwards, one warning says why instead.
     """
-    check_model("convert", model)
+    check_module("convert", model)
     if filter is not None and not callable(filter):
         raise TypeError(f"minifloat.convert: filter must be a function (name, linear) -> bool, got "
                         f"{type(filter).__name__}")
@@ -128,12 +129,6 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
 
 
 MAX_LISTED = 4  # layers a warning names before "..."
-
-
-def check_model(caller: str, model) -> None:
-    """TypeError unless `model` is an nn.Module."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"minifloat.{caller}: model must be a torch nn.Module, got {type(model).__name__}")
 
 
 def check_no_other_recipe(caller: str, model: nn.Module, recipe: Recipe | None,

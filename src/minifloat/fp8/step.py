@@ -33,6 +33,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook, register_optimizer_step_pre_hook
 
 from minifloat.core.switch import ThreadSwitch
+from minifloat.core.validate import check_module
 from minifloat.fp8.recipes import Role
 from minifloat.fp8.scaling import ROLE_INDEX, advance_states, reduce_states
 
@@ -142,8 +143,7 @@ def fp8_step(model: nn.Module) -> int:
     Only for loops where no torch.optim optimizer steps the layers' parameters, or for layers built with
     `step_on="manual"`; in a plain loop `optimizer.step()` already does this, and calling both advances twice.
     """
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"minifloat.fp8_step: model must be a torch nn.Module, got {type(model).__name__}")
+    check_module("fp8_step", model)
     return _end_step([m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")])
 
 

@@ -32,6 +32,7 @@ from minifloat.fp8.recipes import RECIPE_TYPES, Recipe
 from minifloat.inference.layers import Fp8InferenceLinear, LayerSpec, inference_layers
 from minifloat.training.checkpoint import (CHECKPOINT_FIX, MANIFEST_FILE, checkpoint_extra, load_checkpoint,
                                            save_checkpoint)
+from minifloat.core.validate import check_module
 from minifloat.training.jsonstate import CheckpointError
 from minifloat.training.model import Llama, LlamaConfig
 
@@ -191,8 +192,7 @@ def load_quantized(path: str | os.PathLike, model: nn.Module | None = None) -> n
     if directory.name == MANIFEST_FILE and directory.is_file():
         raise FileNotFoundError(f"{directory} is a file of the saved model: load_quantized takes its folder, "
                                 f"{directory.parent}")
-    if model is not None and not isinstance(model, nn.Module):
-        raise TypeError(f"load_quantized: model must be a torch nn.Module or None, got {type(model).__name__}")
+    check_module("load_quantized", model, allow_none=True)
     try:
         return _load_quantized(directory, model)
     except CheckpointError as err:  # the training checkpoint's fix does not apply to a saved inference model
