@@ -26,7 +26,7 @@ from minifloat.training.rundir import RunExistsError
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 MIN_PNG_BYTES = 10_000  # a readable figure with text and curves is well above this; a blank one is ~5 kB
 METRICS = ("final_train_loss", "final_val_loss", "rel_diff_vs_bf16", "tokens_per_s", "speedup_vs_bf16",
-           "warmup_steps_excluded", "skipped_steps", "fallbacks")
+           "warmup_steps_excluded", "skipped_steps", "fallbacks", "low_precision_layers")
 GPU_METRICS = ("mfu", "peak_memory_gib")  # None on a CPU: no peak FLOP/s, no device memory to measure
 TERMINAL_COLUMNS = 80  # issue 22: the compare table fits an 80-column terminal
 TINY = dict(model="tiny", steps=4, batch_size=4, seq_len=32, eval_every=2, eval_batches=1, max_bytes=200_000)
@@ -58,6 +58,8 @@ def test_summary_json_has_finite_metrics_per_preset(summary):
         assert metrics["speedup_vs_bf16"] == metrics["tokens_per_s"] / written["presets"]["bf16"]["tokens_per_s"]
         assert (out / preset / "log.csv").is_file()
     assert written["presets"]["bf16"]["speedup_vs_bf16"] == 1.0 and written["device"] == "cpu"
+    # the tiny Llama's 15 linears: its first q/k/v and the head stay in high precision
+    assert [written["presets"][p]["low_precision_layers"] for p in ("bf16", "fp8-current")] == [0, 11]
 
 
 @pytest.mark.parametrize("name", ["loss_curves.png", "numerics_heatmap.png"])
@@ -86,6 +88,18 @@ def test_command_names_the_shadow_check(tmp_path):
     base = TrainConfig(**TINY, preset="fp8-delayed", shadow_every=5)
     assert "--shadow-every 5 --shadow-threshold 0.05" in _command(["bf16", "mxfp8"], base, tmp_path)
     assert "--shadow-every" not in _command(["bf16"], TrainConfig(**TINY), tmp_path)
+
+
+def test_cli_compare_with_fp8_where_it_pays(tmp_path, capsys):
+    # at 128 tokens per micro-batch no layer of the tiny Llama pays: the FP8 preset trains bf16's numbers, the
+    # summary says how many layers ran FP8 (none), and no heatmap of casts that never happened is drawn
+    assert main(["compare", "--presets", "bf16,fp8-delayed", "--steps", "2", "--batch-size", "4", "--seq-len",
+                 "32", "--max-bytes", "200000", "--fp8-layers", "auto", "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert "--fp8-layers auto" in summary["command"] and summary["config"]["fp8_layers"] == "auto"
+    assert [summary["presets"][p]["low_precision_layers"] for p in ("bf16", "fp8-delayed")] == [0, 0]
+    assert summary["presets"]["fp8-delayed"]["final_val_loss"] == summary["presets"]["bf16"]["final_val_loss"]
+    assert "numerics_heatmap" not in summary["files"] and not (tmp_path / "numerics_heatmap.png").exists()
 
 
 def test_cli_compare(tmp_path, capsys):

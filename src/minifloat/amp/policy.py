@@ -16,22 +16,21 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import types
 from typing import Callable
 
 import torch
 from rich.table import Table
 from torch import nn
-from torch.utils._pytree import tree_leaves
 
+from minifloat.amp.islands import FLOAT_DTYPES, ISLAND_ATTR, inside, make_fp32_island
 from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.master import MasterWeightOptimizer
 from minifloat.amp.norms import LayerNorm, RMSNorm, swap_norms
 from minifloat.core import roles
-from minifloat.core.autocast import autocast_device, autocast_off
+from minifloat.core.autocast import autocast_device
 from minifloat.core.validate import check_bool, check_choice, check_module
 from minifloat.fp8 import convert as convert_module
-from minifloat.fp8.convert import check_keep_blocks, check_no_other_recipe, convert, fp8_plan
+from minifloat.fp8.convert import Filter, check_filter, check_keep_blocks, check_no_other_recipe, convert, fp8_plan
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import (BlockScaling, CurrentScaling, DelayedScaling, MXScaling, NVFP4Scaling, Recipe,
                                    check_recipe)
@@ -39,8 +38,6 @@ from minifloat.fp8.scaling import ScalingState
 from minifloat.numerics.stateformats import StateFormat
 
 log = logging.getLogger("minifloat")
-FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-ISLAND_ATTR = "minifloat_fp32_island"  # set on a module apply() made an fp32 island; its value is the island's kind
 
 # module types apply() can reach beyond the roles of minifloat.core.roles (norms, embeddings, the head); functional
 # calls inside a forward() are out of its reach (see `describe`)
@@ -212,10 +209,11 @@ class PrecisionPolicy:
             return LowPrecisionWeightOptimizer(optimizer_cls, model, update=_LOWP_UPDATES[self.master_mode], **kwargs)
         return optimizer_cls(model.parameters(), **kwargs)
 
-    def plan(self, model: nn.Module, *, head: str | None = "auto") -> dict[str, str]:
+    def plan(self, model: nn.Module, *, head: str | None = "auto", filter: Filter | None = None) -> dict[str, str]:
         """What apply() does to each module, by name: "norm", "embedding", "head", "softmax", "loss" (fp32 islands),
         "fp8" (becomes Fp8Linear), "linear" (stays a linear layer in compute_dtype) — modules it leaves alone are
-        absent. See `apply` for `head`."""
+        absent. See `apply` for `head` and `filter`."""
+        check_filter("minifloat.PrecisionPolicy", filter)
         head_name = _resolve_head(model, head) if self.fp32_head else None
         kinds = {}
         for name, m in model.named_modules():
@@ -234,12 +232,12 @@ class PrecisionPolicy:
             if isinstance(m, nn.Linear):
                 kinds.setdefault(name, "fp8" if isinstance(m, Fp8Linear) else "linear")
         if self.recipe is not None:  # mf.convert's own rule: first and last layers (and blocks) kept, features % 16
-            for name in fp8_plan(model, keep_blocks=self.keep_blocks).convert:
+            for name in fp8_plan(model, filter=filter, keep_blocks=self.keep_blocks).convert:
                 if kinds[name] == "linear":  # not an island
                     kinds[name] = "fp8"
         return kinds
 
-    def apply(self, model: nn.Module, *, head: str | None = "auto") -> nn.Module:
+    def apply(self, model: nn.Module, *, head: str | None = "auto", filter: Filter | None = None) -> nn.Module:
         """Make `model` (any nn.Module) follow this policy, in place. Call it before building the optimizer.
 
         1. torch.nn.LayerNorm / RMSNorm become minifloat.amp.norms twins (fp32 compute); other norms, the embeddings,
@@ -256,19 +254,21 @@ class PrecisionPolicy:
             head: the output head's module name; "auto" takes minifloat.core.roles.output_head (a linear named
                 lm_head, classifier, score, head or output, else one tied to an embedding, else the last linear
                 outside a pooler); None means no head.
+            filter: with a recipe, `filter(name, linear) -> bool` as mf.convert takes it (mf.where_fp8_pays: only
+                where FP8 is predicted to be faster); the layers it refuses stay in compute_dtype.
         Returns:
             The model (a new module if `model` itself is a torch.nn.LayerNorm / RMSNorm).
         """
         check_module("PrecisionPolicy.apply", model)
         if self.fp32_norms:
             model = swap_norms(model)
-        kinds = self.plan(model, head=head)
+        kinds = self.plan(model, head=head, filter=filter)
         check_no_other_recipe("minifloat.PrecisionPolicy.apply", model, self.recipe, lambda *_: True)  # all FP8
         islands = {name for name, kind in kinds.items() if kind not in ("fp8", "linear")}
         for name, m in model.named_modules():
             if isinstance(m, ScalingState):
                 continue
-            dtype = torch.float32 if _inside(name, islands) else self.param_dtype
+            dtype = torch.float32 if inside(name, islands) else self.param_dtype
             for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
                 if t.is_floating_point() and t.dtype != dtype:
                     t.data = t.data.to(dtype)
@@ -280,7 +280,7 @@ class PrecisionPolicy:
                 convert(model, recipe=self.recipe, filter=lambda name, _: name in fp8, keep_first_last=False)
             else:  # in the policy's own terms (convert would blame its `filter`, which the user never wrote)
                 log.warning("minifloat.PrecisionPolicy: no linear layer runs in %s, %s", type(self.recipe).__name__,
-                            self._why_no_fp8(model, kinds))
+                            self._why_no_fp8(model, kinds, filter))
         out_dtypes = {"embedding": self.param_dtype, "head": torch.float32, "loss": torch.float32}
         for name in islands:
             m = model.get_submodule(name)
@@ -289,19 +289,23 @@ class PrecisionPolicy:
             setattr(m, ISLAND_ATTR, kinds[name])
         return model
 
-    def _why_no_fp8(self, model: nn.Module, kinds: dict[str, str]) -> str:
+    def _why_no_fp8(self, model: nn.Module, kinds: dict[str, str], filter: Filter | None) -> str:
         """Why `apply` converts none of `model`'s linear layers, for its one warning line."""
         linears = [name for name, m in model.named_modules() if isinstance(m, nn.Linear)]
         if not linears:
             return f"the {type(model).__name__} has no nn.Linear layer"
         plan = fp8_plan(model, keep_blocks=self.keep_blocks)
-        reasons = [f"{len(plan.kept)} kept as input projection or output head or in the first/last blocks "
-                   f"keep_blocks={tuple(self.keep_blocks)} keeps"] if plan.kept else []
+        refused = [name for name in plan.convert if kinds.get(name) == "linear"] if filter is not None else []
+        blocks = f" or in the blocks keep_blocks={tuple(self.keep_blocks)} keeps" if any(self.keep_blocks) else ""
+        reasons = [f"{len(plan.kept)} kept as input projection or output head{blocks}"] if plan.kept else []
         if plan.misshapen:
             reasons.append(f"{len(plan.misshapen)} with features that are not multiples of 16")
         islands = [name for name in linears if kinds.get(name) not in ("fp8", "linear") and name not in plan.kept]
         if islands:
             reasons.append(f"{len(islands)} kept in fp32 as {'/'.join(sorted({kinds[n] for n in islands}))}")
+        if refused:  # a WhereFp8Pays says what it predicts; a plain function is just "filter"
+            said = str(filter) if type(filter).__str__ is not object.__str__ else "`filter`"
+            reasons.append(f"{len(refused)} refused by {said}")
         return f"all {len(linears)} of the {type(model).__name__}'s nn.Linear layers stay in high precision: " + \
             "; ".join(reasons) + convert_module.other_projections(model)
 
@@ -348,47 +352,6 @@ class PrecisionPolicy:
         for name, kind in self.plan(model, head=head).items():
             table.add_row(name or "(root)", type(model.get_submodule(name)).__name__, *rows[kind])
         return table
-
-
-ISLAND_OUT_ATTR = "minifloat_fp32_island_out"  # the output dtype of an island (None: its first input's)
-
-
-def make_fp32_island(module: nn.Module, out_dtype: torch.dtype | None) -> None:
-    """Run `module` in float32 with autocast off: its forward is wrapped (an instance attribute, a bound method, so
-    deepcopy and pickling carry it) to upcast bf16/fp16 tensor arguments, switch autocast off around the class's
-    forward and cast floating outputs to `out_dtype` (None: the dtype of the first floating input).
-
-    One `with` block inside one function, where forward pre/post hooks would have to enter and leave the autocast
-    context in two calls, which torch.compile cannot trace.
-    """
-    setattr(module, ISLAND_OUT_ATTR, out_dtype)
-    module.forward = types.MethodType(_island_forward, module)
-
-
-def _island_forward(module: nn.Module, *args, **kwargs):
-    tensors = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
-    floats = [t.dtype for t in tensors if t.is_floating_point()]
-    out = getattr(module, ISLAND_OUT_ATTR) or (floats[0] if floats else torch.float32)
-    args, kwargs = _cast((args, kwargs), torch.float32)
-    with autocast_off(tensors[0].device.type if tensors else "cpu"):
-        output = type(module).forward(module, *args, **kwargs)
-    return _cast(output, out)
-
-
-def _inside(name: str, islands: set[str]) -> bool:
-    """Whether module `name` is an island or inside one (an island's children compute in fp32 too)."""
-    return any(name == i or not i or name.startswith(i + ".") for i in islands)
-
-
-def _cast(obj, dtype: torch.dtype):
-    """Cast the bf16 / fp16 / fp32 tensors in a nest of tuples, lists and dicts to `dtype` (others pass)."""
-    if isinstance(obj, torch.Tensor):
-        return obj.to(dtype) if obj.dtype in FLOAT_DTYPES else obj
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_cast(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
-    return obj
 
 
 def _resolve_head(model: nn.Module, head: str | None) -> str | None:

@@ -34,8 +34,8 @@ def base_config(args: argparse.Namespace):
     fields = given_settings(args, settings())
     if args.overwrite:
         fields["overwrite"] = True
-    if args.shadow_every:
-        fields["preset"] = "fp8-delayed"  # base's preset is replaced per run; an FP8 one may carry shadow_every
+    if args.shadow_every or fields.get("fp8_layers", "all") != "all":
+        fields["preset"] = "fp8-delayed"  # base's preset is replaced per run; an FP8 one may carry these
     if "seq_len" not in fields and fields.get("model") in SIZES:
         fields["seq_len"] = min(base.seq_len, SIZES[fields["model"]].max_seq_len)
     if "lr" in fields and "min_lr" not in fields:

@@ -129,6 +129,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     option or input."""
     from minifloat.training.loop import train
     from minifloat.training.parallel import launched_by_torchrun
+    from minifloat.training.run import low_precision_layers
 
     config = train_config(args)
     if config.parallel is not None and not launched_by_torchrun():
@@ -154,6 +155,10 @@ def cmd_train(args: argparse.Namespace) -> int:
     left_out = f"first {result.warmup_steps} step{'s' * (result.warmup_steps > 1)} left out"
     t.add_row("tokens/s", f"{result.tokens_per_s:,.0f}" + (f" ({left_out})" if result.warmup_steps else ""))
     t.add_row("MFU (vs dense BF16 peak)", f"{result.mfu:.1%}" if result.mfu is not None else "- (no GPU peak known)")
+    if config.policy().recipe is not None:
+        low, linears = low_precision_layers(config)
+        t.add_row("low-precision layers", f"{low} of {linears} linears" +
+                  (f" (--fp8-layers {config.fp8_layers})" if config.fp8_layers != "all" else ""))
     t.add_row("skipped steps", ", ".join(f"{s} ({r})" for s, r in result.skipped) or "none")
     t.add_row("shadow switches", (", ".join(f"{s} (to {to})" for s, to, _ in result.shadow_events) or "none")
               if config.shadow_every else "off")

@@ -42,6 +42,16 @@ class Fp8Plan:
     misshapen: tuple[str, ...]
 
 
+Filter = Callable[[str, nn.Linear], bool]  # filter(name, linear) -> bool: convert the layer?
+
+
+def check_filter(caller: str, filter) -> None:
+    """TypeError naming `caller` unless `filter` is None or callable."""
+    if filter is not None and not callable(filter):
+        raise TypeError(f"{caller}: filter must be a function (name, linear) -> bool, such as mf.where_fp8_pays(...), "
+                        f"got {type(filter).__name__}")
+
+
 KEEP_BLOCKS_RULE = "each a block count (int >= 0) or a fraction of the blocks (float in [0, 1))"
 
 
@@ -58,7 +68,7 @@ def check_keep_blocks(keep_blocks) -> tuple[int | float, int | float]:
     return tuple(keep_blocks)
 
 
-def fp8_plan(model: nn.Module, *, filter: Callable[[str, nn.Linear], bool] | None = None,
+def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
              keep_first_last: bool = True, keep_blocks: tuple[int, int] = (0, 0)) -> Fp8Plan:
     """What `convert(model, filter=filter, keep_first_last=..., keep_blocks=...)` would do, without doing it.
 
@@ -78,7 +88,7 @@ def fp8_plan(model: nn.Module, *, filter: Callable[[str, nn.Linear], bool] | Non
 
 
 def convert(model: nn.Module, *, recipe: Recipe | None = None,
-            filter: Callable[[str, nn.Linear], bool] | None = None, keep_first_last: bool = True,
+            filter: Filter | None = None, keep_first_last: bool = True,
             keep_blocks: tuple[int, int] = (0, 0), backend: str | None = None) -> nn.Module:
     """Replace the nn.Linear layers of `model` (in place) by Fp8Linear layers sharing their parameters.
 
@@ -88,7 +98,8 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
     Args:
         model: any nn.Module (HF transformers models included), or a single nn.Linear.
         recipe: the FP8 recipe (default DelayedScaling()).
-        filter: `filter(name, linear) -> bool`; only layers it accepts are converted.
+        filter: `filter(name, linear) -> bool`; only layers it accepts are converted. `mf.where_fp8_pays(recipe,
+            tokens=...)` accepts those FP8 is predicted to make faster (minifloat.fp8.payoff).
         keep_first_last: keep the layers nearest the data and the output in high precision, as mixed-precision
             practice advises: the input projections (all of a transformer's first q/k/v projections, an MLP's
             first layer) and the output head, recognised by role (see the module docstring). A lone nn.Linear is
@@ -102,9 +113,7 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
         afterwards, one warning says why instead.
     """
     check_module("convert", model)
-    if filter is not None and not callable(filter):
-        raise TypeError(f"minifloat.convert: filter must be a function (name, linear) -> bool, got "
-                        f"{type(filter).__name__}")
+    check_filter("minifloat.convert", filter)
     recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))

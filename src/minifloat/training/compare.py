@@ -33,6 +33,7 @@ from minifloat.amp.policy import PRESETS
 from minifloat.training.config import NOT_INHERITED
 from minifloat.training.loop import CHECKPOINT_DIR, TrainConfig, TrainResult, train, warmup_steps
 from minifloat.training.rundir import RUN_FILE, RunExistsError, run_items
+from minifloat.training.run import low_precision_layers
 from minifloat.training.throughput import resolve_device
 from minifloat.training.plots import (  # noqa: F401 (re-exported: the comparison's constants and figures)
     BASELINE, DEEPSEEK_V3_PCT, RANGE_BAND_PCT, SMOOTHING, TAIL_FRACTION, ZERO_LABEL, loss_curves_figure, noise_band_pct,
@@ -75,7 +76,7 @@ def _summarize(result: TrainResult) -> dict:
 # the settings a comparison's command line restates: what makes its runs (compare's own flags, minifloat.cli.compare)
 COMMAND_SETTINGS = ("model", "steps", "batch_size", "seq_len", "seed", "data", "max_bytes", "tokenizer", "attention",
                     "lr", "min_lr", "warmup", "grad_accum", "eval_every", "eval_batches", "compile", "compile_mode",
-                    "compile_scope", "tf32", "shadow_every", "shadow_threshold")
+                    "compile_scope", "tf32", "shadow_every", "shadow_threshold", "fp8_layers")
 ON_OFF = ("tf32",)  # of those, the settings whose flag takes on|off
 
 
@@ -102,7 +103,7 @@ def capture_numerics(config: TrainConfig) -> telemetry.Recorder:
     policy = config.policy()
     device = resolve_device(config.device)
     corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)
-    model = policy.apply(Llama(config.model_config(corpus.vocab_size))).to(device)
+    model = policy.apply(Llama(config.model_config(corpus.vocab_size)), filter=config.layer_filter()).to(device)
     load_checkpoint(pathlib.Path(config.out) / CHECKPOINT_DIR, model=model, restore_rng=False)
     x, y = next(iter(val_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len, max_batches=1)))
     with telemetry.capture() as rec:
@@ -278,7 +279,8 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
     out = pathlib.Path(out)
     configs = {p: dataclasses.replace(base, preset=p, out=str(out / p), resume=False,
                                       checkpoint_every=base.checkpoint_every or base.steps,
-                                      shadow_every=base.shadow_every if PRESETS[p].recipe is not None else 0)
+                                      shadow_every=base.shadow_every if PRESETS[p].recipe is not None else 0,
+                                      fp8_layers=base.fp8_layers if PRESETS[p].recipe is not None else "all")
                for p in presets}
 
     if reuse and base.overwrite:
@@ -307,9 +309,12 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
              f"seed {base.seed}")
     plot_loss_curves({p: list(r.losses) for p, r in results.items()}, files["loss_curves"], title=title)
     fp8 = [p for p in presets if PRESETS[p].recipe is not None]
-    if fp8:
+    for p in presets:  # with --fp8-layers fewer than every eligible layer, and none where none pays
+        metrics[p]["low_precision_layers"] = low_precision_layers(configs[p])[0]
+    numerics = {p: capture_numerics(configs[p]) for p in fp8 if metrics[p]["low_precision_layers"]}
+    if numerics:
         files["numerics_heatmap"] = out / "numerics_heatmap.png"
-        plot_numerics({p: capture_numerics(configs[p]) for p in fp8}, files["numerics_heatmap"])
+        plot_numerics(numerics, files["numerics_heatmap"])
 
     device = torch.device(results[BASELINE].device)
     summary = {"command": _command(presets, base, out),

@@ -125,6 +125,10 @@ class TrainConfig:
         """The precision policy of the run (`Precision.policy`)."""
         return self.precision.policy()
 
+    def layer_filter(self):
+        """The low-precision layers' filter (`Precision.layer_filter`) at this run's tokens per micro-batch."""
+        return self.precision.layer_filter(self.batch_size * self.seq_len)
+
     @property
     def blocks_kept(self) -> tuple[int | float, int | float]:
         """keep_blocks as (first, last), the preset's when None."""

@@ -9,6 +9,7 @@ import torch
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
 from minifloat.fp8.convert import KEEP_BLOCKS_RULE, check_keep_blocks
+from minifloat.fp8.payoff import DEFAULT_GPU, GPUS, WhereFp8Pays, where_fp8_pays
 from minifloat.fp8.recipes import NVFP4Scaling
 from minifloat.core.validate import check_choice, check_number
 from minifloat.training.model import ATTENTIONS
@@ -18,6 +19,7 @@ from minifloat.training.settings import setting, setting_group
 # Precision's NVFP4 overrides and the NVFP4Scaling field each replaces
 NVFP4_OVERRIDES = {"nvfp4_weight_2d": "weight_2d", "nvfp4_rht": "rht",
                    "nvfp4_stochastic_rounding": "stochastic_rounding"}
+FP8_LAYERS = ("all", "auto", *GPUS)  # fp8_layers: every eligible layer, or where FP8 pays on that GPU
 FP8_OVERRIDES = {"fp8_format": "format", "fp8_amax_history_len": "amax_history_len", "fp8_margin": "margin"}
 
 
@@ -68,8 +70,16 @@ class Precision:
               "(default: the preset's; nvfp4 and mxfp4 keep the last block: 0,1)", resume="fixed",
         why="changes which layers run in low precision", absent=None, metavar="FIRST,LAST")
 
+    fp8_layers: str = setting(
+        "all", "which of the eligible linear layers run the preset's low-precision recipe: all, or only those it is "
+               "predicted to make faster than BF16 on a GPU, from their shapes and the tokens per micro-batch: auto "
+               "(on an H100) or h100 / h200 (docs/fp8.md, \"Where FP8 pays\"). The choice does not depend on the "
+               "machine, so a CPU run converts the layers the GPU run would", resume="fixed",
+        why="changes which layers run in low precision", absent="all", choices=FP8_LAYERS)
+
     def __post_init__(self):
         check_choice("preset", self.preset, list(PRESETS))
+        check_choice("fp8_layers", self.fp8_layers, list(FP8_LAYERS))
         check_choice("attention", self.attention, list(ATTENTIONS))
         if not isinstance(self.master, str) or self.master not in MASTER_UPDATES:
             raise ValueError(f"master must be one of {', '.join(MASTER_UPDATES)}, got {self.master!r}")
@@ -96,6 +106,9 @@ class Precision:
                 raise ValueError(f"{field} overrides an NVFP4Scaling recipe, but preset={self.preset!r} has "
                                  f"{type(recipe).__name__ if recipe else 'no low-precision recipe'}; use "
                                  f"preset='nvfp4'")
+        if self.fp8_layers != "all" and recipe is None:
+            raise ValueError(f"fp8_layers={self.fp8_layers} chooses the layers of a low-precision recipe, but "
+                             f"preset={self.preset!r} has none; use an fp8 or fp4 preset or fp8_layers=all")
         if self.keep_blocks is not None:
             if not isinstance(self.keep_blocks, tuple):  # a list would make the config unhashable
                 raise ValueError(f"keep_blocks must be a tuple (first, last), {KEEP_BLOCKS_RULE}, or None, got "
@@ -129,6 +142,13 @@ class Precision:
         if nvfp4:
             policy = dataclasses.replace(policy, recipe=dataclasses.replace(policy.recipe, **nvfp4))
         return policy
+
+    def layer_filter(self, tokens: int) -> WhereFp8Pays | None:
+        """The `filter` of PrecisionPolicy.apply for `fp8_layers` at `tokens` rows per forward: None for all."""
+        if self.fp8_layers == "all":
+            return None
+        return where_fp8_pays(self.recipe, tokens=tokens, gpu=DEFAULT_GPU if self.fp8_layers == "auto" else
+                              self.fp8_layers)
 
     @property
     def recipe(self):

@@ -66,7 +66,7 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
                          f"keep_blocks={','.join(map(str, config.blocks_kept))} keeps every one of the "
                          f"{config.model} model's {model.config.n_layer} blocks in high precision: nothing would "
                          f"train in low precision; keep fewer blocks")
-    model = policy.apply(model).to(device)
+    model = policy.apply(model, filter=config.layer_filter()).to(device)
     if world.parallel is Parallel.FSDP:
         shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
     elif world.parallel is Parallel.FSDP_TP:
@@ -85,6 +85,15 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
     shadow = ShadowCheck(ShadowConfig(interval=config.shadow_every or 1, threshold=config.shadow_threshold,
                                       reference_dtype=str(policy.compute_dtype).removeprefix("torch.")))
     return Run(config, device, policy, model, optimizer, scaler, guard, shadow, stability, world, wrap(model, world))
+
+
+def low_precision_layers(config: TrainConfig) -> tuple[int, int]:
+    """(linear layers the run trains in its low-precision recipe, all its linear layers), planned on the meta
+    device (no memory, no training)."""
+    with torch.device("meta"):
+        model = Llama(config.model_config())
+    kinds = config.policy().plan(model, filter=config.layer_filter())
+    return sum(kind == "fp8" for kind in kinds.values()), sum(isinstance(m, torch.nn.Linear) for m in model.modules())
 
 
 def forward_backward(run: Run, forward, batches: list[tuple[torch.Tensor, torch.Tensor]], step: int, *,
