@@ -21,8 +21,10 @@ Sections (full sizes; --smoke shrinks every one of them so that the whole run ta
 Variants: bf16 (fp32 parameters, torch.autocast bfloat16: the baseline); minifloat's delayed, current, row (current
 scaling per row), block (DeepSeek 1×128 / 128×128), mxfp8, nvfp4, mxfp4 (mf.convert(..., keep_first_last=False) in
 the linear and MLP sections, the PrecisionPolicy preset in the Llama ones, with its fp32 head, norms and embeddings);
-torchao-tensorwise and torchao-rowwise (torchao.float8.convert_to_float8_training, on the linears minifloat's
-presets convert) when torchao imports. On an H100 (SM90) MX and NVFP4 GEMMs run emulated (docs/fp8.md), so their rows
+delayed-pays and current-pays (the Llama sections only: the preset with PrecisionPolicy.apply(filter=
+mf.where_fp8_pays(...)), only the linears FP8 is predicted to speed up at the section's tokens on this GPU, H100 or
+H200 rates; docs/fp8.md "Where FP8 pays"); torchao-tensorwise and torchao-rowwise
+(torchao.float8.convert_to_float8_training, on the linears minifloat's presets convert) when torchao imports. On an H100 (SM90) MX and NVFP4 GEMMs run emulated (docs/fp8.md), so their rows
 time the emulation. Every variant runs eager; compiled (torch.compile of each repeated block, or of the whole model
 with --compile-scope model; inductor defaults) runs a priority list (COMPILED_PRIORITY) while --budget-s lasts, or
 --compile-variants.
@@ -154,6 +156,7 @@ class Variant:
     recipe: object | None = None  # a minifloat recipe
     preset: str = BASELINE  # the Llama sections' PrecisionPolicy preset (`recipe` replaces its recipe)
     torchao: str | None = None  # a torchao.float8 recipe name
+    pays: bool = False  # the Llama sections: only the linears mf.where_fp8_pays predicts faster (docs/fp8.md)
 
 
 VARIANTS = (
@@ -165,6 +168,8 @@ VARIANTS = (
     Variant("mxfp8", mf.MXScaling(), "mxfp8"),
     Variant("nvfp4", mf.NVFP4Scaling(), "nvfp4"),
     Variant("mxfp4", mf.MXScaling(format="e2m1"), "mxfp4"),
+    Variant("delayed-pays", mf.DelayedScaling(), "fp8-delayed", pays=True),
+    Variant("current-pays", mf.CurrentScaling(), "fp8-current", pays=True),
     Variant("torchao-tensorwise", torchao="tensorwise"),
     Variant("torchao-rowwise", torchao="rowwise"),
 )
@@ -182,6 +187,11 @@ def torchao_float8():
         return None, why_not
     import torchao.float8
     return torchao.float8, None
+
+
+def gpu_name(device: torch.device) -> str:
+    """The mf.where_fp8_pays GPU whose measured rates fit `device`: h200 on an H200, else h100."""
+    return "h200" if device.type == "cuda" and "H200" in torch.cuda.get_device_name(device) else "h100"
 
 
 def to_fp8(model: nn.Module, variant: Variant, names: set[str] | None = None) -> nn.Module:
@@ -322,7 +332,8 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
     if variant.recipe is not None:
         policy = dataclasses.replace(policy, recipe=variant.recipe)
     plan = mf.PrecisionPolicy.preset("fp8-current").plan(model)
-    model = policy.apply(model)
+    pays = mf.where_fp8_pays(policy.recipe, tokens=tokens, gpu=gpu_name(device)) if variant.pays else None
+    model = policy.apply(model, filter=pays)
     if variant.torchao is not None:  # on the linears minifloat's presets convert
         model = to_fp8(model, variant, {name for name, kind in plan.items() if kind == "fp8"})
     forward = compile_model(model) if compiled else model
@@ -330,6 +341,7 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
     return Workload(train_step(forward, opt, device, idx, targets), tokens, flops, model)
 
 
+LLAMA_SECTIONS = ("llama8b", "100m", "1b")  # the sections whose models have layers that pay and layers that don't
 BUILDERS = {"gemm": gemm_workload, "linear": linear_workload, "mlp": mlp_workload, "llama8b": llama_workload,
             "100m": llama_workload, "1b": llama_workload}
 
@@ -515,7 +527,7 @@ def plan(args, names: list[str]) -> list[Case]:
     """Every eager case, section by section, then the compiled ones in priority order."""
     gemm_names = [BASELINE, *GEMMS]
     cases = [Case(s, i, v, False) for s in args.sections for i in range(len(args.shapes[s]))
-             for v in (gemm_names if s == "gemm" else names)]
+             for v in (gemm_names if s == "gemm" else names) if s in LLAMA_SECTIONS or not v.endswith("-pays")]
     if args.no_compile:
         return cases
     if args.compile_variants:

@@ -79,6 +79,9 @@ CALLS: dict[int, tuple[Step, ...]] = {
         Step("bench-compiled", 200, _bench("--sections", "llama8b", "--variants", "delayed,current",
                                            "--compile-variants", "delayed,current", "--budget-s", "180", "--json",
                                            "{out}/gpu_compiled.json", "--overwrite")),
+        # since 2026-11-28: FP8 only where mf.where_fp8_pays predicts a gain (the 1b's MLP; none of the 100m's)
+        Step("bench-pays", 120, _bench("--sections", "100m,1b", "--variants", "delayed,delayed-pays", "--no-compile",
+                                       "--json", "{out}/gpu_pays.json", "--overwrite")),
     ),
 }
 
