@@ -268,6 +268,23 @@ def test_preflight_flags_overflow_and_underflow_in_state_dict():
     assert torch.isinf(state["big"].half()).sum() == 1 and (state["tiny"].half() == 0).all()
 
 
+def test_preflight_leaves_out_fp8_scaling_state():
+    # a delayed scale fp8_max / amax is often far above FP16's max, and it stays fp32 under every policy: every
+    # FP8 model was reported as not fp16_safe, its scales called weights beyond FP16's range
+    model = mf.convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(),
+                                     nn.Linear(64, 16)), recipe=mf.DelayedScaling())
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model(torch.randn(16, 32) * 1e-3).pow(2).mean().backward()
+    opt.step()
+    state = model.state_dict()
+    assert max(v.max().item() for k, v in state.items() if "fp8_state" in k) > FP16.max  # the case is real
+    for given in (model, state):
+        report = preflight(given)
+        assert report.fp16_safe, report.issues
+        assert not any("fp8_state" in r.name for r in report.tensors)
+    assert not preflight({**state, "big": torch.tensor([FP16.max * 4])}).fp16_safe
+
+
 def test_preflight_flags_activation_overflow():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
     with torch.no_grad():

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import minifloat as mf
+from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.master import MasterWeightOptimizer, MasterWeights
 
 # the issue's case: an update of 1e-4 relative to a weight of 1.0, for 100 steps
@@ -18,6 +19,9 @@ BF16_HALF_ULP_BELOW_ONE = 2.0 ** -(mf.BF16.mbits + 1) / 2
 # 100 fp32 subtractions of 1e-4 just below 1.0: each rounds by ≤ half an fp32 ulp (2^-25 in [0.5, 1), 2^-24 at 1.0);
 # bounded by 100 · 2^-24 ≈ 6e-6, measured 1.7e-6
 FP32_DRIFT = STEPS * 2.0 ** -(mf.FP32.mbits + 1)
+# one SGD step (lr 0.1) in fp16 against fp32: weights of |w| < 1 rounded to fp16 (half an ulp, 2^-12) plus the
+# update's error from fp16 activations and gradients (a few ulps of a gradient below 1, times lr): 1e-3
+FP16_STEP_TOLERANCE = 1e-3
 
 
 @pytest.fixture
@@ -190,3 +194,95 @@ def test_check_finite_off_leaves_the_check_to_the_caller(gen):
     assert opt.skipped_steps == 0 and torch.isnan(w).all()
     with pytest.raises(ValueError, match="check_finite must be a bool"):
         MasterWeightOptimizer(torch.optim.SGD, [w], lr=1e-2, check_finite="yes")
+
+
+WRAPPERS = {
+    "master": lambda params, **kw: MasterWeightOptimizer(torch.optim.SGD, params, lr=LR, **kw),
+    "bf16-kahan": lambda params, **kw: LowPrecisionWeightOptimizer(torch.optim.SGD, params, update="kahan", lr=LR,
+                                                                   **kw),
+}
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+def test_a_group_added_later_keeps_small_updates_too(wrapper):
+    # add_param_group went straight to the inner optimizer: the new bf16 weight got no master (or compensation),
+    # and each 1e-4 update rounded away
+    first, later = one_weight(), one_weight()
+    opt = WRAPPERS[wrapper](first.parameters())
+    opt.add_param_group({"params": list(later.parameters())})
+    x = torch.ones(1, 1, dtype=torch.bfloat16)
+    for _ in range(STEPS):
+        opt.zero_grad()
+        (first(x) + later(x)).sum().backward()
+        opt.step()
+    assert first.weight.item() < 1.0 and first.weight.item() == later.weight.item()
+    with pytest.raises(ValueError, match="more than one parameter group"):
+        opt.add_param_group({"params": list(later.parameters())})
+
+
+@pytest.mark.parametrize("wrapper", list(WRAPPERS))
+@pytest.mark.parametrize("params, error, match", [
+    (lambda w: w, TypeError, "lone tensor"),
+    (lambda w: [{"params": [w], "lr": 0.5}, {"params": [w], "lr": 0.0}], ValueError, "more than one parameter group"),
+    (lambda w: [w, w], ValueError, "more than one parameter group"),
+], ids=["lone-tensor", "two-groups", "twice-in-one"])
+def test_params_torch_refuses_are_refused(wrapper, params, error, match):
+    w = nn.Parameter(torch.ones(3, 4, dtype=torch.bfloat16))
+    with pytest.raises(error, match=match):
+        WRAPPERS[wrapper](params(w))
+
+
+def test_weights_loaded_after_the_optimizer_was_built_are_the_ones_stepped():
+    # the masters were copied at construction: a model.load_state_dict afterwards was overwritten by the first step
+    torch.manual_seed(0)
+    model = nn.Linear(8, 8).to(torch.bfloat16)
+    opt = MasterWeightOptimizer(torch.optim.SGD, model, lr=0.0)
+    model.load_state_dict({k: torch.full_like(v, 0.5) for k, v in model.state_dict().items()})
+    model(torch.randn(2, 8, dtype=torch.bfloat16)).sum().backward()
+    opt.step()
+    assert (model.weight == 0.5).all() and (model.bias == 0.5).all()
+    # a load of the values the weights already hold (a checkpoint of this step) keeps the masters' extra bits
+    w = one_weight()
+    opt = MasterWeightOptimizer(torch.optim.SGD, w, lr=LR)
+    train(w, opt)
+    master = opt.master.pairs[0][1].detach().clone()
+    w.load_state_dict(copy.deepcopy(w.state_dict()))
+    opt.zero_grad()
+    w(torch.zeros(1, 1, dtype=torch.bfloat16)).sum().backward()  # a zero gradient: the master must not move
+    opt.step()
+    assert torch.equal(opt.master.pairs[0][1], master)
+
+
+def test_a_skipped_step_does_not_end_the_fp8_step():
+    # the wrapper skipped a non-finite step, but torch's post-step hook still advanced the FP8 scales
+    torch.manual_seed(0)
+    model = mf.convert(nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 16)), recipe=mf.DelayedScaling(),
+                       keep_first_last=False).to(torch.bfloat16)
+    opt = MasterWeightOptimizer(torch.optim.SGD, model, lr=1e-3)
+    for step in range(2):
+        model(torch.randn(8, 32, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+        if step == 1:
+            scales = [m.fp8_state.scale.clone() for m in mf.fp8_layers(model)]
+            model[2].weight.grad[0, 0] = float("nan")
+        opt.step()
+        opt.zero_grad()
+    assert opt.skipped_steps == 1
+    assert all(torch.equal(m.fp8_state.scale, s) for m, s in zip(mf.fp8_layers(model), scales))
+
+
+def test_the_loss_scaler_unscales_the_gradients_master_weights_step():
+    # the scaler walked the optimizer's own groups (the fp32 masters, gradient-less before step): the fp16 weights'
+    # gradients reached the step still multiplied by the scale (a 65536x too large update)
+    torch.manual_seed(0)
+    policy = mf.PrecisionPolicy(param_dtype=torch.float16, compute_dtype=torch.float16, master_weights=True)
+    model = policy.apply(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8)))
+    reference = copy.deepcopy(model).float()
+    opt = policy.optimizer(torch.optim.SGD, model, lr=0.1)
+    scaler = mf.LossScaler()
+    x = torch.randn(4, 8, dtype=torch.float16)
+    scaler.scale(model(x).float().pow(2).mean()).backward()
+    assert scaler.step(opt).stepped
+    reference(x.float()).pow(2).mean().backward()
+    torch.optim.SGD(reference.parameters(), lr=0.1).step()
+    # fp16 forward and gradients against fp32 ones: a few fp16 ulps of the weights, nowhere near the scale
+    torch.testing.assert_close(model[0].weight.float(), reference[0].weight, rtol=0, atol=FP16_STEP_TOLERANCE)

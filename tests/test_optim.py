@@ -297,11 +297,43 @@ def test_quantized_states_converge_like_fp32(formats, expand):
     (dict(state_formats="int3"), "state_formats"),
     (dict(state_formats=("e4m3",)), "2 entries"),
     (dict(block_size=7), "block_size"),
+    (dict(block_size=2.0), "block_size"),
+    (dict(block_size="128"), "block_size"),
     (dict(lr=-1.0), "lr"),
+    (dict(betas=0.9), "betas must be a pair"),
+    (dict(betas=(0.9, "x")), "betas"),
+    (dict(expand="no"), "expand must be a bool"),
+    (dict(check_finite=None), "check_finite must be a bool"),
 ])
 def test_invalid_options_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AdamW([nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_invalid_params_and_model_raise():
+    with pytest.raises(ValueError, match="floating-point"):
+        AdamW([torch.ones(3, dtype=torch.long)])
+    with pytest.raises(TypeError, match="model must be a torch nn.Module"):
+        AdamW([nn.Parameter(torch.zeros(2))], model=[nn.Linear(2, 2)])
+
+
+@pytest.mark.parametrize("formats", [("fp32", "fp32"), ("e4m3", "bf16")])
+def test_the_states_of_bf16_parameters_load_bitwise(formats):
+    # torch's load_state_dict casts floating states to the parameter's dtype: for bf16 parameters the fp32 moments
+    # and block scales came back rounded to bf16
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(4096, dtype=torch.bfloat16))
+    opt = AdamW([p], lr=1e-3, state_formats=formats)
+    for _ in range(3):
+        p.grad = torch.randn_like(p) * 1e-3
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    fresh = AdamW([p], lr=1e-3, state_formats=formats)
+    fresh.load_state_dict(copy.deepcopy(saved))
+    loaded = fresh.state_dict()["state"][0]
+    assert any(t.dtype == torch.float32 and t.numel() > 1 for t in saved["state"][0].values())
+    for key, value in saved["state"][0].items():
+        assert loaded[key].dtype == value.dtype and torch.equal(loaded[key], value), key
 
 
 SWAPS = [(("e4m3", "e5m2"), ("e5m2", "e4m3")), (("e4m3", "bf16"), ("int8", "bf16")),

@@ -380,6 +380,27 @@ def test_loads_grad_scaler_state_dict():
         scaler.load_state_dict({})
 
 
+@pytest.mark.parametrize("scale, fix", [(2.0**26, "max_scale=2.0\\*\\*26"), (0.25, "min_scale=0.25")])
+def test_a_grad_scaler_state_beyond_the_bounds_names_the_bound(scale, fix):
+    # a GradScaler's scale is unbounded (long runs grow past 2^24): the error named init_scale, never passed
+    state = torch.amp.GradScaler("cpu", init_scale=scale).state_dict()
+    with pytest.raises(ValueError, match=f"loaded scale .* outside .* {fix}"):
+        LossScaler().load_state_dict(state)
+    roomy = LossScaler(max_scale=2.0**26, min_scale=0.25)
+    roomy.load_state_dict(state)
+    assert roomy.get_scale() == scale
+
+
+def test_step_without_gradients_is_refused_as_grad_scaler_does():
+    p = nn.Parameter(torch.ones(2))
+    opt = torch.optim.SGD([p], lr=0.1)
+    scaler = LossScaler()
+    scaler.scale(p.sum())  # backward() forgotten
+    with pytest.raises(RuntimeError, match="no parameter of this optimizer has a gradient"):
+        scaler.step(opt)
+    assert torch.equal(p, torch.ones(2))
+
+
 # ---------------------------------------------------------------------------------------------------- disabled
 
 

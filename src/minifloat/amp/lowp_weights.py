@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from minifloat.core.skip import grads_finite, warn_skipped
-from minifloat.core.validate import check_choice, check_int
+from minifloat.core.validate import check_choice, check_int, param_groups
 from minifloat.fp8 import step as fp8_steps
 from minifloat.numerics.formats import BF16, FP16
 from minifloat.numerics.quantize import cast
@@ -61,36 +61,45 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
         check_choice("update", update, UPDATES)
         check_int("seed", seed, low=0)
         self.update, self.seed = update, seed
-        params = list(params.parameters() if isinstance(params, nn.Module) else params)
-        if not params:
-            raise ValueError("params must not be empty")
-        groups = params if isinstance(params[0], dict) else [{"params": params}]
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (low-precision param, fp32 temporary)
         self.compensation: list[torch.Tensor] = []  # "kahan": per pair, in the parameter's dtype
         self.generators: dict[str, torch.Generator] = {}  # "stochastic": per device
-        stepped_groups = []
-        for group in groups:
-            stepped = []
-            for p in group["params"]:
-                if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-                    raise ValueError(f"params must be floating-point tensors, got {type(p).__name__}")
-                if p.dtype not in LOW_PRECISION_FORMATS:
-                    stepped.append(p)  # fp32 / fp64: its own master
-                    continue
-                t = nn.Parameter(_empty(p))
-                fp8_steps.alias(t, p)  # stepping the temporary ends the FP8 step of p's layer
-                self.pairs.append((p, t))
-                stepped.append(t)
-                if update == "kahan":
-                    self.compensation.append(torch.zeros_like(p, memory_format=torch.preserve_format))
-                else:
-                    self.generators.setdefault(str(p.device), _generator(p.device, seed))
-            stepped_groups.append({**group, "params": stepped})
+        stepped_groups = [self._wrap(group) for group in param_groups(type(self).__name__, params)]
         self.optimizer = optimizer_cls(stepped_groups, **kwargs)
         super().__init__(stepped_groups, self.optimizer.defaults)  # sets up torch's hook registries
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
         self.skipped_steps = 0
+        self._built = True
+
+    def _wrap(self, group: dict[str, Any]) -> dict[str, Any]:
+        """`group` as the inner optimizer takes it: each low-precision parameter stands in by an fp32 temporary
+        (with its compensation buffer or generator)."""
+        (group,) = param_groups(type(self).__name__, [group])
+        held = {id(p) for p, _ in self.pairs} | {id(q) for g in getattr(self, "param_groups", []) for q in g["params"]}
+        if any(id(p) in held for p in group["params"]):
+            raise ValueError(f"{type(self).__name__}: some parameters appear in more than one parameter group; list "
+                             f"each once")
+        stepped = []
+        for p in group["params"]:
+            if p.dtype not in LOW_PRECISION_FORMATS:
+                stepped.append(p)  # fp32 / fp64: its own master
+                continue
+            t = nn.Parameter(_empty(p))
+            fp8_steps.alias(t, p)  # stepping the temporary ends the FP8 step of p's layer
+            self.pairs.append((p, t))
+            stepped.append(t)
+            if self.update == "kahan":
+                self.compensation.append(torch.zeros_like(p, memory_format=torch.preserve_format))
+            else:
+                self.generators.setdefault(str(p.device), _generator(p.device, self.seed))
+        return {**group, "params": stepped}
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, with the group's low-precision parameters updated as the others are."""
+        if not getattr(self, "_built", False):  # torch's __init__ registering the groups made above
+            return super().add_param_group(param_group)
+        self.optimizer.add_param_group(self._wrap(param_group))
 
     @torch.no_grad()
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
@@ -101,6 +110,7 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
         if not self._grads_finite():
             self.skipped_steps += 1
             warn_skipped(type(self).__name__, self.skipped_steps)
+            fp8_steps.step_skipped(self)  # the FP8 step goes on into the next optimizer step
             return loss
         for i, (p, t) in enumerate(self.pairs):
             w = p.float() if self.update == "stochastic" else p.float() + self.compensation[i].float()

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from minifloat.core.skip import grads_finite, warn_skipped
-from minifloat.core.validate import check_bool
+from minifloat.core.validate import check_bool, param_groups
 from minifloat.fp8 import step as fp8_steps
 
 LOW_PRECISION = (torch.bfloat16, torch.float16)
@@ -40,25 +40,31 @@ class MasterWeights:
     """
 
     def __init__(self, params: Iterable[nn.Parameter] | Iterable[dict[str, Any]]):
-        params = list(params)
-        if not params:
-            raise ValueError("params must not be empty")
-        groups = params if isinstance(params[0], dict) else [{"params": params}]
         self.groups: list[dict[str, Any]] = []
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (low-precision param, float32 master)
-        for group in groups:
-            masters = []
-            for p in group["params"]:
-                if not isinstance(p, torch.Tensor) or not p.is_floating_point():
-                    raise ValueError(f"params must be floating-point tensors, got {type(p).__name__}")
-                if p.dtype in LOW_PRECISION:
-                    m = nn.Parameter(p.detach().float().clone())
-                    fp8_steps.alias(m, p)  # stepping the master ends the FP8 step of p's layer
-                    self.pairs.append((p, m))
-                    masters.append(m)
-                else:
-                    masters.append(p)
-            self.groups.append({**group, "params": masters})
+        self._versions: list[int] = []  # each parameter's _version after the masters last wrote it
+        for group in param_groups("MasterWeights", params):
+            self.add_group(group)
+
+    def add_group(self, group: dict[str, Any]) -> dict[str, Any]:
+        """Add a param group (a dict with "params"): its low-precision parameters get masters. Returns the group as
+        the optimizer takes it (masters in place of those parameters)."""
+        (group,) = param_groups("MasterWeights", [group])
+        held = {id(p) for g in self.groups for p in g["params"]} | {id(p) for p, _ in self.pairs}
+        if any(id(p) in held for p in group["params"]):
+            raise ValueError("MasterWeights: some parameters appear in more than one parameter group; list each once")
+        masters = []
+        for p in group["params"]:
+            if p.dtype in LOW_PRECISION:
+                m = nn.Parameter(p.detach().float().clone())
+                fp8_steps.alias(m, p)  # stepping the master ends the FP8 step of p's layer
+                self.pairs.append((p, m))
+                self._versions.append(p._version)
+                masters.append(m)
+            else:
+                masters.append(p)
+        self.groups.append({**group, "params": masters})
+        return self.groups[-1]
 
     def parameters(self) -> list[dict[str, Any]]:
         """The param groups with every low-precision parameter replaced by its float32 master: give them to the
@@ -67,15 +73,23 @@ class MasterWeights:
 
     @torch.no_grad()
     def copy_grads(self) -> None:
-        """Upcast each low-precision parameter's .grad into its master's .grad (None stays None)."""
-        for p, m in self.pairs:
+        """Upcast each low-precision parameter's .grad into its master's .grad (None stays None). A parameter written
+        since the masters last wrote it (model.load_state_dict of other weights, an in-place edit) first becomes its
+        master's value again, so the step continues from the weights the user wrote, not from stale masters (a write of
+        the values the parameter already held, as a checkpoint's load of the same step, keeps the masters' bits)."""
+        for i, (p, m) in enumerate(self.pairs):
+            if p._version != self._versions[i]:  # written since: stale unless it still holds the master's rounding
+                if not torch.equal(p, m.to(p.dtype)):
+                    m.copy_(p)
+                self._versions[i] = p._version
             m.grad = None if p.grad is None else p.grad.float()
 
     @torch.no_grad()
     def copy_weights(self) -> None:
         """Round each float32 master onto its parameter's dtype (to nearest even) and write it into the parameter."""
-        for p, m in self.pairs:
+        for i, (p, m) in enumerate(self.pairs):
             p.copy_(m)
+            self._versions[i] = p._version
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p, m in self.pairs:
@@ -125,11 +139,18 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
                  check_finite: bool = True, **kwargs):
         check_bool("check_finite", check_finite)
         self.check_finite, self.skipped_steps = check_finite, 0
-        self.master = MasterWeights(params.parameters() if isinstance(params, nn.Module) else params)
+        self.master = MasterWeights(param_groups(type(self).__name__, params))
         self.optimizer = optimizer_cls(self.master.parameters(), **kwargs)
         super().__init__(self.master.parameters(), self.optimizer.defaults)  # sets up torch's hook registries
         self.param_groups = self.optimizer.param_groups
         self.state = self.optimizer.state
+        self._built = True
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """torch's add_param_group, with masters for the group's low-precision parameters."""
+        if not getattr(self, "_built", False):  # torch's __init__ registering the groups made above
+            return super().add_param_group(param_group)
+        self.optimizer.add_param_group(self.master.add_group(param_group))
 
     def step(self, closure: Callable[[], torch.Tensor] | None = None) -> torch.Tensor | None:
         loss = None
@@ -140,12 +161,19 @@ class MasterWeightOptimizer(torch.optim.Optimizer):
         if self.check_finite and not grads_finite(grads + [p.grad for p, _ in self.master.pairs if p.grad is not None]):
             self.skipped_steps += 1
             warn_skipped(type(self).__name__, self.skipped_steps)
+            fp8_steps.step_skipped(self)  # the FP8 step goes on into the next optimizer step
             return loss
         self.master.copy_grads()
         with fp8_steps.suppressed():  # this step's own post-step hook ends the FP8 step, once
             self.optimizer.step()
         self.master.copy_weights()
         return loss
+
+    def model_param_groups(self) -> list[dict[str, Any]]:
+        """`param_groups` with each fp32 master replaced by its low-precision parameter: the tensors whose .grad the
+        next step reads (unscale and clip those; the masters get their gradients inside `step`)."""
+        params = {id(m): p for p, m in self.master.pairs}
+        return [{**group, "params": [params.get(id(q), q) for q in group["params"]]} for group in self.param_groups]
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.optimizer.zero_grad(set_to_none=set_to_none)

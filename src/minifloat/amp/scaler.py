@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import logging
 from collections import defaultdict
 from collections.abc import Iterable, Mapping
@@ -32,7 +33,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from minifloat.amp.unscale import check_and_unscale_, grad_values
+from minifloat.amp.unscale import check_and_unscale_, grad_param_groups, grad_values
 from minifloat.core.skip import SkipReason
 from minifloat.core.validate import check_bool, check_int, check_number
 from minifloat.fp8.recipes import Role
@@ -147,20 +148,10 @@ class LossScaler:
             Parameters of neither are named "group{g}.param{i}" after their place in the optimizer.
     """
 
-    def __init__(
-        self,
-        *,
-        enabled: bool = True,
-        init_scale: float = 2.0**16,
-        growth_factor: float = 2.0,
-        backoff_factor: float = 0.5,
-        growth_interval: int = 2000,
-        hysteresis: int = 1,
-        min_scale: float = 1.0,
-        max_scale: float = 2.0**24,
-        model: nn.Module | None = None,
-        param_names: Mapping[str, torch.Tensor] | None = None,
-    ):
+    def __init__(self, *, enabled: bool = True, init_scale: float = 2.0**16, growth_factor: float = 2.0,
+                 backoff_factor: float = 0.5, growth_interval: int = 2000, hysteresis: int = 1, min_scale: float = 1.0,
+                 max_scale: float = 2.0**24, model: nn.Module | None = None,
+                 param_names: Mapping[str, torch.Tensor] | None = None):
         self.config = ScalerConfig(
             enabled=enabled, init_scale=init_scale, growth_factor=growth_factor, backoff_factor=backoff_factor,
             growth_interval=growth_interval, hysteresis=hysteresis, min_scale=min_scale, max_scale=max_scale,
@@ -273,6 +264,9 @@ class LossScaler:
         state = self._opt_states[id(optimizer)]
         if state["stage"] is _Stage.STEPPED:
             raise RuntimeError("step() has already been called on this optimizer since the last update().")
+        if not any(p.grad is not None for group in grad_param_groups(optimizer) for p in group["params"]):
+            raise RuntimeError("LossScaler.step: no parameter of this optimizer has a gradient (GradScaler: 'No inf "
+                               "checks were recorded for this optimizer'); call scaler.scale(loss).backward() first")
         if state["stage"] is _Stage.READY:
             self.unscale_(optimizer)
         state["stage"] = _Stage.STEPPED
@@ -362,6 +356,13 @@ class LossScaler:
             raise RuntimeError("The state dict is empty, possibly because it was saved from a disabled scaler.")
         c = self.config
         get = state_dict.get
+        low, high, scale = float(get("min_scale", c.min_scale)), float(get("max_scale", c.max_scale)), \
+            float(state_dict["scale"])
+        if not low <= scale <= high:  # a torch.amp.GradScaler's scale is unbounded
+            bound = "max_scale" if scale > high else "min_scale"
+            raise ValueError(f"the loaded scale {scale:g} lies outside this LossScaler's [min_scale, max_scale] = "
+                             f"[{low:g}, {high:g}] (a torch.amp.GradScaler's scale has no bounds): build it with "
+                             f"{bound}={f'2.0**{math.ceil(math.log2(scale))}' if scale > high else f'{scale:g}'} or beyond")
         self.config = dataclasses.replace(
             c,
             init_scale=float(state_dict["scale"]),
@@ -388,7 +389,7 @@ class LossScaler:
         """
         by_device: dict[torch.device, list[torch.Tensor]] = defaultdict(list)
         with torch.no_grad():
-            for group in optimizer.param_groups:
+            for group in grad_param_groups(optimizer):
                 for p in group["params"]:
                     g = grad_values(p)
                     if g is not None:
@@ -403,7 +404,7 @@ class LossScaler:
     def _nonfinite_names(self, optimizer: torch.optim.Optimizer) -> tuple[str, ...]:
         """Names of the optimizer's parameters with an inf/NaN gradient (the slow path, after an overflow)."""
         names = []
-        for g_idx, group in enumerate(optimizer.param_groups):
+        for g_idx, group in enumerate(grad_param_groups(optimizer)):
             for p_idx, p in enumerate(group["params"]):
                 g = grad_values(p)
                 if g is not None and not torch.isfinite(g).all():

@@ -55,3 +55,12 @@ def grad_values(param: torch.Tensor) -> torch.Tensor | None:
             param.grad = param.grad.coalesce()
         return param.grad._values()
     return param.grad
+
+
+def grad_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
+    """The optimizer's parameter groups holding the tensors whose .grad its next step reads. For a wrapper that
+    steps stand-ins (fp32 masters, fp32 temporaries: MasterWeightOptimizer, LowPrecisionWeightOptimizer) those are
+    the model's parameters (`model_param_groups()`); its own groups hold the stand-ins, which get their gradients
+    only inside `step`. Unscaling, clipping and non-finite checks walk these."""
+    model_groups = getattr(optimizer, "model_param_groups", None)
+    return model_groups() if callable(model_groups) else optimizer.param_groups

@@ -75,3 +75,36 @@ def check_module(caller: str, model, *, allow_none: bool = False) -> None:
     if not (isinstance(model, nn.Module) or (allow_none and model is None)):
         raise TypeError(f"minifloat.{caller}: model must be a torch nn.Module{' or None' if allow_none else ''}, "
                         f"got {type(model).__name__}")
+
+
+def param_groups(caller: str, params) -> list[dict]:
+    """An optimizer wrapper's `params` (an nn.Module, an iterable of parameters or of param-group dicts) as a list of
+    groups, refused as torch.optim refuses them: a lone tensor (its rows would be iterated), nothing, a parameter that
+    is not floating point, or one that appears twice (each copy would get its own master and one update be lost)."""
+    import torch
+    from torch import nn
+
+    if isinstance(params, nn.Module):
+        params = params.parameters()
+    if isinstance(params, torch.Tensor):
+        raise TypeError(f"{caller}: params must be an nn.Module or an iterable of parameters or param groups, got a "
+                        f"lone tensor of shape {tuple(params.shape)}: pass [tensor]")
+    params = list(params)
+    if not params:
+        raise ValueError(f"{caller}: params must not be empty")
+    groups = [dict(g) if isinstance(g, dict) else g for g in params] if isinstance(params[0], dict) else \
+        [{"params": params}]
+    seen: set[int] = set()
+    for group in groups:
+        if not isinstance(group, dict) or "params" not in group:
+            raise TypeError(f"{caller}: params must be all parameters or all param-group dicts with a 'params' entry")
+        group["params"] = [group["params"]] if isinstance(group["params"], torch.Tensor) else list(group["params"])
+        for p in group["params"]:
+            if not isinstance(p, torch.Tensor) or not p.is_floating_point():
+                raise ValueError(f"{caller}: params must be floating-point tensors, got "
+                                 f"{type(p).__name__ if not isinstance(p, torch.Tensor) else p.dtype}")
+            if id(p) in seen:
+                raise ValueError(f"{caller}: some parameters appear in more than one parameter group (or twice in "
+                                 f"one); list each once")
+            seen.add(id(p))
+    return groups

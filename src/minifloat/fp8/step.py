@@ -72,6 +72,12 @@ def suppressed() -> Iterator[None]:
         yield
 
 
+def step_skipped(optimizer: torch.optim.Optimizer) -> None:
+    """Called from inside `optimizer.step()` that skips its update (non-finite gradients): the step's post-hook then
+    ends no FP8 step, as when LossScaler or StepGuard skip `optimizer.step()` altogether."""
+    _STEPPING[id(optimizer)] = []
+
+
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     """The layers' weight casts are for the micro-batches of a step, whose last backward has run: dropped before the
     optimizer's own temporaries are allocated (2 bytes per weight for per-tensor recipes, both layouts), not after.

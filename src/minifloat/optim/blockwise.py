@@ -17,8 +17,8 @@ costs one pass over the gradients and one host sync per step; `check_finite=Fals
 
 state_dict holds plain tensors only (DTensors for sharded parameters, below): codes (float8 / int8 / uint8), float32
 per-block scales, the float32 step, so minifloat's safetensors checkpoints store it. torch's load_state_dict casts
-floating states to the parameter's dtype; this class casts them back to their stored dtypes, which is exact (float32
-holds every code value).
+floating states to the parameter's dtype; this class loads the saved tensors again in their own dtypes (for bf16
+parameters torch's cast would have rounded float32 states and scales), then casts codes to their format's dtype.
 
 Sharded parameters (FSDP2's fully_shard: DTensors, a row shard per rank). The states are plain tensors local to the
 rank: the blocks are formed over the flattened local shard (`p.to_local()`, its gradient likewise), and nothing is
@@ -46,6 +46,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from minifloat.core.roles import is_embedding, is_norm
 from minifloat.core.skip import warn_skipped
+from minifloat.core.validate import check_bool, check_int, check_module
+from minifloat.fp8 import step as fp8_step
 from minifloat.numerics.stateformats import STATE_FORMATS, BlockCodec, StateFormat, code_dtype, round_plain
 
 DEFAULT_BLOCK = 128
@@ -120,13 +122,17 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if len(state_formats) != len(self.STATES):
             raise ValueError(f"state_formats needs {len(self.STATES)} entries "
                              f"({', '.join(s.name for s in self.STATES)}), got {len(state_formats)}")
-        if block_size < 2 or block_size % 2:
-            raise ValueError(f"block_size must be an even number >= 2, got {block_size}")
-        if chunk_blocks < 1:
-            raise ValueError(f"chunk_blocks must be >= 1, got {chunk_blocks}")
-        if min_quantized_numel < 0:
-            raise ValueError(f"min_quantized_numel must be >= 0, got {min_quantized_numel}")
+        check_int("block_size", block_size, low=2)
+        if block_size % 2:
+            raise ValueError(f"block_size must be an even int >= 2, got {block_size}")
+        check_int("chunk_blocks", chunk_blocks, low=1)
+        check_int("min_quantized_numel", min_quantized_numel, low=0)
+        check_bool("expand", expand)
+        check_bool("check_finite", check_finite)
+        check_module(type(self).__name__, model, allow_none=True)
         super().__init__(params, defaults)
+        if bad := [p for g in self.param_groups for p in g["params"] if not p.is_floating_point()]:
+            raise ValueError(f"{type(self).__name__}: params must be floating-point tensors, got {bad[0].dtype}")
         self.state_formats = state_formats
         self.block_size = block_size
         self.expand = expand
@@ -201,6 +207,7 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
         if self.check_finite and params and not self._all_finite(params):
             self.skipped_steps += 1
             warn_skipped(type(self).__name__, self.skipped_steps)
+            fp8_step.step_skipped(self)  # the FP8 step goes on into the next optimizer step
             return loss
         self._init_states([p for p in params if not self.state[p]])
         for group in self.param_groups:
@@ -315,6 +322,13 @@ class BlockwiseOptimizer(torch.optim.Optimizer):
                                  f"optimizer with state_formats={tuple(saved)!r} to load it")
         groups = [{k: v for k, v in g.items() if k != FORMATS_KEY} for g in state_dict["param_groups"]]
         super().load_state_dict({**state_dict, "state": local, "param_groups": groups})
+        # torch cast every floating state to its parameter's dtype: for bf16 parameters that rounded fp32 states
+        # and scales to bf16. Take the saved tensors again, in their own dtypes.
+        saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+        for i, p in zip(saved_ids, [p for g in self.param_groups for p in g["params"]]):
+            for key, value in local.get(i, {}).items():
+                if isinstance(value, torch.Tensor) and key in self.state[p]:
+                    self.state[p][key] = value.to(device=self.state[p][key].device, copy=True)
         for p, state in self.state.items():
             if not state:
                 continue

@@ -19,8 +19,17 @@ from minifloat.optim.blockwise import (
 )
 
 
+def _check_betas(betas) -> None:
+    """betas as a pair of numbers in [0, 1); ValueError naming the field otherwise."""
+    if not isinstance(betas, (tuple, list)) or len(betas) != 2:
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    _check_hyper("betas[0]", betas[0], 0.0, 1.0)
+    _check_hyper("betas[1]", betas[1], 0.0, 1.0)
+
+
 def _check_hyper(name: str, value: float, low: float, high: float | None = None) -> None:
-    if not (low <= value and (high is None or value < high)):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            low <= value and (high is None or value < high)):
         bound = f"[{low}, {high})" if high is not None else f">= {low}"
         raise ValueError(f"{name} must be in {bound}, got {value!r}")
 
@@ -45,8 +54,7 @@ class Adam(BlockwiseOptimizer):
                  check_finite: bool = True):
         _check_hyper("lr", lr, 0.0)
         _check_hyper("eps", eps, 0.0)
-        _check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        _check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        _check_betas(betas)
         _check_hyper("weight_decay", weight_decay, 0.0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay),
                          state_formats=state_formats, block_size=block_size, expand=expand,
@@ -144,8 +152,7 @@ class Lion(BlockwiseOptimizer):
                  model: nn.Module | None = None, chunk_blocks: int = DEFAULT_CHUNK_BLOCKS,
                  check_finite: bool = True):
         _check_hyper("lr", lr, 0.0)
-        _check_hyper("betas[0]", betas[0], 0.0, 1.0)
-        _check_hyper("betas[1]", betas[1], 0.0, 1.0)
+        _check_betas(betas)
         _check_hyper("weight_decay", weight_decay, 0.0)
         super().__init__(params, dict(lr=lr, betas=tuple(betas), weight_decay=weight_decay),
                          state_formats=state_formats, block_size=block_size, expand=expand,

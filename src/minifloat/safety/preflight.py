@@ -94,9 +94,16 @@ def _range(name: str, kind: str, t: torch.Tensor) -> RangeRecord:
                        int((finite > FP16.max).sum()), flushed / max(nonzero.numel(), 1))
 
 
+def _scaling_state(key: str) -> bool:
+    """Whether a state-dict entry is an Fp8Linear's scaling state (its `fp8_state` buffers: amax history, scales).
+    It stays fp32 under every policy, and a delayed scale fp8_max / amax is often far above FP16's max."""
+    return "fp8_state" in key.split(".")
+
+
 def preflight(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], sample_batch=None, *,
               underflow_tolerance: float = 0.01) -> PreflightReport:
     """Check weights (and, given `sample_batch`, every module's outputs) against FP16's range, and BF16 support.
+    FP8 scaling state (amax histories, scales) is left out: it stays fp32 whatever the model computes in.
 
     Args:
         model_or_state_dict: a model or a state dict.
@@ -111,7 +118,7 @@ def preflight(model_or_state_dict: nn.Module | Mapping[str, torch.Tensor], sampl
         raise ValueError("sample_batch needs a model, got a state dict")
     state = model_or_state_dict.state_dict() if is_model else model_or_state_dict
     records = [_range(k, "weight", v) for k, v in state.items()
-               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel()]
+               if isinstance(v, torch.Tensor) and v.is_floating_point() and v.numel() and not _scaling_state(k)]
     if sample_batch is not None:
         model = model_or_state_dict
         acts: dict[str, RangeRecord] = {}

@@ -23,6 +23,7 @@ from torch import nn
 
 from minifloat.amp.lowp_weights import LowPrecisionWeightOptimizer
 from minifloat.amp.policy import PrecisionPolicy
+from minifloat.amp.unscale import grad_param_groups  # noqa: F401 (the loop's clipping walks these)
 from minifloat.optim import AdamW as LowPrecisionAdamW
 
 ADAMW_BETAS = (0.9, 0.95)  # nanoGPT / Llama; beta2 = 0.95 reacts faster to the gradient growth of low precision
@@ -78,15 +79,6 @@ def fused_on_cuda(groups: list[dict]) -> dict:
     where every parameter is on a CUDA device. Elsewhere torch's default, so CPU runs keep their bits."""
     params = [p for group in groups for p in group["params"]]
     return {"fused": True} if params and all(p.is_cuda for p in params) else {}
-
-
-def grad_param_groups(optimizer: torch.optim.Optimizer) -> list[dict]:
-    """The optimizer's parameter groups holding the tensors whose .grad its next step reads: the model's
-    parameters. A LowPrecisionWeightOptimizer's own groups hold fp32 temporaries without gradients (they get them
-    inside `step`), so clipping walks these instead."""
-    if isinstance(optimizer, LowPrecisionWeightOptimizer):
-        return optimizer.model_param_groups()
-    return optimizer.param_groups
 
 
 def master_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
