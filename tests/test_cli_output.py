@@ -66,6 +66,15 @@ def test_python_m_minifloat_prints_one_error_line():
     assert done.stdout == ""
 
 
+def test_a_reader_that_closes_the_pipe_gets_no_error():
+    # `minifloat formats --json | head` printed "minifloat: error: [Errno 32] Broken pipe"
+    cli = subprocess.Popen([sys.executable, "-m", "minifloat", "formats", "--json"], stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE)
+    cli.stdout.close()  # the reader goes away before the writer (still importing) writes a byte
+    err = cli.stderr.read()
+    assert cli.wait(timeout=300) == 141 and err.decode() == ""  # 128 + SIGPIPE, as a shell reports it
+
+
 def test_help_imports_no_command_module():
     """`minifloat --help` lists the commands without building their options, whose defaults come from modules that
     import torch, matplotlib or transformers; and `import minifloat` imports its public names on first use, so neither

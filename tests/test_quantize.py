@@ -1074,3 +1074,68 @@ def test_block_amax_down_the_columns_is_the_plain_reduction(shape, dim, two_stag
     for got in (Q.abs_max(x, dim), Q._block_amax.eager(x, dim)):
         assert got.dtype == torch.float32 and got.shape == expected.shape
         assert torch.equal(got.isnan(), expected.isnan()) and torch.equal(got.nan_to_num(0), expected.nan_to_num(0))
+
+
+def _positive_grid(fmt) -> torch.Tensor:
+    """Every finite positive value of an 8- or 16-bit format with a torch dtype, as float64, ascending."""
+    codes = torch.arange(2 ** fmt.bits, dtype=torch.int32).to(torch.int16 if fmt.bits == 16 else torch.uint8)
+    values = codes.view(fmt.torch_dtype).double()
+    return values[torch.isfinite(values) & (values > 0) & (values <= fmt.max)].unique()
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2, BF16, FP16], ids=lambda f: f.name)
+def test_float64_inputs_round_once_to_the_nearest_value(fmt):
+    # float64 was rounded to float32 first: 1.0625 + 1e-12 (just above the tie 1.0625, nearest E4M3 1.125) became
+    # 1.0625 in float32, then the tie went to even, 1.0. Just above and below every midpoint of the grid, and on it.
+    grid = _positive_grid(fmt)
+    low, high = grid[:-1], grid[1:]
+    mid = (low + high) / 2  # exact in float64
+    nudge = mid * 2.0**-40
+    x = torch.cat([mid + nudge, mid - nudge, mid])
+    low_is_odd = torch.arange(len(low)) % 2 == 0  # grid[i] is code i + 1: the codes ascend with the values
+    ties = torch.where(low_is_odd, high, low)  # a tie goes to the neighbour with the even code
+    expected = torch.cat([high, low, ties])
+    got = cast(torch.cat([x, -x]), fmt)
+    assert got.dtype == torch.float64
+    assert torch.equal(got, torch.cat([expected, -expected]))
+    q = quantize(x[: len(low)], fmt, scale=torch.tensor(1.0)) if fmt in (E4M3, E5M2) else None
+    if q is not None:
+        assert torch.equal(q.dequantize().double(), high)
+
+
+def test_float64_beyond_float32_saturates_as_a_finite_value():
+    assert cast(torch.tensor([1e300, -1e300, math.inf], dtype=torch.float64), E4M3).tolist() == [448.0, -448.0, 448.0]
+
+
+def test_quantize_refuses_a_format_of_its_own_and_cast_takes_it():
+    # quantize looked formats up by name: a custom "e4m3" with bias 8 (max 224) got the built-in's limits
+    custom = NumberFormat("e4m3", ebits=4, mbits=3, bias=8, special=E4M3.special)
+    with pytest.raises(ValueError, match="NumberFormat of its own"):
+        quantize(torch.tensor([300.0]), custom, scale=torch.tensor(1.0))
+    assert cast(torch.tensor([300.0]), custom).item() == custom.max == 224.0
+
+
+@pytest.mark.parametrize("dtype, fmt", [(torch.float16, BF16), (torch.bfloat16, FP16), (torch.float16, E8M0),
+                                        (torch.float8_e4m3fn, BF16)])
+def test_cast_refuses_a_dtype_that_cannot_hold_the_format(dtype, fmt):
+    # an fp16 tensor cast onto BF16 came back holding inf (65504 rounds to 65536, beyond fp16)
+    with pytest.raises(ValueError, match="cannot hold every"):
+        cast(torch.ones(2).to(dtype), fmt)
+
+
+@pytest.mark.parametrize("dtype, fmt", [(torch.bfloat16, E4M3), (torch.float16, E5M2), (torch.bfloat16, E8M0),
+                                        (torch.float16, E2M1), (torch.float64, E8M0)])
+def test_cast_keeps_dtypes_that_hold_the_format(dtype, fmt):
+    assert cast(torch.tensor([3.0, 1000.0]).to(dtype), fmt).dtype == dtype
+
+
+@pytest.mark.parametrize("reference, approx, expected", [
+    ([70000.0], [math.inf], -math.inf),     # a finite value decoded as inf: all noise
+    ([1.0, 2.0], [1.0, 2.0], math.inf),     # no noise
+    ([math.nan], [1.0], math.nan),          # no ratio to speak of
+    ([math.inf], [math.inf], math.nan),
+    ([0.0], [1.0], -math.inf),              # no signal
+], ids=["inf-noise", "exact", "nan", "inf-both", "no-signal"])
+def test_sqnr_of_non_finite_tensors(reference, approx, expected):
+    got = sqnr_db(torch.tensor(reference), torch.tensor(approx))
+    assert (math.isnan(got) and math.isnan(expected)) or got == expected

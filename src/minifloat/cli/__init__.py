@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import logging
+import os
 import pathlib
 import re
+import signal
 import sys
 from collections.abc import Callable, Collection, Iterator
 from typing import NoReturn
@@ -180,6 +182,9 @@ def main(argv: list[str] | None = None) -> int:
     with library_logging(args.verbose):
         try:
             return args.func(args)
+        except BrokenPipeError:  # the reader went away (`minifloat formats --json | head`): nothing left to say
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # quiet the interpreter's flush at exit
+            return 128 + signal.SIGPIPE
         except USER_ERRORS as err:
             if args.debug:
                 raise

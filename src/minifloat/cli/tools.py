@@ -40,7 +40,7 @@ def cmd_formats(args: argparse.Namespace) -> int:
     for r in rows:
         t.add_row(r["name"], str(r["bits"]), str(r["exponent_bits"]), str(r["mantissa_bits"]), str(r["bias"]),
                   f"{r['max']:.6g}", f"{r['min_normal']:.6g}",
-                  "-" if r["min_subnormal"] == r["min_normal"] else f"{r['min_subnormal']:.6g}",  # E8M0 has none
+                  "-" if r["min_subnormal"] is None else f"{r['min_subnormal']:.6g}",  # E8M0 has none
                   "yes" if r["has_inf"] else "no", "yes" if r["has_nan"] else "no", r["torch_dtype"] or "-")
     common.print_table(t)
     return 0

@@ -109,7 +109,7 @@ class NumberFormat:
             "bias": self.bias,
             "max": self.max,
             "min_normal": self.min_normal,
-            "min_subnormal": self.min_subnormal,
+            "min_subnormal": None if self.special == Special.SCALE else self.min_subnormal,  # E8M0 has none
             "has_inf": self.has_inf,
             "has_nan": self.has_nan,
             "torch_dtype": str(self.torch_dtype).replace("torch.", "") if self.torch_dtype else None,
@@ -138,3 +138,14 @@ def get_format(fmt: NumberFormat | str) -> NumberFormat:
     if key not in FORMATS:
         raise ValueError(f"unknown number format {fmt!r}; known: {sorted(FORMATS)}")
     return FORMATS[key]
+
+
+def holds(dtype: torch.dtype, fmt: NumberFormat) -> bool:
+    """Whether tensors of `dtype` hold every value of `fmt` exactly (float32 and float64 hold all of minifloat's;
+    float16 does not hold BF16's range, bfloat16 not FP16's precision)."""
+    if dtype == torch.float64:
+        return True
+    home = next((f for f in FORMATS.values() if f.torch_dtype == dtype), None)
+    return home is not None and fmt.max <= home.max and fmt.min_subnormal >= home.min_subnormal \
+        and fmt.mbits <= home.mbits
+

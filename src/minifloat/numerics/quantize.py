@@ -15,7 +15,7 @@ import torch
 
 from minifloat.core.validate import check_choice
 from minifloat.numerics.compiling import maybe_compile
-from minifloat.numerics.formats import FORMATS, NumberFormat, Special, get_format
+from minifloat.numerics.formats import FORMATS, FP32, NumberFormat, Special, get_format, holds
 from minifloat.numerics.granularity import (
     Granularity,
     blocked_view,
@@ -61,14 +61,39 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"cast expects a floating-point torch tensor (torch.as_tensor(values) makes one), got {got}")
+    if not holds(x.dtype, fmt):  # the result's dtype is x's: values of fmt it cannot hold would come back wrong
+        raise ValueError(f"cast of a {str(x.dtype).removeprefix('torch.')} tensor onto {fmt.name}: that dtype cannot "
+                         f"hold every {fmt.name} value (max {fmt.max:g}, {fmt.mbits} mantissa bits), so the result "
+                         f"would not be on {fmt.name}'s grid; cast x.float() instead")
     if x.requires_grad and torch.is_grad_enabled():
         return _StraightThrough.apply(x, fmt, rounding, generator, uniform)
     return _cast(x, fmt, rounding, generator, uniform)
 
 
+def float32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
+    """float64 `x` as float32, rounded to odd: truncated toward zero, with the last mantissa bit set where that
+    dropped anything. A second rounding onto a format of at most 21 mantissa bits is then exactly the rounding of x
+    itself (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+    odd", 2008), where rounding x to float32 to nearest first could round twice (1.0625 + 1e-12 to E4M3: 1.0, not
+    1.125). Values beyond float32's range become ±float32 max (finite, so they saturate; ±inf and NaN stay)."""
+    t = x.float()
+    bits = t.view(torch.int32)
+    away = t.double().abs() > x.abs()  # rounded away from zero (or overflowed to inf): one ulp back toward zero
+    bits = torch.where(away & torch.isfinite(x), bits - 1, bits)
+    inexact = bits.view(torch.float32).double() != x
+    return torch.where(inexact & torch.isfinite(x), bits | 1, bits).view(torch.float32)
+
+
+def _float32(x: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """x as the float32 the rounding reads: float64 rounded to odd (exact for every format narrower than FP32)."""
+    if x.dtype != torch.float64:
+        return x.float()
+    return x.float() if fmt.mbits > FP32.mbits - 2 else float32_round_to_odd(x)
+
+
 def _cast(x: torch.Tensor, fmt: NumberFormat, rounding: str, generator: torch.Generator | None,
           uniform: torch.Tensor | None) -> torch.Tensor:
-    y = x.float()
+    y = _float32(x, fmt)
     if fmt.special != Special.SCALE:
         y = y.clamp(-fmt.max, fmt.max)
     if rounding == "stochastic":
@@ -318,6 +343,11 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         raise TypeError(f"quantize expects a floating tensor, got {x.dtype}")
     if fmt.special == Special.SCALE:
         raise ValueError("E8M0 is a scale format; quantize elements to E4M3, E5M2 or E2M1")
+    if FORMATS.get(fmt.name) != fmt:  # the kernels take a format by name, for its limits as constants
+        raise ValueError(f"quantize takes minifloat's formats ({', '.join(FORMATS)}), got a NumberFormat of its own "
+                         f"named {fmt.name!r}; mf.cast rounds onto any NumberFormat")
+    if x.dtype == torch.float64:  # rounded to odd: the kernels' float32 rounding is then x's own (see cast)
+        x = float32_round_to_odd(x.detach())
     if not keep_data and operand_dtype is None:
         raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
     storage = (fmt.torch_dtype if fmt.torch_dtype is not None else torch.float32) if keep_data else None
