@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import minifloat as mf
+from minifloat.numerics.fp4 import pack_e2m1, quantize_nvfp4
+from minifloat.numerics.hadamard import rht, rht_signs
 from minifloat.amp.policy import PrecisionPolicy
 from minifloat.core import roles
 from minifloat.fp8.convert import fp8_plan
@@ -219,7 +221,28 @@ BAD_CALLS = [
     ("linear-int", lambda: mf.Fp8Linear(32, 32, dtype=torch.int32), ValueError, "dtype must be a floating-point"),
     ("cast-list", lambda: mf.cast([1.0, 2.0], mf.E4M3), TypeError, "torch.as_tensor"),
     ("sqnr-shapes", lambda: mf.sqnr_db(torch.randn(4), torch.randn(5)), ValueError, "one shape"),
+    ("convert-keep-str", lambda: mf.convert(mlp(), keep_first_last="no"), ValueError, "keep_first_last must be a bool"),
+    ("convert-backend", lambda: mf.convert(nn.Sequential(nn.Linear(3, 3)), backend="cuda"), ValueError,
+     "backend must be one of"),  # refused even where no layer converts
+    ("margin-bool", lambda: mf.DelayedScaling(margin=True), ValueError, "margin must be an int"),
+    ("margin-huge", lambda: mf.DelayedScaling(margin=1000), ValueError, r"margin must be an int in \[0, 64\]"),
+    ("history-huge", lambda: mf.DelayedScaling(amax_history_len=10**9), ValueError, "amax_history_len"),
+    ("mm-int-out", lambda: mf.scaled_mm(*_operands(), out_dtype=torch.int32), ValueError, "out_dtype must be one of"),
+    ("mm-bias-shape", lambda: mf.scaled_mm(*_operands(), bias=torch.ones(5)), ValueError, r"bias must be a \(3,\)"),
+    ("rht-block", lambda: rht(torch.randn(4, 24), rht_signs(0, 12), block=12), ValueError, "power of two"),
+    ("pack-0d", lambda: pack_e2m1(torch.tensor(1.0)), ValueError, "0-d tensor"),
+    ("nvfp4-seed", lambda: quantize_nvfp4(torch.randn(4, 32), rounding="stochastic", seed=-5), ValueError, "seed"),
 ]
+
+
+def _operands():
+    """E4M3 operands a (2, 32) and b (3, 32) for scaled_mm."""
+    return (mf.quantize(torch.randn(2, 32), mf.E4M3), mf.quantize(torch.randn(3, 32), mf.E4M3))
+
+
+def test_a_one_dim_rht_is_one_row():
+    x = torch.randn(32)
+    assert torch.equal(rht(x, rht_signs(0)), rht(x[None], rht_signs(0))[0])
 
 
 @pytest.mark.parametrize("name, call, error, words", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])

@@ -1139,3 +1139,20 @@ def test_cast_keeps_dtypes_that_hold_the_format(dtype, fmt):
 def test_sqnr_of_non_finite_tensors(reference, approx, expected):
     got = sqnr_db(torch.tensor(reference), torch.tensor(approx))
     assert (math.isnan(got) and math.isnan(expected)) or got == expected
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: quantize(torch.zeros(5, 0), E4M3, granularity="row"), "scales along the last dim"),
+    (lambda: quantize(torch.tensor(1.0), E4M3, granularity="mx"), "scales along the last dim"),
+    (lambda: quantize(torch.randn(4, 8), E4M3, granularity="row", scale=torch.ones(3, 1)), "4 element"),
+    (lambda: quantize(torch.randn(4, 8), E4M3, scale=torch.tensor([0.01, 0.02])), "1 element"),
+    (lambda: quantize(torch.randn(4, 8), E4M3, margin=2.5), "margin"),
+    (lambda: quantize(torch.randn(4, 8), E4M3, margin=-3), "margin"),
+    (lambda: cast(torch.ones(3), E4M3, rounding="stochastic", uniform=torch.rand(5)), "uniform="),
+    (lambda: cast(torch.ones(3), E4M3, uniform=torch.rand(3)), "uniform="),
+], ids=["row-empty-last-dim", "mx-0d", "row-scale-shape", "tensor-scale-shape", "margin-float", "margin-negative",
+        "uniform-shape", "uniform-with-nearest"])
+def test_edge_inputs_get_one_clear_error(call, match):
+    # each was a torch-internal error (reshape, IndexError, broadcasting) or silently accepted
+    with pytest.raises(ValueError, match=match):
+        call()

@@ -20,7 +20,8 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.roles import MIN_DIM_MULTIPLE
-from minifloat.core.validate import check_module
+from minifloat.core.validate import check_bool, check_choice, check_module
+from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
 
@@ -114,6 +115,9 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
     """
     check_module("convert", model)
     check_filter("minifloat.convert", filter)
+    check_bool("keep_first_last", keep_first_last)
+    if backend is not None:
+        check_choice("backend", backend, BACKENDS)  # before any layer is built, so even when none would be
     recipe = check_recipe(recipe if recipe is not None else DelayedScaling())
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))

@@ -133,8 +133,12 @@ def scaled_mm(a: Quantized, b: Quantized, *, out_dtype: torch.dtype = torch.floa
                         f"got {type(a).__name__} and {type(b).__name__}")
     if len(a.shape) != 2 or len(b.shape) != 2 or a.shape[1] != b.shape[1]:
         raise ValueError(f"scaled_mm needs a (M, K) and b (N, K), got {tuple(a.shape)} and {tuple(b.shape)}")
-    if native_out_dtype is not None and native_out_dtype not in OUT_DTYPES:
-        raise ValueError(f"native_out_dtype must be one of {[str(d) for d in OUT_DTYPES]}, got {native_out_dtype}")
+    for field, dtype in (("out_dtype", out_dtype), ("native_out_dtype", native_out_dtype)):
+        if dtype is not None and dtype not in OUT_DTYPES:  # an integer or FP8 output would truncate the product
+            raise ValueError(f"{field} must be one of {[str(d) for d in OUT_DTYPES]}, got {dtype}")
+    if bias is not None and (not isinstance(bias, torch.Tensor) or tuple(bias.shape) != (b.shape[0],)):
+        raise ValueError(f"bias must be a ({b.shape[0]},) tensor, one value per output column, got "
+                         f"{tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__}")
     path = gemm_path(a, b, out_dtype, backend)
     if path == GemmPath.NATIVE:
         return _native(a, b, out_dtype, bias, fast_accum, native_out_dtype)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import logging
 import threading
 from typing import Iterator
@@ -84,6 +85,9 @@ def current_autocast() -> _AutocastState:
     return _LOCAL.state
 
 
+_UNNAMED = itertools.count()  # Fp8Linear layers built in this process, for the seeds of those without a name
+
+
 def _add_random_state(state: ScalingState, recipe: Recipe, name: str) -> None:
     """The RHT signs and rounding stream of a recipe that draws randomness (NVFP4), in the layer's state."""
     if isinstance(recipe, NVFP4Scaling):
@@ -136,7 +140,9 @@ class Fp8Linear(nn.Linear):
         self.step_on = step_on
         self.cache_weight = cache_weight
         self.fp8_state = ScalingState(self.recipe.history_len, device=self.weight.device)
-        _add_random_state(self.fp8_state, self.recipe, "")
+        # a layer built directly has no name to mix into its rounding stream's seed: its place among such layers
+        # instead, so that two of them do not draw the same numbers (convert names the layers it builds)
+        _add_random_state(self.fp8_state, self.recipe, f"<unnamed {next(_UNNAMED)}>")
         self.fp8_name = ""
         self._weights = WeightCache()
         self.amax_reduce = None

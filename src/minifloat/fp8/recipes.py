@@ -16,6 +16,7 @@ from minifloat.core.validate import check_bool, check_choice, check_int
 from minifloat.numerics.formats import E2M1, E4M3, E5M2, NumberFormat
 from minifloat.numerics.granularity import Granularity, granularity_info
 from minifloat.numerics.rounding import ROUNDINGS
+from minifloat.numerics.scales import MAX_MARGIN
 
 
 class Role(str, enum.Enum):
@@ -132,10 +133,9 @@ class DelayedScaling:
     def __post_init__(self):
         _enum(Fp8Format, "format", self.format)
         _enum(AmaxCompute, "amax_compute", self.amax_compute)
-        if not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin must be a non-negative int, got {self.margin!r}")
-        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
-            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        check_int("margin", self.margin, low=0, high=MAX_MARGIN)
+        # a row of fp32 per role and step in every layer: 2^16 steps is 768 KiB a layer, far past any use (TE: 1024)
+        check_int("amax_history_len", self.amax_history_len, low=1, high=2**16)
 
     delayed = True  # scales come from the amax history, updated once per optimizer step
     four_bit = False

@@ -32,7 +32,7 @@ import math
 
 import torch
 
-from minifloat.core.validate import check_bool, check_choice
+from minifloat.core.validate import check_bool, check_choice, check_int
 from minifloat.numerics.formats import E2M1, E4M3, FP32, NumberFormat
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.granularity import Granularity, pad_to_multiple
@@ -94,6 +94,8 @@ def pack_e2m1(values: torch.Tensor) -> torch.Tensor:
 
     An odd last dim is padded with one +0 code; `unpack_e2m1(packed, n)` trims it.
     """
+    if values.dim() == 0:
+        raise ValueError("pack_e2m1 packs pairs along the last dim, which a 0-d tensor does not have: pass x[None]")
     codes = pad_to_multiple(encode_e2m1(values), 2)
     if codes.numel() == 0:  # no pairs to form: reshape(..., -1, 2) is ambiguous for zero elements
         return codes[..., : codes.shape[-1] // 2]
@@ -349,6 +351,11 @@ def _sr_seed(rounding: str, generator: torch.Generator | None, seed: torch.Tenso
     if rounding != "stochastic":
         return None
     if seed is not None:
+        if isinstance(seed, int) and not isinstance(seed, bool):
+            check_int("seed", seed, low=0, high=2**62 - 1)
+            seed = torch.tensor(seed)
+        if not isinstance(seed, torch.Tensor) or seed.numel() != 1 or seed.is_floating_point():
+            raise ValueError(f"seed must be an int in [0, 2^62) or a 0-d integer tensor holding one, got {seed!r}")
         return seed.to(device=device, dtype=torch.int64).reshape(())
     return torch.randint(0, 2**62, (), generator=generator, device=device)
 

@@ -64,6 +64,10 @@ def rht_signs(seed: int, n: int = RHT_BLOCK) -> torch.Tensor:
 
 def _transform(x: torch.Tensor, signs: torch.Tensor, block: int, inverse: bool, dim: int = -1) -> torch.Tensor:
     check_int("block", block, low=1)
+    if block & (block - 1):
+        raise ValueError(f"block must be a power of two (a Hadamard matrix of Sylvester's construction), got {block}")
+    if x.dim() == 1 and dim == -1:  # one row
+        return _transform(x[None], signs, block, inverse, dim)[0]
     if signs.shape != (block,):
         raise ValueError(f"signs must have shape ({block},), got {tuple(signs.shape)}")
     if dim not in (-1, -2):

@@ -13,7 +13,7 @@ import dataclasses
 
 import torch
 
-from minifloat.core.validate import check_choice
+from minifloat.core.validate import check_choice, check_int
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.numerics.formats import FORMATS, FP32, NumberFormat, Special, get_format, holds
 from minifloat.numerics.granularity import (
@@ -29,7 +29,7 @@ from minifloat.numerics.granularity import (
 from minifloat.numerics.rounding import ROUNDINGS, reciprocal_rn, round_saturated, round_stochastic
 from minifloat.numerics import triton_blocks, triton_cast, triton_rows
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
-from minifloat.numerics.scales import MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401 - re-exported
+from minifloat.numerics.scales import MAX_MARGIN, MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------------- rounding
@@ -61,6 +61,12 @@ def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
     if not isinstance(x, torch.Tensor) or not x.is_floating_point():
         got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
         raise TypeError(f"cast expects a floating-point torch tensor (torch.as_tensor(values) makes one), got {got}")
+    if uniform is not None and (rounding != "stochastic" or not isinstance(uniform, torch.Tensor)
+                                or uniform.shape != x.shape):
+        raise ValueError(f"uniform= is stochastic rounding's draws, a tensor of x's shape {tuple(x.shape)} with "
+                         f"rounding='stochastic'; got "
+                         f"{tuple(uniform.shape) if isinstance(uniform, torch.Tensor) else type(uniform).__name__}"
+                         f" with rounding={rounding!r}")
     if not holds(x.dtype, fmt):  # the result's dtype is x's: values of fmt it cannot hold would come back wrong
         raise ValueError(f"cast of a {str(x.dtype).removeprefix('torch.')} tensor onto {fmt.name}: that dtype cannot "
                          f"hold every {fmt.name} value (max {fmt.max:g}, {fmt.mbits} mantissa bits), so the result "
@@ -350,6 +356,17 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         x = float32_round_to_odd(x.detach())
     if not keep_data and operand_dtype is None:
         raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
+    check_int("margin", margin, low=0, high=MAX_MARGIN)
+    if not info.per_tensor and (x.dim() == 0 or x.shape[-1] == 0):
+        raise ValueError(f"granularity '{granularity}' scales along the last dim, which a tensor of shape "
+                         f"{tuple(x.shape)} does not have (or has empty); use granularity='tensor'")
+    if scale is not None:  # its shape only: its values live on the device, and a check would wait for them
+        rows = x.numel() // x.shape[-1] if x.dim() and x.shape[-1] else 1
+        want = 1 if info.per_tensor else rows
+        if not isinstance(scale, torch.Tensor) or scale.numel() != want:
+            raise ValueError(f"scale must be a tensor of {want} element(s) for granularity '{granularity}' of a "
+                             f"tensor of shape {tuple(x.shape)}, got "
+                             f"{tuple(scale.shape) if isinstance(scale, torch.Tensor) else type(scale).__name__}")
     storage = (fmt.torch_dtype if fmt.torch_dtype is not None else torch.float32) if keep_data else None
 
     if amax is not None and not info.per_tensor:

@@ -13,6 +13,9 @@ from minifloat.numerics.granularity import GranularityInfo
 from minifloat.numerics.rounding import exact_pow2, reciprocal_rn
 
 MX_RULES = ("up", "floor")
+# margin: scale = fmt.max / amax / 2^margin. Beyond this the scale of any amax above 2^-60 underflows float32 and
+# falls back to 1, so a larger margin would silently do nothing
+MAX_MARGIN = 64
 
 
 def scale_from_amax(amax: torch.Tensor, fmt: NumberFormat | torch.Tensor, *, margin: int = 0,
