@@ -74,13 +74,9 @@ class ScalingState(nn.Module):
             log.info("minifloat: %s is not in the state dict loaded (saved before FP8 conversion?); the layer's "
                      "scaling state is kept", prefix.rstrip("."))
             return
-        if prefix + "rht_signs" in state_dict and not hasattr(self, "rht_signs"):
-            # saved by a layer that met a randomness-drawing recipe under mf.autocast (it added these at its first
-            # cast): take its signs and rounding stream back, so the run continues bitwise
-            for key in ("rht_signs", "sr_seed", "sr_draws"):
-                saved = state_dict.get(prefix + key)
-                if isinstance(saved, torch.Tensor):
-                    self.register_buffer(key, torch.empty_like(saved, device=self.scale.device))
+        for key in ("rht_signs", "sr_seed", "sr_draws") if not hasattr(self, "rht_signs") else ():
+            if prefix + key in state_dict:  # saved by a layer that met NVFP4 under mf.autocast: its stream continues
+                self.register_buffer(key, torch.empty_like(state_dict[prefix + key], device=self.scale.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
     def _host_seeded(self) -> list[bool]:

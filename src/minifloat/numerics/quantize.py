@@ -13,9 +13,9 @@ import dataclasses
 
 import torch
 
-from minifloat.core.validate import check_choice, check_int
+from minifloat.core.validate import check_int
 from minifloat.numerics.compiling import maybe_compile
-from minifloat.numerics.formats import FORMATS, FP32, NumberFormat, Special, get_format, holds
+from minifloat.numerics.formats import FORMATS, NumberFormat, Special, get_format
 from minifloat.numerics.granularity import (
     Granularity,
     blocked_view,
@@ -26,110 +26,14 @@ from minifloat.numerics.granularity import (
     to_blocks,
     whole_block_view,
 )
-from minifloat.numerics.rounding import ROUNDINGS, reciprocal_rn, round_saturated, round_stochastic
+from minifloat.numerics.rounding import float32_round_to_odd, reciprocal_rn, round_saturated
 from minifloat.numerics import triton_blocks, triton_cast, triton_rows
+from minifloat.numerics.cast import cast  # noqa: F401 - re-exported (defined here before cast.py)
 from minifloat.numerics.metrics import sqnr_db  # noqa: F401 - re-exported (defined here before metrics.py)
 from minifloat.numerics.scales import MAX_MARGIN, MX_RULES, block_scales, mx_scale, scale_from_amax  # noqa: F401
 
 
 # ---------------------------------------------------------------------------------------------------- rounding
-
-
-def cast(x: torch.Tensor, fmt: NumberFormat | str, *, rounding: str = "nearest",
-         generator: torch.Generator | None = None, uniform: torch.Tensor | None = None) -> torch.Tensor:
-    """Saturating cast of `x` onto `fmt`'s grid, rounding to nearest even or stochastically.
-
-    Values beyond ±fmt.max (infinities included) saturate to ±fmt.max, subnormals are kept, NaN stays NaN.
-
-    Args:
-        x: a floating tensor.
-        fmt: target format (NumberFormat or its name).
-        rounding: "nearest" (ties to even) or "stochastic" (unbiased; see minifloat.numerics.rounding).
-        generator: the torch.Generator stochastic rounding draws from (None: torch's default one).
-        uniform: stochastic rounding's draws, float32 uniform in [0, 1) of x's shape, when the caller drew them
-            (a compiled kernel takes them as an input: minifloat.numerics.fp4); None draws them from `generator`.
-    Returns:
-        A tensor of x's dtype and shape holding only values of `fmt` (exactly so when x's dtype can hold them,
-        which float32 always can and bfloat16 can for every 8-bit format).
-
-    Gradients go straight through the rounding (a fake-quantization's usual estimator, as in quantization-aware
-    training): d cast(x) / dx is 1 where -fmt.max <= x <= fmt.max and 0 where x saturated (or is NaN), on every
-    device and for every format and rounding.
-    """
-    fmt = get_format(fmt)
-    check_choice("rounding", rounding, ROUNDINGS)
-    if not isinstance(x, torch.Tensor) or not x.is_floating_point():
-        got = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(f"cast expects a floating-point torch tensor (torch.as_tensor(values) makes one), got {got}")
-    if uniform is not None and (rounding != "stochastic" or not isinstance(uniform, torch.Tensor)
-                                or uniform.shape != x.shape):
-        raise ValueError(f"uniform= is stochastic rounding's draws, a tensor of x's shape {tuple(x.shape)} with "
-                         f"rounding='stochastic'; got "
-                         f"{tuple(uniform.shape) if isinstance(uniform, torch.Tensor) else type(uniform).__name__}"
-                         f" with rounding={rounding!r}")
-    if not holds(x.dtype, fmt):  # the result's dtype is x's: values of fmt it cannot hold would come back wrong
-        raise ValueError(f"cast of a {str(x.dtype).removeprefix('torch.')} tensor onto {fmt.name}: that dtype cannot "
-                         f"hold every {fmt.name} value (max {fmt.max:g}, {fmt.mbits} mantissa bits), so the result "
-                         f"would not be on {fmt.name}'s grid; cast x.float() instead")
-    if x.requires_grad and torch.is_grad_enabled():
-        return _StraightThrough.apply(x, fmt, rounding, generator, uniform)
-    return _cast(x, fmt, rounding, generator, uniform)
-
-
-def float32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
-    """float64 `x` as float32, rounded to odd: truncated toward zero, with the last mantissa bit set where that
-    dropped anything. A second rounding onto a format of at most 21 mantissa bits is then exactly the rounding of x
-    itself (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
-    odd", 2008), where rounding x to float32 to nearest first could round twice (1.0625 + 1e-12 to E4M3: 1.0, not
-    1.125). Values beyond float32's range become ±float32 max (finite, so they saturate; ±inf and NaN stay)."""
-    t = x.float()
-    bits = t.view(torch.int32)
-    away = t.double().abs() > x.abs()  # rounded away from zero (or overflowed to inf): one ulp back toward zero
-    bits = torch.where(away & torch.isfinite(x), bits - 1, bits)
-    inexact = bits.view(torch.float32).double() != x
-    return torch.where(inexact & torch.isfinite(x), bits | 1, bits).view(torch.float32)
-
-
-def _float32(x: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
-    """x as the float32 the rounding reads: float64 rounded to odd (exact for every format narrower than FP32)."""
-    if x.dtype != torch.float64:
-        return x.float()
-    return x.float() if fmt.mbits > FP32.mbits - 2 else float32_round_to_odd(x)
-
-
-def _cast(x: torch.Tensor, fmt: NumberFormat, rounding: str, generator: torch.Generator | None,
-          uniform: torch.Tensor | None) -> torch.Tensor:
-    y = _float32(x, fmt)
-    if fmt.special != Special.SCALE:
-        y = y.clamp(-fmt.max, fmt.max)
-    if rounding == "stochastic":
-        u = torch.rand(y.shape, generator=generator, device=y.device) if uniform is None else uniform
-        return round_stochastic(y, fmt, u).to(x.dtype)
-    return round_saturated(y, fmt)[0].to(x.dtype)
-
-
-class _StraightThrough(torch.autograd.Function):
-    """`cast` with a gradient: the rounding passes it unchanged, saturation stops it (clamp's rule). Without this the
-    gradient was whatever autograd made of the rounding's arithmetic, which differed by device and route."""
-
-    generate_vmap_rule = True  # torch.func transforms (grad, vmap) work through it, as they did through plain ops
-
-    @staticmethod
-    def forward(x, fmt, rounding, generator, uniform):
-        return _cast(x, fmt, rounding, generator, uniform)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        x, fmt = inputs[:2]
-        ctx.save_for_backward(x)
-        ctx.limit = None if fmt.special == Special.SCALE else fmt.max
-
-    @staticmethod
-    def backward(ctx, grad):
-        (x,) = ctx.saved_tensors
-        if ctx.limit is not None:
-            grad = grad * ((x >= -ctx.limit) & (x <= ctx.limit)).to(grad.dtype)
-        return grad, None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------------- kernels
@@ -436,7 +340,7 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
         dscale = dscale.reshape(shape)
         amax = None if amax is None else amax.reshape(shape)
     else:  # (already 0-d: no reshape calls, a few µs of host time each)
-        dscale, amax = _float_0d(dscale, cast=False), None if amax is None else _float_0d(amax, cast=False)
+        dscale, amax = _float_0d(dscale, widen=False), None if amax is None else _float_0d(amax, widen=False)
     if not fused:  # (the kernel wrote x's shape)
         viewed = xb.dim() > 2  # to_blocks gives 2-D rows
         data = None if data is None else _unblock(data, x.shape, granularity, viewed)
@@ -446,9 +350,9 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
     return Quantized(data, dscale, fmt, granularity, amax, operand, scale_folded=folded, data_t=data_t)
 
 
-def _float_0d(t: torch.Tensor, cast: bool = True) -> torch.Tensor:
-    """`t` (one element) as a 0-d tensor, float32 where `cast`; itself when it is one already."""
-    if cast and t.dtype != torch.float32:
+def _float_0d(t: torch.Tensor, widen: bool = True) -> torch.Tensor:
+    """`t` (one element) as a 0-d tensor, float32 where `widen`; itself when it is one already."""
+    if widen and t.dtype != torch.float32:
         t = t.float()
     return t if t.dim() == 0 else t.reshape(())
 

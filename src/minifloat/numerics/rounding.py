@@ -55,7 +55,7 @@ import math
 import torch
 
 from minifloat.numerics import compiling
-from minifloat.numerics.formats import NumberFormat, Special
+from minifloat.numerics.formats import FP32, NumberFormat, Special
 
 ROUNDINGS = ("nearest", "stochastic")
 
@@ -314,3 +314,24 @@ def counter_uniform_at(seed: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
     else:  # the halves' bits as int32 (values from 2^31 become negative: the same 32 bits)
         lo, hi = (torch.where(v >= 2**31, v - 2**32, v).to(torch.int32) for v in (lo, hi))
     return _shift_right(_mix(index, lo, hi), 32 - UNIFORM_BITS).to(torch.float32) * 2.0**-UNIFORM_BITS
+
+
+def float32_round_to_odd(x: torch.Tensor) -> torch.Tensor:
+    """float64 `x` as float32, rounded to odd: truncated toward zero, with the last mantissa bit set where that
+    dropped anything. A second rounding onto a format of at most 21 mantissa bits is then exactly the rounding of x
+    itself (Boldo & Melquiond, "Emulation of FMA and correctly rounded sums: proved algorithms using rounding to
+    odd", 2008), where rounding x to float32 to nearest first could round twice (1.0625 + 1e-12 to E4M3: 1.0, not
+    1.125). Values beyond float32's range become ±float32 max (finite, so they saturate; ±inf and NaN stay)."""
+    t = x.float()
+    bits = t.view(torch.int32)
+    away = t.double().abs() > x.abs()  # rounded away from zero (or overflowed to inf): one ulp back toward zero
+    bits = torch.where(away & torch.isfinite(x), bits - 1, bits)
+    inexact = bits.view(torch.float32).double() != x
+    return torch.where(inexact & torch.isfinite(x), bits | 1, bits).view(torch.float32)
+
+
+def float32_for(x: torch.Tensor, fmt: NumberFormat) -> torch.Tensor:
+    """x as the float32 the rounding reads: float64 rounded to odd (exact for every format narrower than FP32)."""
+    if x.dtype != torch.float64:
+        return x.float()
+    return x.float() if fmt.mbits > FP32.mbits - 2 else float32_round_to_odd(x)
