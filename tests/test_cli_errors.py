@@ -96,6 +96,18 @@ def test_json_path_is_checked_before_the_work(capsys, tmp_path, command, ran, na
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # no folder made
 
 
+@pytest.mark.parametrize("command, ran", JSON_COMMANDS, ids=["audit", "memory"])
+def test_an_existing_json_file_is_kept_unless_overwrite(capsys, tmp_path, command, ran):
+    # audit and memory wrote their report over any file --json named (a run's log.csv, its checkpoint)
+    target = tmp_path / "log.csv"
+    target.write_text("step,loss\n0,5.3\n")
+    status, line = run(capsys, [*command, "--json", str(target)])
+    assert status == USER_ERROR and "exists; choose another path, or pass --overwrite" in line, line
+    assert target.read_text() == "step,loss\n0,5.3\n"
+    assert main([*command, "--json", str(target), "--overwrite"]) == 0
+    assert json.loads(target.read_text())
+
+
 # ---- data folders -------------------------------------------------------------------------------------------------
 
 

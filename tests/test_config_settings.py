@@ -343,3 +343,15 @@ def test_tensor_parallel_needs_a_per_tensor_recipe():
         with pytest.raises(ValueError, match=rf"parallel='fsdp\+tp' .* but preset='{preset}'"):
             TrainConfig(nproc=2, parallel="fsdp+tp", preset=preset, out="x")
     assert TrainConfig(nproc=2, parallel="fsdp+tp", preset="fp8-current", out="x").parallel == "fsdp+tp"
+
+
+def test_an_override_equal_to_the_presets_value_resumes():
+    # --fp8-margin 0 on a checkpoint that left the preset's margin (None, which is 0) was refused, and the fix it
+    # named, --fp8-margin None, is not a value the flag takes
+    saved = TrainConfig(preset="fp8-delayed").flat()
+    for given in (dict(fp8_margin=0), dict(fp8_format="hybrid"), dict(fp8_amax_history_len=16)):
+        TrainConfig(preset="fp8-delayed", steps=saved["steps"] + 1, **given).check_resume(saved, 3, where="ckpt")
+    with pytest.raises(ValueError, match="resume without --fp8-margin \\(the preset's\\)"):
+        TrainConfig(preset="fp8-delayed", steps=saved["steps"] + 1, fp8_margin=2).check_resume(saved, 3, where="ckpt")
+    again = TrainConfig(preset="fp8-delayed", fp8_margin=0).flat()  # and back: the explicit record, no flag given
+    TrainConfig(preset="fp8-delayed", steps=again["steps"] + 1).check_resume(again, 3, where="ckpt")

@@ -42,12 +42,16 @@ class CliError(Exception):
         self.status = status
 
 
-def output_file(flag: str, value: str) -> pathlib.Path:
+def output_file(flag: str, value: str, *, overwrite: bool = False) -> pathlib.Path:
     """The file an option (`flag` `value`) writes, checked before the command's work: a CliError of one line
-    (status 2) when the path is a folder, or its folder does not exist or is not a folder. Nothing is created."""
+    (status 2) when the path is a folder, its folder does not exist or is not a folder, or the file exists and
+    `overwrite` (the command's --overwrite) is not given: a run's log or checkpoint is never replaced by a report.
+    Nothing is created."""
     path = pathlib.Path(value)
     if path.is_dir():
         raise CliError(f"{flag} {value} is a folder; give the path of a file to write")
+    if path.exists() and not overwrite:
+        raise CliError(f"{flag} {value} exists; choose another path, or pass --overwrite to replace it")
     folder = path.parent
     if folder.exists() and not folder.is_dir():
         raise CliError(f"{flag} {value}: {folder} is a file, not a folder; choose another path")

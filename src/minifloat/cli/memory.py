@@ -37,7 +37,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                          seed=args.seed, data=args.data, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
                          device=args.device,
                          optimizer_state=args.optimizer_state, master=args.master)
-    json_path = common.output_file("--json", args.json) if args.json else None  # before the work
+    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None  # before the work
     report = memory_report(config)
     common.print_table(memory_table(report))
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "
@@ -97,6 +97,8 @@ def add_parser(sub) -> None:
     m.add_argument("--master", default="fp32", metavar="MODE",
                    help=f"how the weights keep small updates, as `minifloat train --master`: "
                         f"{', '.join(MASTER_UPDATES)} (default fp32)")
-    m.add_argument("--json", default=None, metavar="PATH", help="also write the report as JSON to PATH")
+    m.add_argument("--json", default=None, metavar="PATH",
+                   help="also write the report as JSON to PATH (a new file, or --overwrite)")
+    m.add_argument("--overwrite", action="store_true", help="replace the file --json names if it exists")
     m.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N (default auto)")
     m.set_defaults(func=cmd_memory)

@@ -176,7 +176,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         check_choice("preset", args.preset, sorted(PRESETS))
         check_int("batch", args.batch, low=1)
         check_int("seed", args.seed, low=0)
-    json_path = common.output_file("--json", args.json) if args.json else None  # checked before the work
+    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None  # checked before the work
     policy = PrecisionPolicy.preset(args.preset)
     torch.manual_seed(args.seed)
     if args.model == "byte-mlp":
@@ -264,5 +264,7 @@ def add_audit(sub) -> None:
                    help="also check FP16 overflow/underflow of weights and activations, and native BF16 support")
     a.add_argument("--full", action="store_true", help="list every recorded op, not only the summary rows")
     a.add_argument("--json", default="", metavar="PATH",
-                   help="write every recorded op and violation as JSON to PATH (a file in an existing folder)")
+                   help="write every recorded op and violation as JSON to PATH (a new file in an existing folder, "
+                        "or --overwrite)")
+    a.add_argument("--overwrite", action="store_true", help="replace the file --json names if it exists")
     a.set_defaults(func=cmd_audit)

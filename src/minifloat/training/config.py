@@ -9,7 +9,8 @@ import pathlib
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
 from minifloat.fp8.recipes import ROLES
 from minifloat.training.model import LlamaConfig
-from minifloat.training.precision import NVFP4_OVERRIDES, Precision, keep_blocks_from, keep_blocks_spelled  # noqa: F401
+from minifloat.training.precision import (FP8_OVERRIDES, NVFP4_OVERRIDES, Precision, keep_blocks_from,  # noqa: F401
+                                          keep_blocks_spelled)
 from minifloat.training.settings import (COMPILE_MODES, DEVICE_PATTERN, GROUPS, NOT_RECORDED, PARALLEL,  # noqa: F401
                                          RESUMES, ModelData, OptimizerSettings, Parallelism, RunSettings, SafetyNets,
                                          setting, state_formats_from)
@@ -17,6 +18,8 @@ from minifloat.training.settings import (COMPILE_MODES, DEVICE_PATTERN, GROUPS, 
 # TrainConfig's groups: the attribute that holds each, and its class (in the order of GROUPS)
 GROUP_CLASSES = {"model_data": ModelData, "optimizer": OptimizerSettings, "precision": Precision,
                  "safety": SafetyNets, "parallelism": Parallelism, "run": RunSettings}
+# precision settings whose None means "the preset's value" (resume compares what they make, not their spelling)
+PRESET_OVERRIDES = (*FP8_OVERRIDES, *NVFP4_OVERRIDES, "keep_blocks")
 # every setting by its (flat) name, and the group attribute that holds it
 SETTINGS = {f.name: f for cls in GROUP_CLASSES.values() for f in dataclasses.fields(cls)}
 GROUP_OF = {f.name: attr for attr, cls in GROUP_CLASSES.items() for f in dataclasses.fields(cls)}
@@ -183,14 +186,27 @@ class TrainConfig:
                 continue  # checked above, as micro-batches per step
             # absent: not checkable; a checkpoint spells "A,B" settings as their flags do (typed compares them)
             was = recorded(field, saved.get(field, RESUME_ABSENT.get(field, getattr(self, field))))
-            if was != getattr(self, field):
-                flag, was = "--" + field.replace("_", "-"), spelled(field, was)
-                raise ValueError(f"the checkpoint at {where} was trained with {flag} {was}, this run asks for "
+            if was != getattr(self, field) and not self._same_by_preset(field, was):
+                flag, spelt = "--" + field.replace("_", "-"), spelled(field, was)
+                fix = f"without {flag} (the preset's)" if was is None else f"with {flag} {spelt}"
+                raise ValueError(f"the checkpoint at {where} was trained with {flag} {spelt}, this run asks for "
                                  f"{spelled(field, getattr(self, field))}: that {consequence}, so it would not "
-                                 f"continue the same run; resume with {flag} {was}, or start a new run elsewhere")
+                                 f"continue the same run; resume {fix}, or start a new run elsewhere")
         if self.steps <= saved_step:
             raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
                              f"--steps above {saved_step} to train on")
+
+
+    def _same_by_preset(self, field: str, was) -> bool:
+        """Whether `field` = `was` (a precision override whose None means the preset's value) makes this run's own
+        recipe and kept blocks: --fp8-margin 0 given where the checkpoint left the preset's 0 continues the run."""
+        if field not in PRESET_OVERRIDES:
+            return False
+        try:
+            other = dataclasses.replace(self, **{field: was})
+        except ValueError:
+            return False
+        return other.policy() == self.policy() and other.blocks_kept == self.blocks_kept
 
 
 def _ranks_for(micro: int) -> str:
