@@ -335,6 +335,20 @@ def test_an_existing_export_is_refused_untouched_and_replaced_only_on_request(tm
         export_hf(torch.nn.Linear(16, 16), tmp_path / "other")
 
 
+def test_a_run_that_kept_every_layer_in_bf16_exports_none_in_fp8(tmp_path):
+    # --fp8-layers auto kept all of the tiny model's layers in BF16 (none pays at 64 tokens): with no Fp8Linear
+    # left, the export fell back to prepare_inference's plan and quantized 11 layers the run never trained in FP8
+    out = tmp_path / "run"
+    config = TrainConfig(model="tiny", preset="fp8-delayed", fp8_layers="auto", steps=2, batch_size=2, seq_len=32,
+                         warmup=1, eval_every=100, eval_batches=1, max_bytes=50_000, out=str(out))
+    with eager_kernels():
+        train(config, progress=False)
+    assert quantized_layers(load_run(out)) == []
+    export_hf(out, tmp_path / "export", format="hf-fp8", dtype="float32")
+    export = read_hf_export(tmp_path / "export")
+    assert export.quantized == {} and "blocks.1.attn.q_proj.weight" in export.tensors
+
+
 def test_an_export_never_replaces_a_run_or_a_checkpoint(fp8_run, tmp_path):
     """overwrite=True replaces an earlier export, never a training run (its folder) or a checkpoint in it: both are
     refused and left byte for byte as they were."""

@@ -39,7 +39,6 @@ q/k/v and lm_head stay in high precision).
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import shutil
@@ -51,23 +50,20 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from minifloat.core.rng import restoring_rng
-from minifloat.core.validate import check_choice, check_int
+from minifloat.core.validate import check_choice
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.inference import hf
 from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
+from minifloat.inference.runs import LOW_PRECISION_RUN, load_run, run_calibration, run_checkpoint  # noqa: F401
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
 from minifloat.core.files import apply_umask, fsync_path, write_json
-from minifloat.training.checkpoint import MANIFEST_FILE, load_checkpoint, move_into_place
-from minifloat.training.config import SETTINGS, TrainConfig, recorded
-from minifloat.training.data import load_corpus, val_batches
-from minifloat.training.loop import build
+from minifloat.training.checkpoint import MANIFEST_FILE, move_into_place
 from minifloat.training.model import Llama
-from minifloat.training.rundir import CHECKPOINT_DIR, run_items
-from minifloat.training.sharded import is_sharded, load_sharded, read_extra
+from minifloat.training.rundir import run_items
+from minifloat.training.sharded import is_sharded
 from minifloat.training.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger("minifloat")
@@ -86,77 +82,16 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 # ------------------------------------------------------------------------------------------------------ runs
 
 
-def run_checkpoint(run: str | os.PathLike, checkpoint: str = "latest") -> Path:
-    """The checkpoint folder `checkpoint` names in a run folder: "latest" is RUN/ckpt; another name is a folder
-    inside the run, or a path of its own."""
-    run = Path(run)
-    if not run.is_dir():
-        raise FileNotFoundError(f"run folder {run} does not exist")
-    inside = run / (CHECKPOINT_DIR if checkpoint == "latest" else checkpoint)
-    for ckpt in (inside, Path(checkpoint)) if checkpoint != "latest" else (inside,):
-        if ckpt.is_dir():
-            return ckpt
-    raise FileNotFoundError(f"{run} has no checkpoint {checkpoint!r} (no folder {inside}); train the run first "
-                            f"or name a checkpoint folder")
-
-
-def load_run(run: str | os.PathLike, *, checkpoint: str = "latest") -> Llama:
-    """A run folder's model as it trained: rebuilt under its precision policy (FP8 layers and their scaling state
-    included), on the CPU, in eval mode, with the checkpoint's weights.
-
-    Args:
-        run: the run folder (`minifloat train --out`).
-        checkpoint: "latest" (the run's ckpt/), or another checkpoint folder (see `run_checkpoint`).
-    Raises:
-        FileNotFoundError: no such run folder or checkpoint.
-        CheckpointError (a ValueError): the checkpoint is corrupt or does not fit its own config.
-    """
-    ckpt = run_checkpoint(run, checkpoint)
-    extra = read_extra(ckpt)
-    saved = extra.get("config")
-    if not isinstance(saved, dict):
-        raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
-    vocab_size = (extra.get("data") or {}).get("vocab_size", 256)  # the data manifest's; bytes before it was kept
-    fields = {k: recorded(k, v) for k, v in saved.items() if k in SETTINGS}
-    config = dataclasses.replace(TrainConfig(**fields), nproc=1, parallel=None, resume=False, device="cpu")
-    with restoring_rng():  # build seeds torch's generator; loading a model leaves it alone
-        # the run's own objects: the checkpoint's keys and dtypes fit
-        objects = build(config, torch.device("cpu"), vocab_size=vocab_size)
-    if is_sharded(ckpt):  # written by several ranks: DCP reads model and optimizer together
-        load_sharded(ckpt, model=objects.model, optimizer=objects.optimizer)
-    else:
-        load_checkpoint(ckpt, model=objects.model, restore_rng=False)
-    return objects.model.eval()
-
-
-def run_calibration(run: str | os.PathLike, batches: int, *, checkpoint: str = "latest") -> list[torch.Tensor]:
-    """Calibration inputs for a run's model: the first `batches` (B, T) token batches of its own validation split,
-    as its evaluation reads them (the corpus, batch size and sequence length of its checkpoint's config).
-
-    Raises:
-        FileNotFoundError: no such run folder or checkpoint, or the run's data folder is gone.
-        ValueError: `batches` is not an int >= 1; the run's corpus cannot be read.
-    """
-    check_int("batches", batches, low=1)
-    ckpt = run_checkpoint(run, checkpoint)
-    saved = read_extra(ckpt).get("config")
-    if not isinstance(saved, dict):
-        raise ValueError(f"the checkpoint {ckpt} records no training config; it was not written by minifloat train")
-    config = TrainConfig(**{k: v for k, v in saved.items() if k in ("data", "max_bytes", "batch_size", "seq_len")})
-    corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)
-    return [x for x, _ in val_batches(corpus.val, batch_size=config.batch_size, seq_len=config.seq_len,
-                                      max_batches=batches)]
-
-
 # ------------------------------------------------------------------------------------------------ activations
 
 
 def quantized_layers(model: Llama) -> list[str]:
     """The linears an FP8 export quantizes, in module order: a model trained in FP8 its Fp8Linear layers (those kept
-    in BF16, by --keep-blocks or a 4-bit preset's last block, stay so), any other its Fp8InferenceLinear layers and
+    in BF16, by --keep-blocks, --fp8-layers or a 4-bit preset's last block, stay so), any other its Fp8InferenceLinear layers and
     those prepare_inference would convert (minifloat.inference.prepare.inference_plan; see the module docstring)."""
     trained = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
-    planned = set() if trained else set(inference_plan(model))
+    # a run with a low-precision recipe keeps its own choice even when it is none (--fp8-layers where none paid)
+    planned = set() if trained or getattr(model, LOW_PRECISION_RUN, False) else set(inference_plan(model))
     return [name for name, m in model.named_modules()
             if isinstance(m, (Fp8Linear, Fp8InferenceLinear)) or name in planned]
 

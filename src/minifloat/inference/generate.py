@@ -35,7 +35,7 @@ import torch
 from minifloat.core.rng import restoring_rng
 from minifloat.core.validate import check_choice, check_int, check_number
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, MXScaling, Recipe
-from minifloat.inference.export import load_run
+from minifloat.inference.runs import load_run
 from minifloat.inference.kvcache import KV_DTYPES, KVCache
 from minifloat.inference.tokenizer import ByteTokenizer
 from minifloat.training.memory import StorageLedger

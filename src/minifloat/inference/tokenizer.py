@@ -38,7 +38,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minifloat.inference.export import run_checkpoint
+from minifloat.inference.runs import run_checkpoint
 from minifloat.training.rundir import CHECKPOINT_TOKENIZER
 from minifloat.training.sharded import read_extra
 from minifloat.training.shards import META_FILE
