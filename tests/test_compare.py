@@ -102,6 +102,18 @@ def test_cli_compare_with_fp8_where_it_pays(tmp_path, capsys):
     assert "numerics_heatmap" not in summary["files"] and not (tmp_path / "numerics_heatmap.png").exists()
 
 
+@pytest.mark.parametrize("presets, extra, words", [
+    ([], {}, "at least one"),
+    (["fp32"], dict(fp8_layers="auto", preset="fp8-delayed"), "fp8_layers=auto acts on FP8/FP4 presets"),
+    (["bf16"], dict(shadow_every=2, preset="fp8-delayed"), "shadow_every=2 acts on FP8/FP4 presets"),
+], ids=["no-preset", "fp8-layers-without-fp8", "shadow-without-fp8"])
+def test_settings_that_would_do_nothing_are_refused(tmp_path, presets, extra, words):
+    # each trained only bf16 and exited 0, where train refuses the same settings
+    with pytest.raises(ValueError, match=words):
+        compare(presets, base=TrainConfig(**TINY, **extra), out=tmp_path / "c", progress=False)
+    assert not (tmp_path / "c").exists()
+
+
 def test_cli_compare(tmp_path, capsys):
     assert main(["compare", "--presets", "bf16,mxfp8", "--steps", "3", "--batch-size", "4", "--seq-len", "32",
                  "--max-bytes", "200000", "--shadow-every", "1", "--out", str(tmp_path)]) == 0

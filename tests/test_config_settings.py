@@ -355,3 +355,19 @@ def test_an_override_equal_to_the_presets_value_resumes():
         TrainConfig(preset="fp8-delayed", steps=saved["steps"] + 1, fp8_margin=2).check_resume(saved, 3, where="ckpt")
     again = TrainConfig(preset="fp8-delayed", fp8_margin=0).flat()  # and back: the explicit record, no flag given
     TrainConfig(preset="fp8-delayed", steps=again["steps"] + 1).check_resume(again, 3, where="ckpt")
+
+
+def test_a_decay_that_ends_within_the_warmup_is_refused():
+    # the lr climbed past the cosine's end and dropped to min_lr in one step
+    with pytest.raises(ValueError, match="lr_decay_steps=3 ends the cosine decay within the warm-up"):
+        TrainConfig(warmup=5, lr_decay_steps=3)
+    TrainConfig(warmup=5, lr_decay_steps=6)
+    TrainConfig(warmup=20, steps=3)  # the default decay end (steps) may fall in the warm-up: a short trial run
+
+
+def test_an_out_inside_a_text_data_folder_is_refused(tmp_path):
+    # the run's log.csv, run.json and checkpoint manifest were read as corpus text, so --resume found the data changed
+    (tmp_path / "a.txt").write_text("text " * 100)
+    with pytest.raises(ValueError, match="lies inside data"):
+        TrainConfig(data=str(tmp_path), out=str(tmp_path / "runs" / "train"))
+    TrainConfig(data=str(tmp_path / "a.txt"), out=str(tmp_path / "runs" / "train"))  # one file: nothing read around it

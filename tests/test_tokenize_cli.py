@@ -260,3 +260,15 @@ def test_train_on_the_shards_uses_their_vocabulary(tmp_path, capsys, text):
     assert status == 0, capsys.readouterr().err
     data = read_extra(run / "ckpt")["data"]
     assert data["vocab_size"] == VOCAB and data["kind"] == "shards" and data["dtype"] == "uint16"
+
+
+def test_an_out_inside_the_data_or_holding_a_run_is_refused(text, tmp_path, capsys):
+    # tokenize wrote its shards into the text folder it read (the next read took tokenizer.json and meta.json as
+    # text), and --overwrite mixed shards into a training run's folder
+    assert main(["tokenize", "--data", str(text), "--out", str(text / "tok"), "--vocab-size", "300"]) == 2
+    assert "lies inside --data" in capsys.readouterr().err and not (text / "tok").exists()
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "log.csv").write_text("step,loss\n")
+    assert main(["tokenize", "--data", str(text), "--out", str(run), "--overwrite", "--vocab-size", "300"]) == 2
+    assert "holds a training run" in capsys.readouterr().err and sorted(p.name for p in run.iterdir()) == ["log.csv"]

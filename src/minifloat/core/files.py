@@ -60,3 +60,12 @@ def write_json(path: str | os.PathLike, obj: Any, *, indent: int = 1, atomic: bo
         os.fsync(f.fileno())
     if atomic:
         target.replace(path)
+
+
+def is_within(path: str | os.PathLike, folder: str | os.PathLike | None) -> bool:
+    """Whether `path` (which need not exist) is `folder` or lies inside it, links resolved; False when `folder` is
+    None or not a folder. For outputs that must stay out of an input folder a command reads whole."""
+    if folder is None or not Path(folder).expanduser().is_dir():
+        return False
+    folder = Path(folder).expanduser().resolve()
+    return Path(path).expanduser().resolve().is_relative_to(folder)

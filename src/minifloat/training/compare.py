@@ -270,8 +270,14 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
         ComparisonStopped: a signal stopped a preset's run (after its checkpoint); nothing is summarized.
     """
     presets = list(presets)
+    if not presets:
+        raise ValueError(f"presets must name at least one of {list(PRESETS)}, got none")
     if unknown := [p for p in presets if p not in PRESETS]:
         raise ValueError(f"presets must be keys of {list(PRESETS)}, got unknown {unknown}")
+    for field, off in (("fp8_layers", "all"), ("shadow_every", 0)):  # train refuses these without a recipe too
+        if getattr(base, field) != off and all(PRESETS[p].recipe is None for p in presets):
+            raise ValueError(f"{field}={getattr(base, field)} acts on FP8/FP4 presets, but presets {presets} have "
+                             f"none; add one (e.g. fp8-delayed), or leave {field} out")
     if len(set(presets)) != len(presets):
         raise ValueError(f"presets must not repeat, got {presets}")
     if BASELINE not in presets:

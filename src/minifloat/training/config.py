@@ -7,8 +7,10 @@ import operator
 import pathlib
 
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
+from minifloat.core.files import is_within
 from minifloat.fp8.recipes import ROLES
 from minifloat.training.model import LlamaConfig
+from minifloat.training.tokens import is_token_data
 from minifloat.training.precision import (FP8_OVERRIDES, NVFP4_OVERRIDES, Precision, keep_blocks_from,  # noqa: F401
                                           keep_blocks_spelled)
 from minifloat.training.settings import (COMPILE_MODES, DEVICE_PATTERN, GROUPS, NOT_RECORDED, PARALLEL,  # noqa: F401
@@ -103,6 +105,10 @@ class TrainConfig:
             last = max(self.nan_steps)
             raise ValueError(f"nan_steps={','.join(map(str, self.nan_steps))} puts NaN into step {last}, which a run "
                              f"of steps={self.steps} never reaches (its steps are 0 to {self.steps - 1})")
+        if is_within(self.out, self.data) and not is_token_data(str(self.data)):  # a text folder is read whole
+            raise ValueError(f"out={self.out} lies inside data={self.data}: the run's own files (logs, checkpoints) "
+                             f"would be read as training data, and a resume would find the data changed; choose an "
+                             f"out outside the data folder")
         if self.shadow_every and PRESETS[self.preset].recipe is None:
             raise ValueError(f"shadow_every checks FP8 against BF16, but preset={self.preset!r} has no FP8 recipe; "
                              f"use an fp8 preset or shadow_every=0, got shadow_every={self.shadow_every!r}")

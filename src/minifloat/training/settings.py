@@ -135,6 +135,10 @@ class OptimizerSettings:
         check_int("steps", self.steps, low=1)
         check_int("warmup", self.warmup, low=0)
         check_int("lr_decay_steps", self.lr_decay_steps, low=1, allow_none=True)
+        if self.lr_decay_steps is not None and self.lr_decay_steps <= self.warmup:  # the cosine starts after warm-up
+            raise ValueError(f"lr_decay_steps={self.lr_decay_steps} ends the cosine decay within the warm-up of "
+                             f"warmup={self.warmup} steps (the lr would climb past it, then drop to min_lr at once); "
+                             f"give lr_decay_steps above {self.warmup}, or a shorter warmup")
         check_number("lr", self.lr, low=0.0, low_open=True)
         check_number("min_lr", self.min_lr, low=0.0, high=self.lr)
         check_number("weight_decay", self.weight_decay, low=0.0)

@@ -33,9 +33,10 @@ from collections.abc import Callable
 
 import torch
 
-from minifloat.core.files import fsync_path, write_json
+from minifloat.core.files import fsync_path, is_within, write_json
 from minifloat.core.validate import check_int
 from minifloat.training.data import DEFAULT_VAL_FRACTION, DataConfig, Split
+from minifloat.training.rundir import run_items
 from minifloat.training.settings import ModelData
 from minifloat.training.shards import META_FILE, META_FORMAT, META_VERSION, STORAGE
 from minifloat.training.textfiles import TextFiles
@@ -98,6 +99,8 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
         raise ValueError(f"--data {data} {held} already, and minifloat tokenize reads text; train on it with: "
                          f"minifloat train --data {data}")
     out_path = pathlib.Path(out).expanduser()
+    if is_within(out_path, data):  # read whole: the shards and tokenizer.json would be text of the next tokenize
+        raise ValueError(f"--out {out} lies inside --data {data}, which is read whole: choose an --out outside it")
     _check_out(out_path, overwrite)
     loaded = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad tokenizer fails before the reading
     files = TextFiles.scan(DataConfig(path=data, max_bytes=max_bytes), fix=TEXT_FIX)
@@ -207,6 +210,9 @@ def _check_out(out: pathlib.Path, overwrite: bool) -> None:
     if out.exists() and not out.is_dir():
         raise FileExistsError(f"--out {out} is a file; name a new or empty folder for the token shards")
     held = sorted(p.name for p in out.iterdir()) if out.is_dir() else []
+    if run_items(out):  # --overwrite replaces a previous tokenize's files, never mixes shards into a training run
+        raise FileExistsError(f"--out {out} holds a training run ({', '.join(run_items(out))}); name a new or empty "
+                              f"folder for the token shards")
     if held and not overwrite:
         raise FileExistsError(f"--out {out} already holds {len(held)} file(s) (e.g. {held[0]}); name a new or empty "
                               f"folder, or pass --overwrite to replace the files a previous minifloat tokenize wrote")
