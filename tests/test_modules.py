@@ -193,6 +193,23 @@ def test_delayed_scaling_saturates_when_tensor_outgrows_history(gen):
     assert sqnr_db(ref_y, got_y) >= SQNR_FORWARD_DB
 
 
+def test_telemetry_reports_the_weight_of_a_step_whose_weight_cast_was_cached(gen):
+    # a forward earlier in the FP8 step cached the weight's cast; the captured forward took it from the cache and
+    # telemetry's table had no weight row
+    layer = make_layer(mf.DelayedScaling(), gen)
+    x, dy = data(gen, M)
+    run(layer, x, dy)  # a first step: the delayed scales exist
+    y_cached = layer(x)  # a forward of the next step: its weight cast is cached until the step ends
+    y_cached.backward(dy)
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with telemetry.capture() as tel:
+        y_captured = layer(x)
+        y_captured.backward(dy)
+    assert {r.role for r in tel.records} == {"input", "weight", "grad_output"}
+    assert torch.equal(y_captured, y_cached)  # the same bits as the cached cast's
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())  # its amaxes were in row 0
+
+
 def _high_precision(layer, x, dy):
     w, b = layer.weight.detach().double(), layer.bias.detach().double()
     return x.double() @ w.T + b, dy.double() @ w, dy.double().T @ x.double()
