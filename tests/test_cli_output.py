@@ -75,6 +75,18 @@ def test_a_reader_that_closes_the_pipe_gets_no_error():
     assert cli.wait(timeout=300) == 141 and err.decode() == ""  # 128 + SIGPIPE, as a shell reports it
 
 
+def test_ctrl_c_before_the_command_starts_is_one_line(monkeypatch, capsys):
+    # Ctrl-C while the command's modules (torch) were importing printed a traceback ending in KeyboardInterrupt
+    import minifloat.cli as cli
+
+    def interrupted(_commands):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(cli, "build_parser", interrupted)
+    assert cli.main(["train", "--steps", "3"]) == 130
+    assert capsys.readouterr().err.strip() == "minifloat: error: interrupted"
+
+
 def test_help_imports_no_command_module():
     """`minifloat --help` lists the commands without building their options, whose defaults come from modules that
     import torch, matplotlib or transformers; and `import minifloat` imports its public names on first use, so neither

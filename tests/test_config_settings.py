@@ -306,8 +306,8 @@ def test_checkpoints_keep_the_flat_record_of_earlier_releases():
     assert all(config.flat()[name] == SETTINGS[name].metadata["absent"] for name in absent)
     assert {k: v for k, v in {**config.flat(), "nan_steps": []}.items() if k not in newer | absent} == OLD_RECORD
     config.check_resume(OLD_RECORD, 3, where="ckpt")
-    with pytest.raises(ValueError, match="--keep-blocks 0,1, this run asks for 0,2"):
-        dataclasses.replace(config, keep_blocks=(0, 2)).check_resume(OLD_RECORD, 3, where="ckpt")
+    with pytest.raises(ValueError, match="--keep-blocks 0,1, this run asks for 1,0"):
+        dataclasses.replace(config, keep_blocks=(1, 0)).check_resume(OLD_RECORD, 3, where="ckpt")
     with pytest.raises(ValueError, match="--optimizer-state e4m3,bf16, this run asks for fp32,fp32"):
         dataclasses.replace(config, optimizer_state="fp32,fp32").check_resume(OLD_RECORD, 3, where="ckpt")
 
@@ -371,3 +371,16 @@ def test_an_out_inside_a_text_data_folder_is_refused(tmp_path):
     with pytest.raises(ValueError, match="lies inside data"):
         TrainConfig(data=str(tmp_path), out=str(tmp_path / "runs" / "train"))
     TrainConfig(data=str(tmp_path / "a.txt"), out=str(tmp_path / "runs" / "train"))  # one file: nothing read around it
+
+
+def test_a_refusal_spells_on_off_flags_as_they_are_given():
+    # "resume with --nvfp4-rht True": a value the flag refuses (it takes on or off)
+    saved = TrainConfig(preset="nvfp4", nvfp4_rht=True).flat()
+    with pytest.raises(ValueError, match="trained with --nvfp4-rht on, this run asks for off.*resume with --nvfp4-rht on"):
+        TrainConfig(preset="nvfp4", nvfp4_rht=False, steps=saved["steps"] + 1).check_resume(saved, 3, where="ckpt")
+
+
+def test_keep_blocks_that_keep_every_block_are_refused_by_the_config():
+    # refused only when the model was built, after --out had been made
+    with pytest.raises(ValueError, match="keeps every one of the tiny model's 2 blocks"):
+        TrainConfig(model="tiny", preset="fp8-delayed", keep_blocks=(5, 5))

@@ -169,8 +169,18 @@ def os_error_line(err: OSError, args: argparse.Namespace, flags: dict[str, str])
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A user error (bad option, input file, data folder or checkpoint; argparse's own included)
     prints one line naming it and exits with status 2; any other error prints one line and exits with 1; --debug
-    re-raises both."""
+    re-raises both. Ctrl-C before a command starts (while torch imports) is one line too, status 130."""
     argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        if "--debug" in argv:
+            raise
+        common.error("interrupted")
+        return 130
+
+
+def _main(argv: list[str]) -> int:
     command = command_of(argv)
     try:
         args = build_parser([command]).parse_args(argv)

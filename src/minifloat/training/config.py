@@ -6,10 +6,12 @@ import dataclasses
 import operator
 import pathlib
 
+import torch
+
 from minifloat.amp.policy import PRESETS, PrecisionPolicy
 from minifloat.core.files import is_within
 from minifloat.fp8.recipes import ROLES
-from minifloat.training.model import LlamaConfig
+from minifloat.training.model import Llama, LlamaConfig
 from minifloat.training.tokens import is_token_data
 from minifloat.training.precision import (FP8_OVERRIDES, NVFP4_OVERRIDES, Precision, keep_blocks_from,  # noqa: F401
                                           keep_blocks_spelled)
@@ -109,6 +111,14 @@ class TrainConfig:
             raise ValueError(f"out={self.out} lies inside data={self.data}: the run's own files (logs, checkpoints) "
                              f"would be read as training data, and a resume would find the data changed; choose an "
                              f"out outside the data folder")
+        if PRESETS[self.preset].recipe is not None and any(self.blocks_kept):  # before any folder is made
+            with torch.device("meta"):
+                llama = Llama(self.model_config())
+            if "fp8" not in self.policy().plan(llama).values():
+                raise ValueError(f"preset={self.preset!r} trains its linear layers in low precision, but "
+                                 f"keep_blocks={','.join(map(str, self.blocks_kept))} keeps every one of the "
+                                 f"{self.model} model's {llama.config.n_layer} blocks in high precision: nothing "
+                                 f"would train in low precision; keep fewer blocks")
         if self.shadow_every and PRESETS[self.preset].recipe is None:
             raise ValueError(f"shadow_every checks FP8 against BF16, but preset={self.preset!r} has no FP8 recipe; "
                              f"use an fp8 preset or shadow_every=0, got shadow_every={self.shadow_every!r}")
@@ -193,11 +203,12 @@ class TrainConfig:
             # absent: not checkable; a checkpoint spells "A,B" settings as their flags do (typed compares them)
             was = recorded(field, saved.get(field, RESUME_ABSENT.get(field, getattr(self, field))))
             if was != getattr(self, field) and not self._same_by_preset(field, was):
-                flag, spelt = "--" + field.replace("_", "-"), spelled(field, was)
+                flag, spelt = "--" + field.replace("_", "-"), _as_flag(field, was)
+                asked = _as_flag(field, getattr(self, field))
                 fix = f"without {flag} (the preset's)" if was is None else f"with {flag} {spelt}"
                 raise ValueError(f"the checkpoint at {where} was trained with {flag} {spelt}, this run asks for "
-                                 f"{spelled(field, getattr(self, field))}: that {consequence}, so it would not "
-                                 f"continue the same run; resume {fix}, or start a new run elsewhere")
+                                 f"{asked}: that {consequence}, so it would not continue the same run; resume {fix}, "
+                                 f"or start a new run elsewhere")
         if self.steps <= saved_step:
             raise ValueError(f"--steps {self.steps}: the checkpoint at {where} is already at step {saved_step}; pass "
                              f"--steps above {saved_step} to train on")
@@ -213,6 +224,13 @@ class TrainConfig:
         except ValueError:
             return False
         return other.policy() == self.policy() and other.blocks_kept == self.blocks_kept
+
+
+def _as_flag(field: str, value) -> str:
+    """A setting's value as its flag takes it: on/off for on_off settings, the "A,B" spelling of tuples."""
+    if SETTINGS[field].metadata.get("on_off") and isinstance(value, bool):
+        return "on" if value else "off"
+    return str(spelled(field, value))
 
 
 def _ranks_for(micro: int) -> str:

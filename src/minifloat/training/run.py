@@ -60,12 +60,7 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
     device = device if device is not None else resolve_device(config.device)
     torch.manual_seed(config.seed)
     policy = config.policy()
-    model = Llama(config.model_config(vocab_size))
-    if policy.recipe is not None and "fp8" not in policy.plan(model).values():
-        raise ValueError(f"preset={config.preset!r} trains its linear layers in low precision, but "
-                         f"keep_blocks={','.join(map(str, config.blocks_kept))} keeps every one of the "
-                         f"{config.model} model's {model.config.n_layer} blocks in high precision: nothing would "
-                         f"train in low precision; keep fewer blocks")
+    model = Llama(config.model_config(vocab_size))  # TrainConfig refused a keep_blocks that keeps every block
     model = policy.apply(model, filter=config.layer_filter()).to(device)
     if world.parallel is Parallel.FSDP:
         shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
