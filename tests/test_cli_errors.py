@@ -15,7 +15,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from minifloat.cli import common, main
+from minifloat.cli import common, main, with_flags
 from minifloat.training.checkpoint import MANIFEST_FILE, save_checkpoint
 
 USER_ERROR = 2  # main()'s exit status for a bad option or input
@@ -47,7 +47,23 @@ OPTION_CASES = [
     ("audit --batch 0, Llama", ["audit", "--model", "tiny", "--batch", "0"], ["invalid option", "batch", "got 0"]),
     ("audit --seed -1", ["audit", "--seed", "-1"], ["invalid option", "seed", "got -1"]),
     ("audit unknown preset", ["audit", "--preset", "fp9"], ["invalid option", "preset", "'fp9'"]),
+    # a corpus too short for one sequence: the fix, not a tensor shape ("tokens must be a 1-D stream ... (9,)")
+    ("memory --max-bytes 10", ["memory", "--model", "tiny", "--max-bytes", "10"], ["raise --max-bytes"]),
 ]
+
+
+def test_an_optional_flag_is_never_said_to_take_none():
+    # "--top-k must be an int in [1, 256] or None": None is the flag left out, which no one can type
+    assert with_flags("invalid option: top_k must be an int in [1, 256] or None, got 0", {"top_k": "--top-k"}) == \
+        "invalid option: --top-k must be an int in [1, 256], got 0"
+    assert with_flags("top_k must be an int in [1, 256] or None, got 0", {}) == \
+        "top_k must be an int in [1, 256] or None, got 0"  # the library's own spelling, where None can be passed
+
+
+def test_a_file_given_as_run_folder_is_named_as_a_file(capsys, tmp_path):
+    (tmp_path / "log.csv").write_text("step,loss\n")
+    status, line = run(capsys, ["generate", "--run", str(tmp_path / "log.csv"), "--prompt", "x"])
+    assert status == USER_ERROR and "is a file, not a run folder" in line, line
 
 
 @pytest.mark.parametrize("name, argv, words", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])

@@ -143,7 +143,8 @@ def with_flags(message: str, flags: dict[str, str]) -> str:
         # a field named with an underscore is no plain word: put as its flag wherever it stands alone
         ahead = r"(?![\w=])" if "_" in field else r"(?= must )"
         message = re.sub(rf"(?<![\w./\\-]){re.escape(field)}{ahead}", flag, message)
-    return message
+    # "--top-k must be an int in [1, 256] or None": a flag left out is the None; it cannot be typed
+    return re.sub(r"(--[\w-]+ must be [^;]*?) or None\b", r"\1", message)
 
 
 def _within(path: str, value: str) -> bool:

@@ -27,6 +27,8 @@ def run_checkpoint(run: str | os.PathLike, checkpoint: str = "latest") -> Path:
     """The checkpoint folder `checkpoint` names in a run folder: "latest" is RUN/ckpt; another name is a folder
     inside the run, or a path of its own."""
     run = Path(run)
+    if run.exists() and not run.is_dir():
+        raise FileNotFoundError(f"{run} is a file, not a run folder (the --out of minifloat train)")
     if not run.is_dir():
         raise FileNotFoundError(f"run folder {run} does not exist")
     inside = run / (CHECKPOINT_DIR if checkpoint == "latest" else checkpoint)

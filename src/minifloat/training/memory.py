@@ -37,7 +37,7 @@ from torch import nn
 
 from minifloat.fp8.scaling import scaling_states
 from minifloat.training.config import TrainConfig
-from minifloat.training.data import BatchLoader, load_corpus
+from minifloat.training.data import BatchLoader, load_corpus, require_windows
 from minifloat.training.loop import build, forward_backward
 from minifloat.training.optimizer import grad_param_groups, master_tensors
 from minifloat.training.throughput import compute_device
@@ -162,6 +162,7 @@ def unique_params(model: nn.Module) -> int:
 def first_batch(config: TrainConfig, device: torch.device) -> tuple[tuple[torch.Tensor, torch.Tensor], int]:
     """The run's first training batch (x, y), as `minifloat train` draws it, and its data's vocabulary size."""
     corpus = load_corpus(config.data, max_bytes=config.max_bytes, tokenizer=config.tokenizer)
+    require_windows(corpus, seq_len=config.seq_len)  # as train: a corpus too short names --max-bytes, not a shape
     loader = BatchLoader(corpus.train, batch_size=config.batch_size, seq_len=config.seq_len, seed=config.seed)
     return tuple(t.to(device) for t in loader.batch(0)), corpus.vocab_size
 
