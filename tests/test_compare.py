@@ -100,6 +100,7 @@ def test_cli_compare_with_fp8_where_it_pays(tmp_path, capsys):
     assert [summary["presets"][p]["low_precision_layers"] for p in ("bf16", "fp8-delayed")] == [0, 0]
     assert summary["presets"]["fp8-delayed"]["final_val_loss"] == summary["presets"]["bf16"]["final_val_loss"]
     assert "numerics_heatmap" not in summary["files"] and not (tmp_path / "numerics_heatmap.png").exists()
+    assert "--fp8-layers auto: low-precision linears per preset: fp8-delayed 0." in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("presets, extra, words", [

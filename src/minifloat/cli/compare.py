@@ -121,13 +121,19 @@ def table_note(summary: dict) -> list[str]:
         n = str(excluded[0]) if len(excluded) == 1 else f"{excluded[0]}-{excluded[-1]}"
         first = "step" if n == "1" else f"{n} steps"
         speed = f"tok/s: training tokens per second after the first {first} (warm-up)."
-    return ["train / val loss: the final training / validation loss.",
-            "Δ vs bf16: the val loss relative to bf16's.",
-            "skipped steps: steps the guard skipped.",
-            "fallbacks: FP8 -> BF16 switches of the shadow check (- where it is off).",
-            speed,
-            "MFU: model FLOPs / s over the GPU's dense BF16 peak (FP8 presets too).",
-            "peak memory: the most GPU memory held in tensors during the run."]
+    lines = ["train / val loss: the final training / validation loss.",
+             "Δ vs bf16: the val loss relative to bf16's.",
+             "skipped steps: steps the guard skipped.",
+             "fallbacks: FP8 -> BF16 switches of the shadow check (- where it is off).",
+             speed,
+             "MFU: model FLOPs / s over the GPU's dense BF16 peak (FP8 presets too).",
+             "peak memory: the most GPU memory held in tensors during the run."]
+    layers = summary["config"].get("fp8_layers", "all")
+    if layers != "all":  # the presets' rows hide how much of each ran in low precision
+        counts = ", ".join(f"{name} {m['low_precision_layers']}" for name, m in summary["presets"].items()
+                           if name != "bf16" and "low_precision_layers" in m)
+        lines.append(f"--fp8-layers {layers}: low-precision linears per preset: {counts}.")
+    return lines
 
 
 # settings whose `minifloat train` help speaks of what compare does not do (resume a run, shapes on meta)

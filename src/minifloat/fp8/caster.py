@@ -256,8 +256,10 @@ class LayerCaster:
                                              margin=spec.margin)
                 self.state.record(Role.WEIGHT, precast.amax)
             return precast
-        if self.weights is None or telemetry.enabled():  # under telemetry.capture() every forward reports its weight
-            return self.cast(Role.WEIGHT, weight, with_t=True)  # (the same bits as a cached cast; its amax is in row 0)
+        if self.weights is None:
+            return self.cast(Role.WEIGHT, weight, with_t=True)
+        if telemetry.unseen_weight(self.state):  # a capture's first forward casts again (the same bits), so that its
+            self.weights.clear()  # table has the weight; its amax is in row 0 already
         options = (self.recipe, self.backend, self.recording, self.state.generation)  # generation last: see peek
         # a hit needs no recording: the entry was made in this generation, recording, so its amax is in row 0 (which
         # only a new generation clears; recording it again would change nothing, at a kernel launch per micro-batch)

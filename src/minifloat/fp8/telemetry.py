@@ -54,6 +54,7 @@ class Recorder:
         self.sqnr = sqnr
         self.records: list[CastRecord] = []
         self.step = 0
+        self.weights_seen: set[int] = set()  # ids of the scaling states whose (cached) weight cast this capture saw
 
     def next_step(self) -> None:
         self.step += 1
@@ -112,6 +113,15 @@ def capture(*, sqnr: bool = True) -> Iterator[Recorder]:
         yield _ACTIVE
     finally:
         _ACTIVE = prev
+
+
+def unseen_weight(state: object) -> bool:
+    """Whether the active capture has not yet seen the weight cast of the layer owning `state` (and now has): a
+    weight cast cached before the capture began is then made again for it, once, so its table has the weight."""
+    if _ACTIVE is None or id(state) in _ACTIVE.weights_seen:
+        return False
+    _ACTIVE.weights_seen.add(id(state))
+    return True
 
 
 @torch.no_grad()
