@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import logging
 import threading
 from typing import Iterator
@@ -85,7 +84,12 @@ def current_autocast() -> _AutocastState:
     return _LOCAL.state
 
 
-_UNNAMED = itertools.count()  # Fp8Linear layers built in this process, for the seeds of those without a name
+def _unnamed(recipe: Recipe, weight: torch.Tensor) -> str:
+    """The stand-in name a directly built layer mixes into its rounding stream's seed (see Fp8Linear.__init__): one
+    draw of torch's default generator where the recipe draws randomness and the layer is real, else ""."""
+    if not isinstance(recipe, NVFP4Scaling) or weight.is_meta:
+        return ""
+    return f"<unnamed {torch.randint(0, 2**62, ()).item()}>"
 
 
 def _add_random_state(state: ScalingState, recipe: Recipe, name: str) -> None:
@@ -140,9 +144,10 @@ class Fp8Linear(nn.Linear):
         self.step_on = step_on
         self.cache_weight = cache_weight
         self.fp8_state = ScalingState(self.recipe.history_len, device=self.weight.device)
-        # a layer built directly has no name to mix into its rounding stream's seed: its place among such layers
-        # instead, so that two of them do not draw the same numbers (convert names the layers it builds)
-        _add_random_state(self.fp8_state, self.recipe, f"<unnamed {next(_UNNAMED)}>")
+        # a layer built directly has no name to mix into its rounding stream's seed: a draw from torch's generator
+        # instead, as its weights are drawn, so two such layers draw different numbers and torch.manual_seed
+        # reproduces them (convert, which builds on the meta device, names the layers it builds)
+        _add_random_state(self.fp8_state, self.recipe, _unnamed(self.recipe, self.weight))
         self.fp8_name = ""
         self._weights = WeightCache()
         self.amax_reduce = None
