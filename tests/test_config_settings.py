@@ -376,7 +376,7 @@ def test_an_out_inside_a_text_data_folder_is_refused(tmp_path):
 def test_a_refusal_spells_on_off_flags_as_they_are_given():
     # "resume with --nvfp4-rht True": a value the flag refuses (it takes on or off)
     saved = TrainConfig(preset="nvfp4", nvfp4_rht=True).flat()
-    with pytest.raises(ValueError, match="trained with --nvfp4-rht on, this run asks for off.*resume with --nvfp4-rht on"):
+    with pytest.raises(ValueError, match="--nvfp4-rht on, this run asks for off.*resume with --nvfp4-rht on"):
         TrainConfig(preset="nvfp4", nvfp4_rht=False, steps=saved["steps"] + 1).check_resume(saved, 3, where="ckpt")
 
 

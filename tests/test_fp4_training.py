@@ -399,7 +399,8 @@ ABLATIONS = [
      (0, 1)),
     ("1x16", dict(nvfp4_weight_2d=False), dict(weight_2d=False, rht=True, stochastic_rounding=True), (0, 1)),
     ("all-blocks", dict(keep_blocks="0,0"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (0, 0)),
-    ("first-and-last", dict(keep_blocks="1, 2", model="10m"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (1, 2)),
+    ("first-and-last", dict(keep_blocks="1, 2", model="10m"), dict(weight_2d=True, rht=True, stochastic_rounding=True),
+     (1, 2)),
     ("fraction", dict(keep_blocks="0,0.15"), dict(weight_2d=True, rht=True, stochastic_rounding=True), (0, 0.15)),
 ]
 

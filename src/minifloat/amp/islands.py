@@ -18,8 +18,9 @@ ISLAND_OUT_ATTR = "minifloat_fp32_island_out"  # the output dtype of an island (
 
 def make_fp32_island(module: nn.Module, out_dtype: torch.dtype | None) -> None:
     """Run `module` in float32 with autocast off: its forward is wrapped (an instance attribute, a partial of a module
-    function, so deepcopy and torch.save of the whole model carry it; a bound method would not unpickle) to upcast bf16/fp16 tensor arguments, switch autocast off around the class's
-    forward and cast floating outputs to `out_dtype` (None: the dtype of the first floating input).
+    function, so deepcopy and torch.save of the whole model carry it; a bound method would not unpickle) to upcast
+    bf16/fp16 tensor arguments, switch autocast off around the class's forward and cast floating outputs to
+    `out_dtype` (None: the dtype of the first floating input).
 
     One `with` block inside one function, where forward pre/post hooks would have to enter and leave the autocast
     context in two calls, which torch.compile cannot trace.

@@ -360,9 +360,10 @@ class LossScaler:
             float(state_dict["scale"])
         if not low <= scale <= high:  # a torch.amp.GradScaler's scale is unbounded
             bound = "max_scale" if scale > high else "min_scale"
+            fix = f"2.0**{math.ceil(math.log2(scale))}" if scale > high else f"{scale:g}"
             raise ValueError(f"the loaded scale {scale:g} lies outside this LossScaler's [min_scale, max_scale] = "
                              f"[{low:g}, {high:g}] (a torch.amp.GradScaler's scale has no bounds): build it with "
-                             f"{bound}={f'2.0**{math.ceil(math.log2(scale))}' if scale > high else f'{scale:g}'} or beyond")
+                             f"{bound}={fix} or beyond")
         self.config = dataclasses.replace(
             c,
             init_scale=float(state_dict["scale"]),

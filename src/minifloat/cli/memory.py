@@ -37,7 +37,8 @@ def cmd_memory(args: argparse.Namespace) -> int:
                          seed=args.seed, data=args.data, max_bytes=args.max_bytes, tokenizer=args.tokenizer,
                          device=args.device,
                          optimizer_state=args.optimizer_state, master=args.master)
-    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None  # before the work
+    # before the work
+    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
     report = memory_report(config)
     common.print_table(memory_table(report))
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "

@@ -176,7 +176,8 @@ def cmd_audit(args: argparse.Namespace) -> int:
         check_choice("preset", args.preset, sorted(PRESETS))
         check_int("batch", args.batch, low=1)
         check_int("seed", args.seed, low=0)
-    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None  # checked before the work
+    # checked before the work
+    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
     policy = PrecisionPolicy.preset(args.preset)
     torch.manual_seed(args.seed)
     if args.model == "byte-mlp":

@@ -87,8 +87,9 @@ def _dtype(dtype: str | torch.dtype) -> torch.dtype:
 
 def quantized_layers(model: Llama) -> list[str]:
     """The linears an FP8 export quantizes, in module order: a model trained in FP8 its Fp8Linear layers (those kept
-    in BF16, by --keep-blocks, --fp8-layers or a 4-bit preset's last block, stay so), any other its Fp8InferenceLinear layers and
-    those prepare_inference would convert (minifloat.inference.prepare.inference_plan; see the module docstring)."""
+    in BF16, by --keep-blocks, --fp8-layers or a 4-bit preset's last block, stay so), any other its
+    Fp8InferenceLinear layers and those prepare_inference would convert (minifloat.inference.prepare.inference_plan;
+    see the module docstring)."""
     trained = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
     # a run with a low-precision recipe keeps its own choice even when it is none (--fp8-layers where none paid)
     planned = set() if trained or getattr(model, LOW_PRECISION_RUN, False) else set(inference_plan(model))
