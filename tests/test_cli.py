@@ -78,6 +78,18 @@ def test_audit_passes_policy_presets(preset, tmp_path):
     assert report["records"], "the audit recorded no ops"
 
 
+def test_audit_json_holds_the_preflight_findings(tmp_path):
+    # --preflight --json wrote the audit alone: the FP16-range findings were only on the terminal
+    path = tmp_path / "audit.json"
+    status = main(["audit", "--model", "tiny", "--preset", "fp8-delayed", "--batch", "2", "--preflight",
+                   "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["violations"] == [] and report["records"]
+    pre = report["preflight"]
+    assert pre["tensors"] and status == (0 if pre["fp16_safe"] else 1)
+    assert not any("fp8_state" in t["name"] for t in pre["tensors"])
+
+
 def test_audit_rejects_unknown_preset():
     assert main(["audit", "--preset", "fp9"]) == 2
 

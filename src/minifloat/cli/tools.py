@@ -212,13 +212,14 @@ def cmd_audit(args: argparse.Namespace) -> int:
                              f"{v.detail}")
     common.console.print("audit passed: no policy violations" if report.ok else
                          f"[red]audit failed: {len(report.violations)} violation(s)")
-    status = 0 if report.ok else 1
+    status, pre = 0 if report.ok else 1, None
     if args.preflight:
         pre = preflight(model, inputs)
         common.print_table(pre.table())
         status = status or (0 if pre.fp16_safe else 1)
-    if json_path is not None:
-        json_path.write_text(report.to_json())
+    if json_path is not None:  # with --preflight, its findings beside the audit's
+        found = json.loads(report.to_json()) | ({"preflight": json.loads(pre.to_json())} if pre is not None else {})
+        json_path.write_text(json.dumps(found, indent=1))
         common.console.print(f"wrote {json_path}")
     return status
 

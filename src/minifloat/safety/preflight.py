@@ -51,7 +51,7 @@ class PreflightReport:
         return not self.issues
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), indent=1)
+        return json.dumps({**dataclasses.asdict(self), "fp16_safe": self.fp16_safe}, indent=1)
 
     def table(self):
         from rich.table import Table
