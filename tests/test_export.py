@@ -497,6 +497,10 @@ def test_cli_calibrates_static_input_scales_on_the_runs_validation_batches(fp8_r
     scales = [k for k in cli if k.endswith("input_scale")]
     assert scales and all(torch.equal(cli[k], api[k]) for k in cli)
     assert any(not torch.equal(cli[k], own[k]) for k in scales)  # calibrated, not the training scales
+    # more batches than the run's validation split holds: said, not capped silently
+    held = len(run_calibration(fp8_run, 10_000))
+    argv = ["export", "--run", fp8_run, "--format", "hf-fp8", "--calibrate", "10000", "--out", str(tmp_path / "more")]
+    assert main(argv) == 0 and f"holds {held} batch(es)" in capsys.readouterr().out
 
 
 def one_error_line(capsys, argv) -> str:

@@ -49,6 +49,9 @@ def cmd_export(args: argparse.Namespace) -> int:
         # the library's rules, before the batches are read: --calibrate needs hf-fp8 and static or auto scales
         check_activations(args.format, args.activations, calibrated=True)
         calibration = run_calibration(args.run, args.calibrate, checkpoint=args.checkpoint)
+        if len(calibration) < args.calibrate:  # the run's validation split is all there is to calibrate on
+            common.console.print(f"note: --calibrate {args.calibrate}: the run's validation split holds "
+                                 f"{len(calibration)} batch(es) of its shape; calibrating on those", highlight=False)
     out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
                     activations=args.activations, calibration=calibration, tokenizer=args.tokenizer,
                     overwrite=args.overwrite)
