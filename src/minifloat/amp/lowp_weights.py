@@ -75,11 +75,8 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
     def _wrap(self, group: dict[str, Any]) -> dict[str, Any]:
         """`group` as the inner optimizer takes it: each low-precision parameter stands in by an fp32 temporary
         (with its compensation buffer or generator)."""
-        (group,) = param_groups(type(self).__name__, [group])
-        held = {id(p) for p, _ in self.pairs} | {id(q) for g in getattr(self, "param_groups", []) for q in g["params"]}
-        if any(id(p) in held for p in group["params"]):
-            raise ValueError(f"{type(self).__name__}: some parameters appear in more than one parameter group; list "
-                             f"each once")
+        held = [p for p, _ in self.pairs] + [q for g in getattr(self, "param_groups", []) for q in g["params"]]
+        (group,) = param_groups(type(self).__name__, [group], held)
         stepped = []
         for p in group["params"]:
             if p.dtype not in LOW_PRECISION_FORMATS:

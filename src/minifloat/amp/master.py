@@ -49,10 +49,8 @@ class MasterWeights:
     def add_group(self, group: dict[str, Any]) -> dict[str, Any]:
         """Add a param group (a dict with "params"): its low-precision parameters get masters. Returns the group as
         the optimizer takes it (masters in place of those parameters)."""
-        (group,) = param_groups("MasterWeights", [group])
-        held = {id(p) for g in self.groups for p in g["params"]} | {id(p) for p, _ in self.pairs}
-        if any(id(p) in held for p in group["params"]):
-            raise ValueError("MasterWeights: some parameters appear in more than one parameter group; list each once")
+        held = [p for g in self.groups for p in g["params"]] + [p for p, _ in self.pairs]
+        (group,) = param_groups("MasterWeights", [group], held)
         masters = []
         for p in group["params"]:
             if p.dtype in LOW_PRECISION:

@@ -77,10 +77,11 @@ def check_module(caller: str, model, *, allow_none: bool = False) -> None:
                         f"got {type(model).__name__}")
 
 
-def param_groups(caller: str, params) -> list[dict]:
+def param_groups(caller: str, params, held: Collection = ()) -> list[dict]:
     """An optimizer wrapper's `params` (an nn.Module, an iterable of parameters or of param-group dicts) as a list of
     groups, refused as torch.optim refuses them: a lone tensor (its rows would be iterated), nothing, a parameter that
-    is not floating point, or one that appears twice (each copy would get its own master and one update be lost)."""
+    is not floating point, or one that appears twice, or is among the tensors `held` already (add_param_group): each
+    copy would get its own master and one update be lost."""
     import torch
     from torch import nn
 
@@ -94,7 +95,7 @@ def param_groups(caller: str, params) -> list[dict]:
         raise ValueError(f"{caller}: params must not be empty")
     groups = [dict(g) if isinstance(g, dict) else g for g in params] if isinstance(params[0], dict) else \
         [{"params": params}]
-    seen: set[int] = set()
+    seen: set[int] = {id(t) for t in held}
     for group in groups:
         if not isinstance(group, dict) or "params" not in group:
             raise TypeError(f"{caller}: params must be all parameters or all param-group dicts with a 'params' entry")

@@ -25,6 +25,7 @@ import dataclasses
 
 from torch import nn
 
+from minifloat.core.validate import check_int, check_number
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, Recipe, check_recipe
 from minifloat.numerics.granularity import Granularity
 
@@ -114,8 +115,7 @@ def fp8_speedup(recipe: Recipe, *, tokens: int, in_features: int, out_features: 
     """
     rates = gpu_rates(gpu)
     for name, value in (("tokens", tokens), ("in_features", in_features), ("out_features", out_features)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        check_int(name, value, low=1)
     _, cost = recipe_cost(recipe)
     m, k, n = tokens, in_features, out_features
     flops = 6.0 * m * k * n
@@ -138,12 +138,8 @@ class WhereFp8Pays:
     def __post_init__(self):
         check_recipe(self.recipe)
         gpu_rates(self.gpu)
-        if isinstance(self.tokens, bool) or not isinstance(self.tokens, int) or self.tokens < 1:
-            raise ValueError(f"tokens must be an int >= 1 (the rows of a layer's input per forward: batch × sequence "
-                             f"length), got {self.tokens!r}")
-        if isinstance(self.min_speedup, bool) or not isinstance(self.min_speedup, (int, float)) \
-                or not self.min_speedup > 0:
-            raise ValueError(f"min_speedup must be a number > 0, got {self.min_speedup!r}")
+        check_int("tokens", self.tokens, low=1)  # the rows of a layer's input per forward: batch × sequence length
+        check_number("min_speedup", self.min_speedup, low=0.0, low_open=True)
 
     def speedup(self, linear: nn.Linear) -> float:
         """The layer's predicted FP8 speed-up over bf16."""
