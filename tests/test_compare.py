@@ -1,5 +1,6 @@
 """compare(): one tiny run per preset, summary.json and the two figures; the `minifloat compare` command."""
 
+import csv
 import io
 import json
 import math
@@ -92,15 +93,24 @@ def test_command_names_the_shadow_check(tmp_path):
 
 def test_cli_compare_with_fp8_where_it_pays(tmp_path, capsys):
     # at 128 tokens per micro-batch no layer of the tiny Llama pays: the FP8 preset trains bf16's numbers, the
-    # summary says how many layers ran FP8 (none), and no heatmap of casts that never happened is drawn
+    # summary says how many layers ran FP8 (none), and no heatmap of casts that never happened is drawn; an earlier
+    # comparison's heatmap is not left behind by --overwrite (it was), nor are its other presets' runs unmentioned
+    (tmp_path / "numerics_heatmap.png").write_bytes(b"earlier")
+    (tmp_path / "mxfp8").mkdir()
+    (tmp_path / "mxfp8" / "log.csv").write_text("step,loss\n")
     assert main(["compare", "--presets", "bf16,fp8-delayed", "--steps", "2", "--batch-size", "4", "--seq-len",
-                 "32", "--max-bytes", "200000", "--fp8-layers", "auto", "--out", str(tmp_path)]) == 0
+                 "32", "--max-bytes", "200000", "--fp8-layers", "auto", "--out", str(tmp_path), "--overwrite"]) == 0
+    with open(tmp_path / "fp8-delayed" / "log.csv") as f:  # no step ran FP8: the mode column says none (said fp8)
+        assert [row["mode"] for row in csv.DictReader(f)] == ["", ""]
+    assert (tmp_path / "mxfp8" / "log.csv").exists()
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert "--fp8-layers auto" in summary["command"] and summary["config"]["fp8_layers"] == "auto"
     assert [summary["presets"][p]["low_precision_layers"] for p in ("bf16", "fp8-delayed")] == [0, 0]
     assert summary["presets"]["fp8-delayed"]["final_val_loss"] == summary["presets"]["bf16"]["final_val_loss"]
     assert "numerics_heatmap" not in summary["files"] and not (tmp_path / "numerics_heatmap.png").exists()
-    assert "--fp8-layers auto: low-precision linears per preset: fp8-delayed 0." in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "--fp8-layers auto: low-precision linears per preset: fp8-delayed 0." in out
+    assert "also holds runs of presets not in this comparison, left as they were: mxfp8" in " ".join(out.split())
 
 
 @pytest.mark.parametrize("presets, extra, words", [

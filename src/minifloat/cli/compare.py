@@ -77,7 +77,21 @@ def cmd_compare(args: argparse.Namespace) -> int:
         common.console.print(line, highlight=False)
     for path in summary["files"].values():
         common.console.print(f"wrote {path}")
+    if stale := earlier_runs(args.out, summary["presets"]):
+        common.console.print(f"{args.out} also holds runs of presets not in this comparison, left as they were: "
+                             f"{', '.join(stale)}", highlight=False)
     return 0
+
+
+def earlier_runs(out: str, presets) -> list[str]:
+    """The preset folders in `out` that hold a run (an earlier comparison's, e.g. before --overwrite with fewer
+    presets) but are not among `presets`."""
+    import pathlib
+
+    from minifloat.amp.policy import PRESETS
+    from minifloat.training.rundir import run_items
+
+    return [p for p in PRESETS if p not in presets and run_items(pathlib.Path(out) / p)]
 
 
 def summary_table(summary: dict) -> Table:

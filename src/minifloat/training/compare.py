@@ -329,4 +329,7 @@ def compare(presets: list[str] | tuple[str, ...] = DEFAULT_PRESETS, *, base: Tra
                "presets": metrics, "files": {k: str(v) for k, v in files.items()}}
     text = json.dumps(summary, indent=1)
     files["summary"].write_text(text)
+    for name in COMPARE_FILES:  # one an earlier comparison wrote (--overwrite, --reuse) that this one did not
+        if (out / name).exists() and out / name not in files.values():
+            (out / name).unlink()
     return json.loads(text)  # exactly what the file holds (tuples become lists)

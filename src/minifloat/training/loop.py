@@ -30,6 +30,7 @@ minifloat.training.run.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import math
 import pathlib
@@ -48,6 +49,7 @@ from minifloat.training.config import TrainConfig
 from minifloat.training.data import BatchLoader, ByteCorpus, load_corpus, require_windows
 from minifloat.training.optimizer import grad_param_groups
 from minifloat.distributed.fsdp import precompute_fp8_scales
+from minifloat.fp8.convert import fp8_layers
 from minifloat.fp8.step import rescale_gradient_amaxes
 from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
                                          rank_device)
@@ -197,6 +199,12 @@ class _Loop:
     def config(self) -> TrainConfig:
         return self.run.config
 
+    @functools.cached_property
+    def low_precision(self) -> bool:
+        """Whether any layer trains in the run's FP8/FP4 recipe (--fp8-layers may leave none): log.csv's mode column
+        is empty when none does, as for a bf16 run."""
+        return self.run.policy.recipe is not None and bool(fp8_layers(self.run.model))
+
     @property
     def per_step(self) -> int:
         """Micro-batches per optimizer step, all ranks together."""
@@ -250,7 +258,7 @@ class _Loop:
         tokens = self.per_step * self.config.batch_size * self.config.seq_len
         row = {"step": step, "loss": report.loss, "lr": lr, "grad_norm": report.grad_norm,
                "skipped": int(report.skipped), "reason": report.reason.value if report.skipped else "",
-               "tokens_per_s": tokens / dt, "mode": mode.value if self.run.policy.recipe is not None else ""}
+               "tokens_per_s": tokens / dt, "mode": mode.value if self.low_precision else ""}
         self.log_rows.write(row)
         if self.writer is not None:
             for key in ("loss", "lr", "grad_norm", "tokens_per_s"):
