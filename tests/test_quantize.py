@@ -653,6 +653,13 @@ MX_CASES = [
     ("e2m1-up-at-max", E2M1, "up", 6.0, 1.0),
     ("e2m1-up-7", E2M1, "up", 7.0, 2.0),
     ("e2m1-floor-7", E2M1, "floor", 7.0, 1.0),
+    # float32's top binade: the "up" rule's 2^120 would let 3.3e38 round to 256 · 2^120 = 2^128 (inf); capped at
+    # the floor rule's 2^(127 - emax), the block saturates to 448 · 2^119 instead
+    ("e4m3-up-f32-top", E4M3, "up", 3.3e38, 2.0**119),
+    ("e4m3-up-f32-max", E4M3, "up", torch.finfo(torch.float32).max, 2.0**119),
+    ("e5m2-up-f32-max", E5M2, "up", torch.finfo(torch.float32).max, 2.0**112),
+    ("e2m1-up-f32-max", E2M1, "up", torch.finfo(torch.float32).max, 2.0**125),
+    ("e4m3-floor-f32-max", E4M3, "floor", torch.finfo(torch.float32).max, 2.0**119),
 ]
 
 
@@ -664,6 +671,7 @@ def test_mx_scale_golden(fmt, rule, amax, expected):
     q = quantize(x, fmt, granularity="mx", mx_rule=rule)
     assert q.scale.item() == expected
     assert q.data.float().abs().max().item() == cast(torch.tensor(amax / expected), fmt).item()  # saturated
+    assert torch.isfinite(q.dequantize()).all()  # a finite block dequantizes finite (2^128 was inf)
 
 
 # ---------------------------------------------------------------------------------------------------- quantize: options

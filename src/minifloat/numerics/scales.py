@@ -46,6 +46,9 @@ def mx_scale(amax: torch.Tensor, fmt: NumberFormat, *, rule: str = "up") -> torc
     rule="up": e = ceil(log2(amax / fmt.max)), the smallest power of two that keeps every element <= fmt.max.
     rule="floor": OCP MX v1.0 §6.3, e = floor(log2(amax)) - emax(fmt); the largest elements may saturate.
     All-zero or non-finite blocks get e = 0. Exact: the exponent comes from frexp (float32 log2 of 8·(1 - 2^-24) is 3).
+    Either rule keeps e <= 127 - emax(fmt), the floor rule's exponent for float32's top binade: the "up" rule's next
+    binade would be 2^(128 - emax), where an element rounding up to 2^emax dequantizes to 2^128, past float32 (inf),
+    so blocks with amax above fmt.max · 2^(127 - emax) (3.0e38 for E4M3) saturate there instead.
     """
     if rule not in MX_RULES:
         raise ValueError(f"mx rule must be one of {MX_RULES}, got {rule!r}")
@@ -53,7 +56,7 @@ def mx_scale(amax: torch.Tensor, fmt: NumberFormat, *, rule: str = "up") -> torc
     e = (k - 1 - fmt.emax).float()  # the "floor" rule
     if rule == "up":  # amax / 2^e = 2m·2^emax (exact); above fmt.max the block needs the next binade
         e = e + (2.0 * m * 2.0**fmt.emax > fmt.max).float()
-    e = torch.where(torch.isfinite(amax) & (amax > 0), e, torch.zeros_like(e)).clamp(E8M0.emin, E8M0.emax)
+    e = torch.where(torch.isfinite(amax) & (amax > 0), e, torch.zeros_like(e)).clamp(E8M0.emin, E8M0.emax - fmt.emax)
     return exact_pow2(e.to(torch.int32))
 
 
