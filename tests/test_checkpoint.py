@@ -381,7 +381,7 @@ def test_mismatch_message_lists_a_few_keys_and_counts_the_rest(saved):
     with pytest.raises(CheckpointError) as info:
         load_checkpoint(saved.path, model=fp8_llama(SEED, n_layer=8))
     message = str(info.value)
-    assert message.startswith("the checkpoint (65 tensors) does not fit the model (")
+    assert message.startswith(f"the checkpoint {saved.path} (65 tensors) does not fit the model (")
     assert re.search(r"missing from the checkpoint: blocks\.2\.attn_norm\.weight, \S+, \S+ and \d+ more$", message)
     assert len(message) < MESSAGE_LIMIT
 

@@ -20,7 +20,7 @@ import pathlib
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 import minifloat as mf
 from minifloat.cli import export as cli_export
@@ -268,6 +268,32 @@ def test_prepared_model_exports_its_stored_weights_and_static_scales(tmp_path):
     assert torch.equal(load_hf_export(tmp_path / "bf16").blocks[1].mlp.up_proj.weight, layer.dequantized_weight())
 
 
+@pytest.mark.parametrize("fmt", FP8)
+def test_a_tied_model_prepared_with_its_head_quantized_exports_that_head(tmp_path, fmt):
+    # keep_first_last=False quantizes the head of a tied Llama: hf-fp8-block raised a KeyError, hf-fp8 wrote the
+    # tie (the full-precision embedding as head) and neither the quantized head nor its name under ignored_layers
+    prepared = prepare_inference(tiny(), recipe=RECIPES[fmt], keep_first_last=False)
+    export_hf(prepared, tmp_path / "out", format=fmt, dtype="float32")
+    config = json.loads((tmp_path / "out" / hf.CONFIG_FILE).read_text())
+    assert config["tie_word_embeddings"] is False and "lm_head" not in config["quantization_config"]["ignored_layers"]
+    stored = load_file(tmp_path / "out" / hf.WEIGHTS_FILE)
+    assert stored["lm_head.weight"].dtype == torch.float8_e4m3fn
+    assert f"lm_head.{hf.FORMATS[fmt].scale_name}" in stored
+    assert torch.equal(logits(load_hf_export(tmp_path / "out")), logits(prepared))
+
+
+def test_a_per_channel_weight_scale_is_refused_in_one_line(tmp_path):
+    export_hf(tiny(), tmp_path / "out", format="hf-fp8", dtype="float32")
+    path = tmp_path / "out" / hf.WEIGHTS_FILE
+    stored = load_file(path)
+    name = "model.layers.1.self_attn.q_proj.weight_scale"
+    stored[name] = stored[name].reshape(1, 1).expand(stored[name.replace("_scale", "")].shape[0], 1).contiguous()
+    save_file(stored, path)
+    with pytest.raises(ValueError, match=rf"{name} has shape \(64, 1\), but this layout's scales are one per "
+                                         rf"tensor \(a per-channel"):
+        load_hf_export(tmp_path / "out")  # torch's "shape '[]' is invalid for input of size 64"
+
+
 # ---- run folders and static scales -----------------------------------------------------------------------------
 
 
@@ -333,6 +359,12 @@ def test_an_existing_export_is_refused_untouched_and_replaced_only_on_request(tm
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
     with pytest.raises(ValueError, match="reference Llama"):
         export_hf(torch.nn.Linear(16, 16), tmp_path / "other")
+    mine = tmp_path / "mine"  # files under an export's names, but no earlier export: overwrite replaced them
+    mine.mkdir()
+    (mine / hf.CONFIG_FILE).write_text('{"mine": 1}')
+    with pytest.raises(FileExistsError, match=f"holds {hf.CONFIG_FILE} but no {hf.WEIGHTS_FILE}, so not an earlier"):
+        export_hf(tiny(), mine, overwrite=True)
+    assert (mine / hf.CONFIG_FILE).read_text() == '{"mine": 1}'
 
 
 def test_a_run_that_kept_every_layer_in_bf16_exports_none_in_fp8(tmp_path):
@@ -567,3 +599,10 @@ def test_a_damaged_export_is_one_error_naming_the_file(tmp_path, damage):
         path.write_text("{not json")
     with pytest.raises(ValueError, match=rf"{path.name} is .*; export it again \(minifloat export --overwrite\)"):
         load_hf_export(tmp_path / "e")
+
+
+def test_a_checkpoint_that_is_an_export_names_its_reader(fp8_run, tmp_path):
+    # `minifloat generate --checkpoint EXPORT` said the checkpoint was incomplete and offered train --overwrite
+    export_hf(tiny(), tmp_path / "exp")
+    with pytest.raises(ValueError, match="is a Hugging Face export .*, not a checkpoint of the run.*load_hf_export"):
+        load_run(fp8_run, checkpoint=str(tmp_path / "exp"))

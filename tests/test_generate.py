@@ -187,6 +187,14 @@ def test_sampling_never_leaves_the_top_k():
     assert hits.any(dim=0).all()  # each rank of the top-k was drawn: the test can see a wrong mask
 
 
+def test_a_tiny_temperature_samples_the_largest_logit():
+    # logits / 1e-40 overflowed to inf and softmax gave NaN: torch's "probability tensor contains inf, nan"
+    logits = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 4
+    for top_k in (None, 5):
+        drawn = sample(logits, temperature=1e-40, top_k=top_k, generator=torch.Generator().manual_seed(1))
+        assert torch.equal(drawn, logits.argmax(dim=-1, keepdim=True))
+
+
 def test_top_1_sampling_is_greedy():
     model, prompt = _model(CONFIGS["tiny"]), _tokens(batch=2, length=PROMPT_LEN)
     greedy = generate(model, prompt, max_new_tokens=10).tokens
@@ -216,6 +224,7 @@ BAD_OPTIONS = [
     ("top_k past the vocabulary", dict(top_k=257), ["top_k", "[1, 256]", "got 257"]),
     ("top_k a float", dict(top_k=2.5), ["top_k", "got 2.5"]),
     ("negative seed", dict(seed=-1), ["seed", "got -1"]),
+    ("seed past 64 bits", dict(seed=2**70), ["seed", "2^63", "got 1180591620717411303424"]),  # torch's overflow
     ("unknown cache", dict(kv_cache="fp4"), ["kv_cache", "'fp4'"]),
     ("past max_seq_len", dict(max_new_tokens=127), ["need 129 positions", "max_seq_len=128", "at most 126 new"]),
 ]

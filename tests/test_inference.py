@@ -17,7 +17,8 @@ import minifloat as mf
 from minifloat.amp.policy import ISLAND_ATTR, PrecisionPolicy
 from minifloat.core import roles
 from minifloat.inference import storage
-from minifloat.inference.layers import inference_layers
+from minifloat.inference.export import export_hf
+from minifloat.inference.layers import Fp8InferenceLinear, inference_layers
 from minifloat.inference.quantized_io import FORMAT_VERSION
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.training.checkpoint import MANIFEST_FILE, TENSORS_FILE, save_checkpoint
@@ -315,7 +316,14 @@ DAMAGE = [
     ("untied model", lambda p: None, lambda: Llama(LlamaConfig.preset("tiny", tie_embeddings=False)),
      r"tied weights differ"),
     ("bf16 model", lambda p: None, lambda: Llama(LlamaConfig.preset("tiny")).to(torch.bfloat16),
-     r"wte\.weight: dtype torch\.float32 in the checkpoint, torch\.bfloat16 in the model"),
+     r"/q \(\d+ tensors\) does not fit the model.*wte\.weight: dtype torch\.float32 in the checkpoint, torch\.bfloat16 in the model"),
+    # getattr(torch, "nn") is a module: torch's TypeError from .to() reached the user
+    ("model dtype", _edit_config(lambda c: c["model"].update(dtype="nn")), None,
+     r"model config is malformed \(ValueError: dtype 'nn' is not a floating-point torch dtype"),
+    # the sizes match: the message named them and not the difference
+    ("prepared otherwise", lambda p: None,
+     lambda: mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling()),
+     r"quantized 'blocks\.\d\.\w+\.\w+' with another recipe or activation mode than the model's"),
 ]
 
 
@@ -329,8 +337,43 @@ def test_damaged_or_mismatched_files_raise_one_clear_line(saved, tmp_path, name,
     with pytest.raises(CheckpointError, match=pattern) as err:
         mf.load_quantized(path, model=model)
     assert "\n" not in str(err.value)
-    if model is not None:  # the model given is left as it was: no layer converted
+    if model is not None and name != "prepared otherwise":  # the model given is left as it was: none converted
         assert {n for n, _ in roles.named_linears(model)} == linears and not inference_layers(model)
+
+
+@pytest.mark.parametrize("recipe", [mf.CurrentScaling(), mf.NVFP4Scaling()], ids=["current", "nvfp4"])
+def test_a_tied_llama_with_its_head_quantized_saves_and_loads(recipe, tmp_path):
+    # keep_first_last=False quantizes the head of a tied Llama; the load tied the embedding over the head's FP8
+    # weight again and refused its own save ("tied weights differ")
+    with eager_kernels():
+        torch.manual_seed(SEED)
+        model = mf.prepare_inference(tiny_llama(), recipe=recipe, keep_first_last=False)
+        x = tokens(1)[0]
+        first = mf.save_quantized(model, tmp_path / "a")
+        loaded = mf.load_quantized(first)
+        assert torch.equal(output(loaded, x), output(model, x))
+        assert isinstance(loaded.lm_head, Fp8InferenceLinear)
+        # no generator states in the folder: the same model saves to the same bytes
+        torch.rand(3)
+        second = mf.save_quantized(loaded, tmp_path / "b")
+    for name in (TENSORS_FILE, MANIFEST_FILE):
+        assert (first / name).read_bytes() == (second / name).read_bytes()
+
+
+def test_save_never_replaces_a_training_checkpoint_and_load_names_the_folder_to_use(tmp_path):
+    save_checkpoint(tmp_path / "ckpt", model=tiny_llama())
+    before = {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()}
+    model = mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling())
+    with pytest.raises(FileExistsError, match="holds a checkpoint that save_quantized did not write"):
+        mf.save_quantized(model, tmp_path / "ckpt")  # it replaced the run's weights and optimizer state
+    assert {p.name: p.read_bytes() for p in (tmp_path / "ckpt").iterdir()} == before
+    path = mf.save_quantized(model, tmp_path / "q")
+    assert mf.save_quantized(model, path) == path  # an earlier save is replaced
+    with pytest.raises(FileNotFoundError, match="load_quantized takes its folder"):
+        mf.load_quantized(path / TENSORS_FILE)  # said the folder does not exist
+    export_hf(tiny_llama(), tmp_path / "hf")
+    with pytest.raises(CheckpointError, match="is a Hugging Face export .* read it with .*load_hf_export"):
+        mf.load_quantized(tmp_path / "hf")  # said manifest.json is missing: restore the folder from a copy
 
 
 def test_load_needs_a_quantized_folder_and_a_model_for_other_architectures(tmp_path):

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from minifloat.core.skip import grads_finite, warn_skipped
-from minifloat.core.validate import check_choice, check_int, param_groups
+from minifloat.core.validate import check_choice, check_seed, param_groups
 from minifloat.fp8 import step as fp8_steps
 from minifloat.numerics.formats import BF16, FP16
 from minifloat.numerics.quantize import cast
@@ -59,7 +59,7 @@ class LowPrecisionWeightOptimizer(torch.optim.Optimizer):
                  params: nn.Module | Iterable[nn.Parameter] | Iterable[dict[str, Any]], *,
                  update: str = "stochastic", seed: int = 0, **kwargs):
         check_choice("update", update, UPDATES)
-        check_int("seed", seed, low=0)
+        check_seed("seed", seed)
         self.update, self.seed = update, seed
         self.pairs: list[tuple[nn.Parameter, nn.Parameter]] = []  # (low-precision param, fp32 temporary)
         self.compensation: list[torch.Tensor] = []  # "kahan": per pair, in the parameter's dtype

@@ -14,7 +14,7 @@ from rich.table import Table
 
 from minifloat.cli import common
 from minifloat.core.files import write_json
-from minifloat.core.validate import check_choice, check_int
+from minifloat.core.validate import check_choice, check_int, check_seed
 
 AUDIT_BYTES = 100_000  # corpus bytes the audited batch is drawn from
 AUDIT_SEQ_LEN = 64  # bytes per sequence of the audited Llama batch (TrainConfig's default seq_len)
@@ -175,7 +175,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
     with _invalid_option():
         check_choice("preset", args.preset, sorted(PRESETS))
         check_int("batch", args.batch, low=1)
-        check_int("seed", args.seed, low=0)
+        check_seed("seed", args.seed)
     # checked before the work
     json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
     policy = PrecisionPolicy.preset(args.preset)

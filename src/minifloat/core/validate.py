@@ -32,6 +32,16 @@ def check_int(field: str, value, *, low: int | None = None, high: int | None = N
                          f"got {value!r}")
 
 
+# the largest seed: torch's generators take a 64-bit integer, and 2^63 - 1 leaves room for seeds derived from it
+MAX_SEED = 2**63 - 1
+
+
+def check_seed(field: str, value) -> None:
+    """`value` is a seed: an int in [0, MAX_SEED]."""
+    if not (isinstance(value, int) and not isinstance(value, bool) and 0 <= value <= MAX_SEED):
+        raise ValueError(f"{field} must be an int in [0, 2^63 - 1], got {value!r}")
+
+
 def check_number(field: str, value, *, low: float | None = None, high: float | None = None, low_open: bool = False,
                  high_open: bool = False, allow_none: bool = False) -> None:
     """`value` is a finite int or float (not a bool) within the bounds; `low_open` / `high_open` exclude a bound.

@@ -39,6 +39,7 @@ q/k/v and lm_head stay in high precision).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import shutil
@@ -61,7 +62,7 @@ from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
 from minifloat.core.files import apply_umask, fsync_path, write_json
 from minifloat.training.checkpoint import MANIFEST_FILE, move_into_place
-from minifloat.training.model import Llama
+from minifloat.training.model import Llama, LlamaConfig
 from minifloat.training.rundir import run_items
 from minifloat.training.sharded import is_sharded
 from minifloat.training.tokenizer import LoadedTokenizer, load_tokenizer
@@ -142,9 +143,9 @@ def _input_scales(model: Llama, fmt: hf.ExportFormat, layers: list[str], activat
                                       static=True)
         scales = {n: static_scale(a, spec.input).float().cpu().reshape(()) for n, a in amaxes.items()}
     if scales is None and activations == "static":
-        raise ValueError("static activation scales need calibration batches or a model whose FP8 layers carry "
-                         "them (trained with minifloat, or prepared with static activations); use "
-                         "activations='dynamic' otherwise")
+        raise ValueError("static activation scales need calibration batches (calibration=, or minifloat export "
+                         "--calibrate N) or a model whose FP8 layers carry them (trained in FP8 with minifloat, or "
+                         "prepared with static activations); use dynamic activations otherwise")
     return scales
 
 
@@ -169,10 +170,20 @@ def _quantized_weight(module: nn.Module, fmt: hf.ExportFormat) -> Quantized:
     return quantize(_weight(module).float().cpu(), hf.WEIGHT_FORMAT, granularity=fmt.granularity)
 
 
+def exported_config(model: Llama) -> LlamaConfig:
+    """The model's LlamaConfig as the export writes it: untied when the config ties the head to the embedding but
+    the head no longer shares its weight (prepare_inference quantized it, keep_first_last=False), so the export
+    keeps the head the model computes with."""
+    config = model.config
+    if config.tie_embeddings and getattr(model.lm_head, "weight", None) is not model.wte.weight:
+        return dataclasses.replace(config, tie_embeddings=False)
+    return config
+
+
 def hf_tensors(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str],
                input_scales: dict[str, torch.Tensor] | None) -> dict[str, torch.Tensor]:
     """model.safetensors' tensors under Hugging Face's names (see the module docstring)."""
-    config = model.config
+    config = exported_config(model)
     with torch.device("meta"):
         keys = list(Llama(config).state_dict())  # the reference Llama's own tensors: no FP8 scaling buffers
     modules = dict(model.named_modules())
@@ -201,7 +212,7 @@ def hf_tensors(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: l
 
 def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str], static: bool,
                  eot_id: int | None) -> dict:
-    config = hf.hf_config(model.config, dtype=str(dtype).removeprefix("torch."), eot_id=eot_id)
+    config = hf.hf_config(exported_config(model), dtype=str(dtype).removeprefix("torch."), eot_id=eot_id)
     if fmt.granularity is not None:
         kept = [hf.hf_name(name) for name, m in model.named_modules()
                 if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers]
@@ -243,6 +254,10 @@ def _check_out(out: Path, overwrite: bool) -> None:
     if not overwrite:
         raise FileExistsError(f"{out} exists and is not empty; choose a new path, or pass overwrite=True to replace "
                               f"the export there (other files in it stay)")
+    mine = [name for name in EXPORT_FILES if (out / name).exists()]
+    if mine and not (out / hf.WEIGHTS_FILE).is_file():  # no earlier export: the files under those names are yours
+        raise FileExistsError(f"{out} holds {', '.join(mine)} but no {hf.WEIGHTS_FILE}, so not an earlier export, and "
+                              f"overwrite replaces only an export's files; move them, or choose another folder")
 
 
 def _put_in_place(tmp: Path, out: Path) -> None:

@@ -33,7 +33,7 @@ from collections.abc import Sequence
 import torch
 
 from minifloat.core.rng import restoring_rng
-from minifloat.core.validate import check_choice, check_int, check_number
+from minifloat.core.validate import check_choice, check_int, check_number, check_seed
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, MXScaling, Recipe
 from minifloat.inference.runs import load_run
 from minifloat.inference.kvcache import KV_DTYPES, KVCache
@@ -114,7 +114,7 @@ def check_sampling(*, max_new_tokens: int, temperature: float, top_k: int | None
     check_int("max_new_tokens", max_new_tokens, low=1)
     check_number("temperature", temperature, low=0.0)
     check_int("top_k", top_k, low=1, high=vocab_size, allow_none=True)
-    check_int("seed", seed, low=0)
+    check_seed("seed", seed)
     check_choice("kv_cache", kv_cache, list(KV_DTYPES))
 
 
@@ -125,7 +125,9 @@ def sample(logits: torch.Tensor, *, temperature: float, top_k: int | None,
     logits = logits.float()  # the softmax sums vocab_size exponentials: fp32 (the library's rule)
     if temperature == 0:
         return logits.argmax(dim=-1, keepdim=True)
-    logits = logits / temperature
+    # the largest logit first (as softmax would): a tiny temperature then divides 0 and negatives, never overflowing
+    # the largest to inf (inf - inf = NaN in softmax)
+    logits = (logits - logits.amax(dim=-1, keepdim=True)) / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         values, indices = torch.topk(logits, top_k, dim=-1)  # (B, k)
         logits = torch.full_like(logits, -math.inf).scatter(-1, indices, values)

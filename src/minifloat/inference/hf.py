@@ -91,8 +91,8 @@ FORMATS = {f.name: f for f in (
     # activation_scale); one file cannot hold both, as vLLM's Llama loader fails on a tensor it has no parameter for
     ExportFormat("hf-fp8", Granularity.TENSOR, "weight_scale", Granularity.ROW, True,
                  _FP8 + (("weight_block_size", None),),
-                 transformers_misreads="transformers (5.24, CPU) ignores weight_scale / input_scale (its per-tensor "
-                                       "names are weight_scale_inv / activation_scale) and loads the FP8 values "
+                 transformers_misreads="transformers (5.24, CPU) ignores weight_scale and any input_scale (its "
+                                       "names for them are weight_scale_inv / activation_scale) and loads the FP8 values "
                                        "unscaled, without an error: serve hf-fp8 with vLLM or read it with "
                                        "load_hf_export; for transformers export hf or hf-fp8-block"),
     ExportFormat("hf-fp8-block", Granularity.BLOCK, "weight_scale_inv", Granularity.TILE, False,
@@ -298,6 +298,7 @@ def read_hf_export(path: str | os.PathLike) -> HfExport:
     for key, tensor in raw.items():
         layer, _, leaf = key.rpartition(".")
         if fmt.granularity is not None and leaf == "input_scale":
+            _check_scale_shape(path, key, tensor, ())
             input_scales[layer] = tensor.float().reshape(())
         elif fmt.granularity is not None and leaf == fmt.scale_name:
             continue  # read with its weight
@@ -305,6 +306,8 @@ def read_hf_export(path: str | os.PathLike) -> HfExport:
             if f"{layer}.{fmt.scale_name}" not in raw:
                 raise ValueError(f"{path / WEIGHTS_FILE}: {hf_name(key)} is FP8 but has no {fmt.scale_name}")
             scale = raw[f"{layer}.{fmt.scale_name}"].float()
+            blocks = () if fmt.granularity == "tensor" else tuple(-(-d // TILE) for d in tensor.shape)
+            _check_scale_shape(path, f"{layer}.{fmt.scale_name}", scale, blocks)
             quantized[layer] = Quantized(tensor, scale.reshape(()) if fmt.granularity == "tensor" else scale,
                                          WEIGHT_FORMAT, fmt.granularity)
         else:
@@ -312,6 +315,14 @@ def read_hf_export(path: str | os.PathLike) -> HfExport:
     if input_scales and set(input_scales) != set(quantized):
         raise ValueError(f"{path / WEIGHTS_FILE}: static input scales for some FP8 layers only")
     return HfExport(config, fmt, tensors, quantized, input_scales)
+
+
+def _check_scale_shape(path: Path, key: str, scale: torch.Tensor, shape: tuple[int, ...]) -> None:
+    """A scale of the layout's shape: () per tensor (a 1-element tensor too), else one per 128×128 block."""
+    if tuple(scale.shape) != shape and not (shape == () and scale.numel() == 1):
+        what = "one per tensor" if shape == () else f"one per 128×128 block, {tuple(shape)}"
+        raise ValueError(f"{path / WEIGHTS_FILE}: {hf_name(key)} has shape {tuple(scale.shape)}, but this layout's "
+                         f"scales are {what} (a per-channel or other layout minifloat does not read)")
 
 
 def load_hf_export(path: str | os.PathLike, *, fp8: bool = True) -> Llama:

@@ -99,7 +99,19 @@ def save_quantized(model: nn.Module, path: str | os.PathLike) -> Path:
                 raise FileExistsError(f"{p} is a file; save_quantized writes a folder (tensors.safetensors, "
                                       f"manifest.json): choose a new path or a folder")
             break
-    return save_checkpoint(directory, model=model, extra={CONFIG_KEY: config})
+    if (directory / MANIFEST_FILE).exists() and not _holds_saved_model(directory):
+        raise FileExistsError(f"{directory} holds a checkpoint that save_quantized did not write (a training run's?); "
+                              f"it replaces only an earlier save_quantized folder: choose a new path")
+    return save_checkpoint(directory, model=model, extra={CONFIG_KEY: config}, rng=False)
+
+
+def _holds_saved_model(directory: Path) -> bool:
+    """Whether `directory`'s manifest is a save_quantized one (which a new save may replace)."""
+    try:
+        config = checkpoint_extra(directory).get(CONFIG_KEY)
+    except (OSError, CheckpointError):
+        return False
+    return isinstance(config, dict) and config.get("format") == FORMAT
 
 
 def _read_config(directory: Path) -> tuple[dict, dict[str, tuple[int, int, bool, LayerSpec, Recipe | None]]]:
@@ -137,6 +149,8 @@ def _rebuild(directory: Path, config: dict) -> nn.Module:
     try:
         llama_config = LlamaConfig(**saved["llama_config"])
         dtype = getattr(torch, saved["dtype"])
+        if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+            raise ValueError(f"dtype {saved['dtype']!r} is not a floating-point torch dtype")
     except (TypeError, ValueError, AttributeError) as err:
         raise CheckpointError(f"{directory / MANIFEST_FILE} is corrupt: its model config is malformed "
                               f"({type(err).__name__}: {err})") from None
@@ -153,7 +167,11 @@ def _convert(model: nn.Module, layers: dict, where: Path) -> list[tuple[nn.Modul
         except AttributeError:
             raise CheckpointError(f"{where} quantized a layer {name!r}, which the {type(model).__name__} given lacks"
                                   ) from None
-        if isinstance(module, Fp8InferenceLinear) and module.spec == spec:
+        if isinstance(module, Fp8InferenceLinear) and module.spec != spec:
+            raise CheckpointError(f"{where} quantized {name!r} with another recipe or activation mode than the "
+                                  f"model's {name!r} was prepared with; pass an unprepared instance of the "
+                                  f"architecture (or none, for minifloat's Llama)")
+        if isinstance(module, Fp8InferenceLinear):
             shape_ok = (module.in_features, module.out_features, module.bias is not None) == (n_in, n_out, bias)
         else:
             shape_ok = isinstance(module, nn.Linear) and (module.in_features, module.out_features,
@@ -189,10 +207,15 @@ def load_quantized(path: str | os.PathLike, model: nn.Module | None = None) -> n
             (missing, extra, reshaped or retyped tensors); `model` is then left as it was.
     """
     directory = Path(path)
-    if directory.name == MANIFEST_FILE and directory.is_file():
+    if directory.is_file() and (directory.parent / MANIFEST_FILE).is_file():
         raise FileNotFoundError(f"{directory} is a file of the saved model: load_quantized takes its folder, "
                                 f"{directory.parent}")
     check_module("load_quantized", model, allow_none=True)
+    if not (directory / MANIFEST_FILE).exists() and (directory / "config.json").is_file() \
+            and (directory / "model.safetensors").is_file():
+        raise CheckpointError(f"{directory} is a Hugging Face export (config.json, model.safetensors), not a "
+                              f"save_quantized folder; read it with minifloat.inference.load_hf_export, or with "
+                              f"transformers")
     try:
         return _load_quantized(directory, model)
     except CheckpointError as err:  # the training checkpoint's fix does not apply to a saved inference model
@@ -214,7 +237,9 @@ def _load_quantized(directory: Path, model: nn.Module | None) -> nn.Module:
     undo = _convert(model, layers, directory / MANIFEST_FILE)
     if rebuilt:
         model = model.to_empty(device="cpu")
-        if model.config.tie_embeddings:  # to_empty makes new Parameters off the meta device: tie them again
+        # to_empty makes new Parameters off the meta device: tie them again, unless the head was quantized (its
+        # own FP8 weight: prepare_inference(keep_first_last=False) untied it)
+        if model.config.tie_embeddings and isinstance(model.lm_head, nn.Linear):
             model.lm_head.weight = model.wte.weight
     try:
         load_checkpoint(directory, model=model, restore_rng=False)

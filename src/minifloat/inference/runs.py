@@ -14,7 +14,7 @@ import torch
 
 from minifloat.core.rng import restoring_rng
 from minifloat.core.validate import check_int
-from minifloat.training.checkpoint import load_checkpoint
+from minifloat.training.checkpoint import MANIFEST_FILE, load_checkpoint
 from minifloat.training.config import SETTINGS, TrainConfig, recorded
 from minifloat.training.data import load_corpus, val_batches
 from minifloat.training.loop import build
@@ -34,6 +34,10 @@ def run_checkpoint(run: str | os.PathLike, checkpoint: str = "latest") -> Path:
     inside = run / (CHECKPOINT_DIR if checkpoint == "latest" else checkpoint)
     for ckpt in (inside, Path(checkpoint)) if checkpoint != "latest" else (inside,):
         if ckpt.is_dir():
+            if (ckpt / "config.json").is_file() and not (ckpt / MANIFEST_FILE).exists():
+                raise ValueError(f"{ckpt} is a Hugging Face export (config.json), not a checkpoint of the run; name "
+                                 f"a checkpoint folder the run wrote, or read the export with "
+                                 f"minifloat.inference.load_hf_export")
             return ckpt
     raise FileNotFoundError(f"{run} has no checkpoint {checkpoint!r} (no folder {inside}); train the run first "
                             f"or name a checkpoint folder")

@@ -23,7 +23,7 @@ import math
 
 import torch
 
-from minifloat.core.validate import check_int
+from minifloat.core.validate import check_int, check_seed
 from minifloat.numerics.compiling import maybe_compile
 
 RHT_BLOCK = 16  # arXiv 2509.25149 §4.3: 16×16 transforms, matching NVFP4's 16-element blocks
@@ -55,7 +55,7 @@ def _hadamard_tensor(n: int, dtype: torch.dtype, device: torch.device | None) ->
 
 def rht_signs(seed: int, n: int = RHT_BLOCK) -> torch.Tensor:
     """n random signs (±1.0, float32) drawn from a CPU generator seeded with `seed`: the same on every machine."""
-    check_int("seed", seed, low=0)
+    check_seed("seed", seed)
     check_int("n", n, low=1)
     generator = torch.Generator().manual_seed(seed)
     # device="cpu": the signs are real numbers also under a `torch.device("meta")` default

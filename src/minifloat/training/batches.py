@@ -15,7 +15,7 @@ from collections.abc import Iterator, Sequence
 
 import torch
 
-from minifloat.core.validate import check_int
+from minifloat.core.validate import check_int, check_seed
 
 # ids stored as int16 / int32 are the bit patterns of uint16 / uint32 ids: torch reads them as signed integers, and
 # `int64 & mask` gives back the unsigned value (0xFFFF read as int16 is -1; -1 & 0xFFFF = 65535)
@@ -148,7 +148,7 @@ class BatchLoader:
         if set(state) != {"position", "seed"}:
             raise ValueError(f"state must have exactly the keys 'position' and 'seed', got {sorted(state)}")
         check_int("position", state["position"], low=0)
-        check_int("seed", state["seed"], low=0)
+        check_seed("seed", state["seed"])
         self.position, self.seed = state["position"], state["seed"]
 
 

@@ -117,7 +117,7 @@ def _sha256(path: Path) -> str:
 
 def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer | None = None,
                     scaler=None, guard=None, loader=None, extra: Mapping[str, Any] | None = None,
-                    files: Mapping[str, bytes] | None = None) -> Path:
+                    files: Mapping[str, bytes] | None = None, rng: bool = True) -> Path:
     """Write the training state to `directory` (created, or an earlier checkpoint there replaced) atomically.
 
     Args:
@@ -128,6 +128,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         scaler, guard, loader: a LossScaler, StepGuard and BatchLoader (anything with a plain-data state_dict()).
         extra: JSON-able metadata (step, config, data manifest, ...), returned by `load_checkpoint`.
         files: more files to write into the checkpoint as they are, name -> bytes (`check_carried`).
+        rng: save the python, torch and numpy generators' states (a training run's resume needs them; a model saved
+            for inference does not, and without them the same model saves to the same bytes).
     Returns:
         The checkpoint directory.
     Raises:
@@ -144,7 +146,7 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         "optimizer_type": type(optimizer).__qualname__ if optimizer is not None else None,
         **{name: encode(obj.state_dict(), name, table) if obj is not None else None
            for name, obj in zip(_STATEFUL, (scaler, guard, loader))},
-        "rng": encode(rng_state(), "rng", table),
+        "rng": encode(rng_state() if rng else {}, "rng", table),
         "extra": encode(dict(extra or {}), "extra", table),
     }
     if directory.exists() and not (directory / MANIFEST_FILE).is_file() and any(directory.iterdir()):
@@ -269,7 +271,7 @@ def _read(directory: Path) -> tuple[dict, dict[str, torch.Tensor]]:
     return manifest, tensors
 
 
-def _check_model(model: nn.Module, manifest: dict, state: Mapping[str, torch.Tensor]) -> None:
+def _check_model(model: nn.Module, manifest: dict, state: Mapping[str, torch.Tensor], directory: Path) -> None:
     """Raise CheckpointError naming the first few missing, unexpected, reshaped, retyped or differently tied keys."""
     own = model.state_dict()
     missing, unexpected = [k for k in own if k not in state], [k for k in state if k not in own]
@@ -283,8 +285,8 @@ def _check_model(model: nn.Module, manifest: dict, state: Mapping[str, torch.Ten
     if not missing and not unexpected and saved_ties != own_ties:
         problems.append(f"tied weights differ: {saved_ties} in the checkpoint, {own_ties} in the model")
     if problems:
-        raise CheckpointError(f"the checkpoint ({len(state)} tensors) does not fit the model ({len(own)}): "
-                              + "; ".join(problems))
+        raise CheckpointError(f"the checkpoint {directory} ({len(state)} tensors) does not fit the model "
+                              f"({len(own)}): " + "; ".join(problems))
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, saved_type: str | None, state: Mapping[str, Any]) -> None:
@@ -337,7 +339,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
     with _malformed(f"the checkpoint {directory}"):
         manifest, tensors = _read(directory)
         model_state = {key: tensors[name] for key, name in manifest["model"].items()}
-        _check_model(model, manifest, model_state)
+        _check_model(model, manifest, model_state, directory)
         if absent := [name for name, obj in given.items() if obj is not None and manifest[name] is None]:
             raise CheckpointError(f"{directory} holds no {absent[0]} state, but a {absent[0]} was given to restore")
         states = {name: decode(manifest[name], tensors) for name, obj in given.items() if obj is not None}
@@ -345,7 +347,7 @@ def load_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
             _check_optimizer(optimizer, manifest["optimizer_type"], states["optimizer"])
         if scaler is not None and scaler.is_enabled() and not states["scaler"]:
             raise CheckpointError(f"{directory} holds a disabled loss scaler's state; the scaler given is enabled")
-        rng = decode(manifest["rng"], tensors) if restore_rng else None
+        rng = (decode(manifest["rng"], tensors) or None) if restore_rng else None  # {}: saved without (rng=False)
         extra = decode(manifest["extra"], tensors)
 
     # Apply. Generators and small stateful objects validate as they load, so they go first, as (load, saved state,

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from minifloat.core.validate import check_choice, check_int, check_number
+from minifloat.core.validate import check_choice, check_int, check_number, check_seed
 from minifloat.fp8 import telemetry
 from minifloat.fp8.convert import convert
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling, DelayedScaling, MXScaling
@@ -78,7 +78,7 @@ class DemoConfig:
     def __post_init__(self):
         check_int("steps", self.steps, low=1)
         check_int("batch", self.batch, low=1)
-        check_int("seed", self.seed, low=0)
+        check_seed("seed", self.seed)
         check_number("lr", self.lr, low=0, low_open=True)
         if not isinstance(self.variants, tuple) or not self.variants:
             raise ValueError(f"variants must be a non-empty tuple of names from {list(VARIANTS)}, "

@@ -10,7 +10,7 @@ import dataclasses
 import re
 import typing
 
-from minifloat.core.validate import check_bool, check_choice, check_int, check_number
+from minifloat.core.validate import check_bool, check_choice, check_int, check_number, check_seed
 from minifloat.numerics.stateformats import StateFormat
 from minifloat.safety.shadow import ShadowConfig
 from minifloat.training.model import SIZES
@@ -100,7 +100,7 @@ class ModelData:
         check_choice("model", self.model, list(SIZES))
         for field in ("batch_size", "seq_len", "grad_accum"):
             check_int(field, getattr(self, field), low=1)
-        check_int("seed", self.seed, low=0)
+        check_seed("seed", self.seed)
         if self.seq_len > SIZES[self.model].max_seq_len:
             raise ValueError(f"seq_len must be <= {SIZES[self.model].max_seq_len} (max_seq_len of model "
                              f"{self.model!r}), got {self.seq_len!r}")
