@@ -663,3 +663,23 @@ def test_flop_counter_counts_an_fp8_layer_as_its_linear(name, recipe):
         counts.append(counter.get_total_flops())
     assert counts[0] == 3 * 2 * 64 * 256 * 384
     assert counts[1] == counts[0], counts
+
+
+def test_a_tensor_parallel_layer_hits_its_weight_cache_whatever_the_weights_address():
+    # under FSDP2 each micro-batch gathers the weight into a buffer at the allocator's address, rank by rank: keyed
+    # by address, one rank hit the cache and skipped the weight's amax all-reduce while another ran it (gloo aborted
+    # fsdp+tp with current scaling and grad_accum 2). A TP layer's cache keys by version and shape, so every rank
+    # hits or misses together; an unsharded layer still misses on a new storage (a .data swap)
+    calls = []
+    for sharded in (True, False):
+        torch.manual_seed(0)
+        layer = mf.Fp8Linear(64, 64, recipe=mf.CurrentScaling())
+        if sharded:
+            layer.amax_reduce = lambda amax: calls.append(amax) or amax  # a one-rank group's MAX all-reduce
+        x = torch.randn(16, 64)
+        first = layer(x)
+        layer.weight.data = layer.weight.data.clone()  # the same values gathered elsewhere
+        hit = layer._weights.peek("fprop", layer.weight, layer.fp8_state.generation)
+        assert (hit is not None) == sharded
+        assert torch.equal(layer(x), first)
+    assert len(calls) == 3  # input, weight, then input again: the second forward's weight came from the cache

@@ -47,17 +47,28 @@ class WeightCache:
     is keyed by the weight's version counter and storage (an optimizer step, `load_state_dict` or a `.data`
     swap invalidate it) and the casting options; `clear()` runs at every FP8 step, when delayed scales change.
     Compiled graphs do not use it (the cast is part of the graph; keying on Python state would add guards).
+
+    `by_storage` False keys by version, dtype, device and shape alone, for a tensor-parallel layer
+    (`LayerCaster.amax_reduce`): a miss there runs a collective (the whole weight's amax), so every rank must miss
+    together, and under FSDP2 each micro-batch gathers the weight into a buffer whose address is the allocator's,
+    rank by rank (a hit on one rank and a miss on another deadlocked the group). Its weights change within an FP8
+    step only by in-place updates, which bump the version.
     """
 
     def __init__(self):
         self._entries: dict[str, tuple[tuple, Quantized]] = {}
+        self.by_storage = True
+
+    def _identity(self, weight: torch.Tensor) -> tuple:
+        where = weight.data_ptr() if self.by_storage else tuple(weight.shape)
+        return weight._version, where, weight.dtype, weight.device
 
     def get(self, kind: str, weight: torch.Tensor, options: tuple, make: Callable[[], Quantized]
             ) -> tuple[Quantized, bool]:
         """(the cast, whether it came from the cache)."""
         if torch.compiler.is_compiling():
             return make(), False
-        key = (weight._version, weight.data_ptr(), weight.dtype, weight.device, options)
+        key = (*self._identity(weight), options)
         entry = self._entries.get(kind)
         if entry is not None and entry[0] == key:
             return entry[1], True
@@ -72,7 +83,7 @@ class WeightCache:
         entry = self._entries.get(kind)
         if entry is None:
             return None
-        same_weight = entry[0][:4] == (weight._version, weight.data_ptr(), weight.dtype, weight.device)
+        same_weight = entry[0][:4] == self._identity(weight)
         return entry[1] if same_weight and entry[0][4][-1] == generation else None
 
     def clear(self) -> None:

@@ -200,6 +200,8 @@ class Fp8Linear(nn.Linear):
         # emptied at each FP8 step) and generation dynamo would otherwise guard on, recompiling the next steps
         compiling = torch.compiler.is_compiling()
         weights = self._weights if self.cache_weight and not compiling else None
+        if weights is not None:  # a TP layer's cache hits on every rank or none (WeightCache)
+            weights.by_storage = self.amax_reduce is None
         # nor does a compiled graph read the layer's name (messages and telemetry only): dynamo would guard on the
         # string, and the blocks of a model compiled one by one (regional compilation) would each compile again
         name = "" if compiling else self.fp8_name
