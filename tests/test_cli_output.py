@@ -87,6 +87,24 @@ def test_ctrl_c_before_the_command_starts_is_one_line(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "minifloat: error: interrupted"
 
 
+def test_ctrl_c_while_a_rank_imports_torch_is_one_line(monkeypatch, capsys):
+    # a rank (`python -m minifloat.train`, what --nproc starts) imported torch before anything caught Ctrl-C
+    import builtins
+
+    import minifloat.train as rank
+
+    real = builtins.__import__
+
+    def interrupted(name, *args, **kwargs):
+        if name == "torch.distributed":
+            raise KeyboardInterrupt
+        return real(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", interrupted)
+    assert rank.run(["--steps", "3"]) == 130
+    assert capsys.readouterr().err.strip() == "minifloat: error: interrupted"
+
+
 def test_help_imports_no_command_module():
     """`minifloat --help` lists the commands without building their options, whose defaults come from modules that
     import torch, matplotlib or transformers; and `import minifloat` imports its public names on first use, so neither

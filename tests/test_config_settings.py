@@ -351,7 +351,9 @@ def test_an_override_equal_to_the_presets_value_resumes():
     saved = TrainConfig(preset="fp8-delayed").flat()
     for given in (dict(fp8_margin=0), dict(fp8_format="hybrid"), dict(fp8_amax_history_len=16)):
         TrainConfig(preset="fp8-delayed", steps=saved["steps"] + 1, **given).check_resume(saved, 3, where="ckpt")
-    with pytest.raises(ValueError, match="resume without --fp8-margin \\(the preset's\\)"):
+    # and the line said "was trained with --fp8-margin None"
+    with pytest.raises(ValueError, match="trained without --fp8-margin \\(the preset's\\), this run asks for 2.* "
+                                         "resume without --fp8-margin \\(the preset's\\)"):
         TrainConfig(preset="fp8-delayed", steps=saved["steps"] + 1, fp8_margin=2).check_resume(saved, 3, where="ckpt")
     again = TrainConfig(preset="fp8-delayed", fp8_margin=0).flat()  # and back: the explicit record, no flag given
     TrainConfig(preset="fp8-delayed", steps=again["steps"] + 1).check_resume(again, 3, where="ckpt")

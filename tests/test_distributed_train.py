@@ -219,8 +219,22 @@ def test_cli_launches_ranks_rank_0_writes(cli_run):
     assert read_extra(out / "ckpt")["step"] == 2
 
 
+def test_a_sharded_checkpoint_without_its_state_names_that_file(cli_run, tmp_path):
+    # it was taken for a single-file checkpoint and reported "manifest.json is missing", a file it never has
+    import shutil
+
+    from minifloat.training.jsonstate import CheckpointError
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(cli_run / "ckpt", ckpt)
+    (ckpt / "state.json").unlink()
+    assert is_sharded(ckpt)
+    with pytest.raises(CheckpointError, match=r"state\.json is missing; .* holds shard files but is not a complete"):
+        read_extra(ckpt)
+
+
 @pytest.mark.parametrize("damage", ["truncated", "missing"])
-def test_a_damaged_shard_is_one_error_naming_the_fix(cli_run, tmp_path, damage):
+def test_a_damaged_shard_is_one_error_naming_the_fix(cli_run, tmp_path, damage, caplog):
     """A truncated or deleted shard file ended a resume in DCP's tracebacks (its CheckpointException is a
     BaseException, which no `except Exception` caught): now one CheckpointError line with the fix."""
     import shutil
@@ -242,6 +256,9 @@ def test_a_damaged_shard_is_one_error_naming_the_fix(cli_run, tmp_path, damage):
         load_sharded(ckpt, model=run.model, optimizer=run.optimizer)
     line = str(caught.value)
     assert line.endswith(CHECKPOINT_FIX) and "\n" not in line and "Traceback" not in line
+    assert " ...)" in line or len(line.split("(", 1)[1].split(")")[0]) < 100  # the cause cut at a word, if at all
+    # DCP's loader logs "Global metadata is not found" with a traceback to the root logger: none of it reaches you
+    assert not [r for r in caplog.records if "distributed/checkpoint" in r.pathname]
     assert len(line) - len(str(ckpt)) < 310  # within the CLI's 400 characters for a path of up to 90
 
 
@@ -343,6 +360,8 @@ def test_cli_fsdp_tp_current_scaling_accumulates_as_one_process(tmp_path):
 
 @pytest.mark.parametrize("fields, words", [
     (dict(nproc=3, parallel="fsdp+tp", tp_size=2), ["nproc is 3", "--tp-size"]),
+    # said "choose a --tp-size dividing it", which no size of 2 or more does
+    (dict(nproc=1, parallel="fsdp+tp", tp_size=2), ["nproc is 1", "add --nproc N (a multiple of 2)"]),
     (dict(nproc=4, parallel="fsdp+tp", tp_size=2, seq_len=33), ["seq_len is 33"]),
 ])
 def test_fsdp_tp_config_is_checked(tmp_path, fields, words):
@@ -400,3 +419,12 @@ def test_compiled_blocks_train_as_eager_across_ranks(tmp_path, one_process, para
     one process does eagerly on the same global batch (to LOSS_RTOL), and keep identical FP8 scaling state. FSDP2's
     per-block gathers are module hooks, outside the compiled forwards (minifloat.training.compiled)."""
     _trains_as_one_process(tmp_path, one_process, parallel=parallel, compile=True)
+
+
+def test_an_os_error_on_a_rank_names_the_option(tmp_path):
+    # a rank's OSError reached the launcher as Python words it: "rank 0 of 2: [Errno 20] Not a directory: '.../run'"
+    (tmp_path / "afile").write_text("mine")
+    done = _cli(*FLAGS, "--steps", "1", "--nproc", "2", "--out", str(tmp_path / "afile" / "run"))
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert f"--out {tmp_path / 'afile' / 'run'}: Not a directory" in done.stderr and "Errno" not in done.stderr
+    assert (tmp_path / "afile").read_text() == "mine"

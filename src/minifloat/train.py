@@ -14,8 +14,15 @@ GLOBAL_FLAGS = ("-v", "--verbose", "--debug")
 
 
 def run(argv: list[str]) -> int:
-    """Run `minifloat train` with `argv`, then leave the process group the run joined."""
-    import torch.distributed as dist
+    """Run `minifloat train` with `argv`, then leave the process group the run joined. Ctrl-C while torch imports
+    (the first seconds of a rank) is one line and status 130, as for `minifloat` itself."""
+    try:
+        import torch.distributed as dist
+    except KeyboardInterrupt:
+        if "--debug" in argv:
+            raise
+        print("minifloat: error: interrupted", file=sys.stderr)
+        return 130
 
     try:
         return main([*(a for a in argv if a in GLOBAL_FLAGS), "train", *(a for a in argv if a not in GLOBAL_FLAGS)])

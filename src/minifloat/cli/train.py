@@ -94,10 +94,11 @@ def launch_argv(args: argparse.Namespace, config) -> list[str]:
     return argv + ["--nproc", str(config.nproc), "--parallel", config.parallel]
 
 
-def run_rank(config):
+def run_rank(config, args: argparse.Namespace):
     """This process's rank of a multi-process run (started by torchrun): rank 0 logs as one process would, the
-    others log errors only. A rank started by `minifloat train --nproc` hands its error to the launcher."""
-    from minifloat.cli import USER_ERRORS, one_line
+    others log errors only. A rank started by `minifloat train --nproc` hands its error to the launcher, worded as
+    one process words it (an OS error names the option whose path it is about, options spelt as flags)."""
+    from minifloat.cli import USER_ERRORS, flags_of, one_line, os_error_line, with_flags
     from minifloat.training.loop import train
 
     if int(os.environ.get("RANK", "0")) != 0:
@@ -105,7 +106,9 @@ def run_rank(config):
     try:
         return train(config)
     except USER_ERRORS as err:
-        if report_rank_error(one_line(err), 2):
+        flags = flags_of(args)
+        line = os_error_line(err, args, flags) if isinstance(err, OSError) else one_line(err)
+        if report_rank_error(with_flags(line, flags), 2):
             raise SystemExit(2) from None
         raise
     except Exception as err:
@@ -137,7 +140,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         if message is not None:
             raise common.CliError(message, status=status)
         return status  # 0, or the status of a stop on SIGINT / SIGTERM (rank 0 printed its line)
-    result = run_rank(config) if config.parallel is not None else train(config)
+    result = run_rank(config, args) if config.parallel is not None else train(config)
     if int(os.environ.get("RANK", "0")) != 0:
         return 0
     if result.stopped_by:

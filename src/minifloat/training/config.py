@@ -206,7 +206,7 @@ class TrainConfig:
                 flag, spelt = "--" + field.replace("_", "-"), _as_flag(field, was)
                 asked = _as_flag(field, getattr(self, field))
                 fix = f"without {flag} (the preset's)" if was is None else f"with {flag} {spelt}"
-                raise ValueError(f"the checkpoint at {where} was trained with {flag} {spelt}, this run asks for "
+                raise ValueError(f"the checkpoint at {where} was trained {fix}, this run asks for "
                                  f"{asked}: that {consequence}, so it would not continue the same run; resume {fix}, "
                                  f"or start a new run elsewhere")
         if self.steps <= saved_step:

@@ -230,6 +230,10 @@ class Parallelism:
         if self.nproc > 1 and self.parallel is None:
             raise ValueError(f"nproc={self.nproc} ranks need parallel ddp or fsdp, got parallel=None")
         check_int("tp_size", self.tp_size, low=2)
+        if self.parallel == "fsdp+tp" and self.nproc == 1:
+            raise ValueError(f"fsdp+tp splits nproc over tensor-parallel groups of --tp-size {self.tp_size} ranks, "
+                             f"but nproc is 1: add --nproc N (a multiple of {self.tp_size}), or launch the ranks "
+                             f"with torchrun")
         if self.parallel == "fsdp+tp" and self.nproc % self.tp_size:
             raise ValueError(f"fsdp+tp splits nproc over tensor-parallel groups of --tp-size {self.tp_size} ranks, "
                              f"but nproc is {self.nproc}: choose a --tp-size dividing it")

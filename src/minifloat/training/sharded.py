@@ -43,7 +43,7 @@ from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.version import __version__
 from minifloat.optim.blockwise import BlockwiseOptimizer
 from minifloat.core.files import fsync_path, write_json
-from minifloat.training.checkpoint import (CHECKPOINT_FIX, add_files, check_carried, checkpoint_extra,
+from minifloat.training.checkpoint import (CHECKPOINT_FIX, MANIFEST_FILE, add_files, check_carried, checkpoint_extra,
                                           move_into_place)
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
 from minifloat.training.parallel import World, barrier
@@ -57,8 +57,12 @@ _STATEFUL = ("scaler", "guard", "loader")  # objects with plain-data state_dict(
 
 
 def is_sharded(directory: str | os.PathLike) -> bool:
-    """Whether `directory` holds a sharded (multi-process) checkpoint rather than a single-file one."""
-    return (Path(directory) / STATE_FILE).is_file()
+    """Whether `directory` holds a sharded (multi-process) checkpoint rather than a single-file one: its state.json,
+    or (that lost) its shard files and no single-file manifest, so a damaged one is named as what it is."""
+    directory = Path(directory)
+    if (directory / STATE_FILE).is_file():
+        return True
+    return not (directory / MANIFEST_FILE).exists() and any(directory.glob("shard-*.safetensors"))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -195,6 +199,9 @@ def save_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
 
 def _read_state(directory: Path) -> dict:
     path = directory / STATE_FILE
+    if not path.is_file():
+        raise CheckpointError(f"{path} is missing; {directory} holds shard files but is not a complete sharded "
+                              f"checkpoint; {CHECKPOINT_FIX}")
     try:
         state = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
@@ -221,7 +228,19 @@ def _first_failure(err: BaseException) -> str:
     if isinstance(inner, tuple) and inner and isinstance(inner[0], BaseException):  # (exception, its traceback)
         inner = inner[0]
     text = str(inner).strip().splitlines()[-1] if str(inner).strip() else ""
-    return f"{type(inner).__name__}: {text}"[:100]
+    line = f"{type(inner).__name__}: {text}"
+    return line if len(line) <= FAILURE_CHARS else line[:FAILURE_CHARS].rsplit(" ", 1)[0] + " ..."
+
+
+FAILURE_CHARS = 100  # of the cause quoted in a failed load's one line, cut at a word
+
+
+class _DcpRootRecords(logging.Filter):
+    """Drops what torch.distributed.checkpoint logs to the root logger (its loader's "Global metadata is not found"
+    and its traceback): the failed load's CheckpointError says it in one line."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return "distributed/checkpoint" not in record.pathname.replace("\\", "/")
 
 
 def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -252,6 +271,8 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
         raise CheckpointError(f"tied weights differ: {state['aliases']} in the checkpoint, {aliases} in the model")
     dcp_log = logging.getLogger("torch.distributed.checkpoint")
     level, dcp_log.level = dcp_log.level, logging.CRITICAL  # its warnings (with tracebacks) say what the error does
+    root_filter = _DcpRootRecords()
+    logging.getLogger().addFilter(root_filter)  # some of its modules log to the root logger instead
     try:
         with warnings.catch_warnings():  # DCP warns that one process loads; that is the point here
             warnings.filterwarnings("ignore", message="torch.distributed is disabled")
@@ -262,6 +283,7 @@ def load_sharded(directory: str | os.PathLike, *, model: nn.Module, optimizer: t
                               f"missing or damaged, or it is another model's; {CHECKPOINT_FIX}") from None
     finally:
         dcp_log.level = level
+        logging.getLogger().removeFilter(root_filter)
     model_state = {**tensors["model"], **{alias: tensors["model"][key] for alias, key in aliases.items()}}
     # the optimizer has its state already (_tensor_state), so this runs no optimizer step and no FP8 step
     set_state_dict(model, optimizer, model_state_dict=model_state,
