@@ -161,4 +161,9 @@ def apply_2d(model: nn.Module, mesh: DeviceMesh, plan: dict, *, units: Iterable[
         The model, parallelized in place.
     """
     apply_tensor_parallel(model, mesh[tp_dim], plan)
+    if hasattr(mesh, "_flatten"):  # a reduction over both dims (the gradient norm) is then one all-reduce, not two
+        try:  # in sequence, which DTensor warns about at every run; private API: the model works without it
+            mesh[(dp_dim, tp_dim)]._flatten()
+        except (RuntimeError, ValueError, NotImplementedError):
+            pass
     return shard(model, mesh=mesh[dp_dim], units=units, param_dtype=param_dtype)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import warnings
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
@@ -66,6 +67,9 @@ def build(config: TrainConfig, device: torch.device | None = None, world: World 
         shard(model)  # before the optimizer: fully_shard replaces the parameters by their shards
     elif world.parallel is Parallel.FSDP_TP:
         llama_2d(model, init_device_mesh(device.type, (world.data_size, world.tp), mesh_dim_names=("dp", "tp")))
+        # the replicated logits come back from the TP head as a view, which FSDP2 warns could lose its backward hook
+        # under an in-place op; the trainer makes none on the model's outputs
+        warnings.filterwarnings("ignore", message=r"FSDP2-wrapped module \(\w+\) returned a view tensor")
     stability = StabilityConfig(embedding_grad_alpha=config.embedding_grad_alpha, max_grad_norm=config.grad_clip,
                                 weight_decay=config.weight_decay)
     if config.embedding_grad_alpha != 1.0:
