@@ -654,3 +654,23 @@ def test_bare_uint32_ids_are_refused_not_read_as_uint16(tmp_path, high):
         (tmp_path / "val.bin").write_bytes(raw(ids(3000, high, seed=1)))
         assert load_corpus(str(tmp_path)).vocab_size == high
 
+
+
+def test_a_vocabulary_with_gaps_in_its_ids_sizes_the_model_by_its_largest_id(tmp_path):
+    # get_vocab_size() counts 5 tokens of ids up to 500: the model had 5 embedding rows and the first batch holding
+    # "return" failed inside torch ("IndexError: index out of range in self")
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"[UNK]": 0, "def": 1, "import": 2, "self": 3, "return": 500},
+                                           unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(tmp_path / "gap.json"))
+    assert load_tokenizer(tmp_path / "gap.json").vocab_size == 501
+    data = tmp_path / "text"
+    data.mkdir()
+    for name in ("a.py", "b.py"):
+        (data / name).write_text("def f(self):\n    import os\n    return self\n" * 400)
+    corpus = load_corpus(str(data), tokenizer=str(tmp_path / "gap.json"))
+    assert corpus.vocab_size == 501
+    train(TrainConfig(model="tiny", data=str(data), tokenizer=str(tmp_path / "gap.json"), steps=1, batch_size=4,
+                      seq_len=32, eval_batches=1, out=str(tmp_path / "run")), progress=False)

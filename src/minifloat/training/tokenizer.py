@@ -8,6 +8,7 @@ another tokenizer is refused. Encoding adds no special tokens; between two files
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import itertools
 import pathlib
@@ -38,9 +39,12 @@ class LoadedTokenizer:
     sha256: str
     data: bytes = dataclasses.field(repr=False)  # the file as read: what a run's checkpoints keep a copy of
 
-    @property
+    @functools.cached_property
     def vocab_size(self) -> int:
-        return self.tokenizer.get_vocab_size()
+        """The model's vocabulary: the largest id + 1 (a vocabulary with gaps in its ids has fewer tokens than that,
+        which get_vocab_size() counts; an embedding of that many rows had no row for the largest ids)."""
+        ids = self.tokenizer.get_vocab(with_added_tokens=True).values()
+        return max(self.tokenizer.get_vocab_size(), max(ids, default=-1) + 1)
 
     @property
     def eot_id(self) -> int | None:
