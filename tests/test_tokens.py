@@ -586,6 +586,19 @@ def _tokenizer_of_the_same_vocabulary(tok):
     return "tokenizer.json", r"is not the one meta.json records \(sha256"
 
 
+def test_a_given_tokenizer_of_the_same_size_but_other_tokens_is_refused(tokenized, tmp_path):
+    # only the vocabulary's size was compared with --tokenizer: another 300-id tokenizer trained silently, and the
+    # run's checkpoint kept it, so generate and export decoded the ids as other text
+    other = tmp_path / "other"
+    other.mkdir()
+    (other / "tokenizer.json").write_bytes((tokenized / "tokenizer.json").read_bytes())
+    _tokenizer_of_the_same_vocabulary(other)
+    with pytest.raises(ValueError, match=r"--tokenizer .* is not the tokenizer the token shards .* were made with "
+                                         r"\(sha256 .*meta.json says"):
+        load_corpus(str(tokenized), tokenizer=str(other / "tokenizer.json"))
+    assert load_corpus(str(tokenized), tokenizer=str(tokenized / "tokenizer.json")).vocab_size == 300
+
+
 def _tokenizer_entry_a_path(tok):
     meta = json.loads((tok / META_FILE).read_text())
     meta["tokenizer"]["file"] = "../elsewhere/tokenizer.json"

@@ -222,6 +222,12 @@ def _vocabulary(shards: list[Shard], meta: dict | None, loaded: LoadedTokenizer 
             raise ValueError(f"--tokenizer {loaded.path} has a vocabulary of {loaded.vocab_size} ids, but the token "
                              f"shards under {folder} were made with one of {vocab_size} (meta.json); pass the "
                              f"tokenizer they were made with, or leave --tokenizer out")
+        recorded = (meta.get("tokenizer") or {}).get("sha256")
+        if loaded is not None and recorded is not None and loaded.sha256 != recorded:  # same size, other tokens
+            raise ValueError(f"--tokenizer {loaded.path} is not the tokenizer the token shards under {folder} were "
+                             f"made with (sha256 {loaded.sha256[:12]}…, meta.json says {recorded[:12]}…): the ids "
+                             f"would decode to other text; pass the tokenizer they were made with, or leave "
+                             f"--tokenizer out")
     elif loaded is not None:
         vocab_size = loaded.vocab_size
     else:
