@@ -7,6 +7,7 @@ standard-library test caps max_bytes so it reads a handful of files.
 
 from __future__ import annotations
 
+import os
 import pathlib
 
 import pytest
@@ -137,14 +138,15 @@ def test_binary_and_unreadable_files_are_skipped_and_counted(tmp_path, caplog):
     (root / "nul.txt").write_bytes(b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR")
     (root / "latin1.txt").write_bytes("caf\u00e9 cr\u00e8me".encode("latin-1"))
     (root / "dangling.txt").symlink_to(root / "nowhere.txt")  # listed by the walk, fails to open (also as root)
+    os.mkfifo(root / "pipe.txt")  # opening it waited for a writer: the load hung
     with caplog.at_level("WARNING", logger="minifloat"):
         corpus = ByteCorpus.load(DataConfig(path=root, val_fraction=0.5))
     reasons = dict(corpus.manifest.skipped)
-    assert sorted(reasons) == ["dangling.txt", "latin1.txt", "nul.txt"]
+    assert sorted(reasons) == ["dangling.txt", "latin1.txt", "nul.txt", "pipe.txt"]
     assert reasons["nul.txt"].startswith("binary") and reasons["latin1.txt"].startswith("binary")
-    assert reasons["dangling.txt"].startswith("unreadable")
+    assert reasons["dangling.txt"].startswith("unreadable") and reasons["pipe.txt"].startswith("not a regular file")
     assert sorted(f.path for f in corpus.manifest.files) == ["a.txt", "b.txt"]
-    assert "skipped 3 binary, non-UTF-8 or unreadable file(s)" in caplog.text
+    assert "skipped 4 binary, non-UTF-8 or unreadable file(s)" in caplog.text
     assert len(caplog.records) == 1  # one warning for all of them
 
 

@@ -355,6 +355,10 @@ def _find_files(root: pathlib.Path, patterns: tuple[str, ...], excluded: tuple[s
             if _excluded(name, excluded):
                 continue
             if any(rel.match(p) for p in patterns):
+                if not os.path.isfile(os.path.join(dirpath, name)) and os.path.exists(os.path.join(dirpath, name)):
+                    # a named pipe, socket or device: reading it waits for a writer or never ends
+                    skipped[rel.as_posix()] = "not a regular file (a pipe, socket or device)"
+                    continue
                 found.append(rel.as_posix())
             else:
                 others += 1
