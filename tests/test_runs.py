@@ -123,17 +123,17 @@ def test_a_stated_decay_end_replans_from_the_lr_reached(tmp_path):
     assert Schedule(**saved).replans == ((6, reached, 12),)  # a later resume follows the same plan
 
 
-def test_a_run_shorter_than_its_warmup_resumes_only_with_a_decay_end(tmp_path):
+def test_a_run_shorter_than_its_warmup_continues_as_one_run_of_the_new_length(tmp_path):
     """A run of 3 steps under a warm-up of 5 planned its decay to end at step 3, inside the warm-up: resumed to 8
-    steps it climbed to lr at step 5, then dropped to min_lr at once. It is refused with the fix, which works."""
+    steps it climbed to lr at step 5, then dropped to min_lr at once. Its decay now ends at the new --steps, as in
+    an uninterrupted run of 8 steps."""
     config = _config(steps=3, checkpoint_every=3, warmup=5, out=str(tmp_path / "run"))
     train(config, progress=False)
-    with pytest.raises(ValueError, match=r"planned for 3 steps, within its warm-up of 5.*--steps 8 would climb to --lr "
-                                         r"at step 5 and then drop to --min-lr at once; resume with --lr-decay-steps N"):
-        train(dataclasses.replace(config, steps=8, resume=True), progress=False)
-    train(dataclasses.replace(config, steps=8, lr_decay_steps=8, resume=True), progress=False)
+    train(dataclasses.replace(config, steps=8, resume=True), progress=False)
     lrs = [float(r["lr"]) for r in _rows(config.out)]
-    assert len(lrs) == 8 and max(lrs) == lrs[5] and lrs[5] > lrs[6] > lrs[7] > config.min_lr, lrs
+    whole = Schedule.from_config(dataclasses.replace(config, steps=8))
+    assert len(lrs) == 8 and all(abs(lr - whole.lr_at(s)) <= LR_TOL for s, lr in enumerate(lrs)), lrs
+    assert max(lrs) == lrs[5] and lrs[5] > lrs[6] > lrs[7] > config.min_lr, lrs
 
 
 def test_replanned_resume_is_bitwise_with_the_replanned_run(tmp_path):

@@ -687,3 +687,17 @@ def test_a_vocabulary_with_gaps_in_its_ids_sizes_the_model_by_its_largest_id(tmp
     assert corpus.vocab_size == 501
     train(TrainConfig(model="tiny", data=str(data), tokenizer=str(tmp_path / "gap.json"), steps=1, batch_size=4,
                       seq_len=32, eval_batches=1, out=str(tmp_path / "run")), progress=False)
+
+
+def test_bpe_training_cuts_runs_without_whitespace_into_words_of_bounded_length():
+    # the trainer's time grows with the square of a word's length: one file of 3,000,000 "x" kept minifloat
+    # tokenize busy for hours. Runs past LONG_RUN_CHARS are cut into words of that length, nothing else changes
+    from minifloat.training import tokenizer as module
+
+    n = module.LONG_RUN_CHARS
+    text = "def f():\n    return 1\n" + "x" * (2 * n + n // 2) + " tail"
+    parts = list(module._long_runs_cut(text))
+    assert "".join(parts) == text and [len(p) for p in parts[1:4]] == [n, n, n // 2]
+    assert list(module._long_runs_cut("short text")) == ["short text"]
+    whole = train_bpe(["x" * (5 * n) + " y"], vocab_size=300).to_str()
+    assert whole == train_bpe(["x" * n] * 5 + [" y"], vocab_size=300).to_str()  # five words of n characters

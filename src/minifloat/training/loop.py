@@ -143,11 +143,11 @@ def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteC
     if config.lr_decay_steps is not None:  # a stated decay end: the rest of the schedule is re-planned
         schedule = schedule.replan(saved["step"], config.lr_decay_steps)
     elif not schedule.replans and schedule.decay_steps <= schedule.warmup < config.steps:
-        raise ValueError(f"the checkpoint at {ckpt_dir} was planned for {schedule.decay_steps} steps, within its "
-                         f"warm-up of {schedule.warmup}: its cosine decay ends at step {schedule.decay_steps}, so "
-                         f"--steps {config.steps} would climb to --lr at step {schedule.warmup} and then drop to "
-                         f"--min-lr at once; resume with --lr-decay-steps N (N above {schedule.warmup}, e.g. "
-                         f"{config.steps})")
+        # a run shorter than its warm-up (its decay planned to end inside it, so never begun): continued past the
+        # warm-up it would reach lr and drop to min_lr at once; its decay ends at --steps, as in one run that long
+        log.info("minifloat: the run was planned for %d steps, within its warm-up of %d: its cosine decay now ends "
+                 "at --steps %d", schedule.decay_steps, schedule.warmup, config.steps)
+        schedule = schedule.replan(saved["step"], config.steps)
     changes = corpus.manifest.changes(saved["data"])
     if changes:
         raise ValueError(f"the corpus differs from the one checkpoint {ckpt_dir} was trained on: "
