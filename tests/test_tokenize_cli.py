@@ -6,7 +6,10 @@ the result."""
 from __future__ import annotations
 
 import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -179,6 +182,19 @@ def test_refuses_a_folder_holding_files_and_overwrite_keeps_the_users(tmp_path, 
     assert (out / "notes.txt").read_text() == "mine\n"
     assert json.loads((out / "meta.json").read_text())["vocab_size"] == VOCAB + 20
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tok.tmp")]  # the temporary folder is gone
+
+
+def test_a_killed_tokenizes_temporary_folder_is_removed_by_the_next(tmp_path, capsys, text):
+    # SIGKILL (or SIGTERM inside the BPE trainer) left .tok.tmp-PID beside --out for good
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that no longer runs
+    abandoned = tmp_path / f".tok.tmp-{dead.pid}"
+    abandoned.mkdir()
+    (abandoned / "train_000000.bin").write_bytes(b"\0" * 8)
+    running = tmp_path / f".tok.tmp-{os.getppid()}"  # a live process's folder stays
+    running.mkdir()
+    assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB))[0] == 0
+    assert not abandoned.exists() and running.exists()
 
 
 @pytest.mark.parametrize("name, extra, words", [
