@@ -187,6 +187,9 @@ BAD_GROUPS = [
     ("unknown model", ModelData, dict(model="huge"), ["model", "'huge'"]),
     ("seq_len past the context", ModelData, dict(model="tiny", seq_len=10**6), ["seq_len must be <=", "tiny"]),
     ("no batch", ModelData, dict(batch_size=0), ["batch_size", "0"]),
+    # a step draws its micro-batches first: 10^11 of them grew past 13 GB and ignored SIGTERM
+    ("endless accumulation", ModelData, dict(grad_accum=10**11), ["grad_accum", "[1, 65536]"]),
+    ("endless batch", ModelData, dict(batch_size=10**12), ["batch_size", "[1, 65536]"]),
     ("empty data path", ModelData, dict(data=""), ["data", "''"]),
     ("floor above the peak", OptimizerSettings, dict(lr=1e-3, min_lr=1e-2), ["min_lr", "0.01"]),
     ("no steps", OptimizerSettings, dict(steps=0), ["steps", "0"]),

@@ -74,6 +74,11 @@ def _check_path(name: str, value, what: str) -> None:
         raise ValueError(f"{name} must be {what} or None, got {value!r}")
 
 
+# the most sequences per micro-batch, and micro-batches per step (a step draws its micro-batches before it runs: at
+# 10^11 the list alone grew past 13 GB); Megatron-scale steps take a few thousand
+MAX_BATCH = 1 << 16
+
+
 @setting_group("model and data")
 class ModelData:
     """The model trained and the batches it sees."""
@@ -98,8 +103,8 @@ class ModelData:
 
     def __post_init__(self):
         check_choice("model", self.model, list(SIZES))
-        for field in ("batch_size", "seq_len", "grad_accum"):
-            check_int(field, getattr(self, field), low=1)
+        for field in ("batch_size", "seq_len", "grad_accum"):  # a step holds its micro-batches: bounded
+            check_int(field, getattr(self, field), low=1, high=MAX_BATCH if field != "seq_len" else None)
         check_seed("seed", self.seed)
         if self.seq_len > SIZES[self.model].max_seq_len:
             raise ValueError(f"seq_len must be <= {SIZES[self.model].max_seq_len} (max_seq_len of model "
