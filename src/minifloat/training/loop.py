@@ -422,8 +422,10 @@ def _keep_steps(err: Exception, loop: _Loop, world, out: pathlib.Path) -> Traini
     except Exception as save_err:  # noqa: BLE001 - report both
         return TrainingFailed(f"training failed at step {done} ({cause}), and its checkpoint could not be written "
                               f"({type(save_err).__name__}: {save_err})")
-    return TrainingFailed(f"training failed at step {done} ({cause}); the {done} steps done are saved in "
-                          f"{out / CHECKPOINT_DIR}: fix the cause and continue with --resume (same --out and flags)")
+    # the fix before the cause: the command line prints the first MESSAGE_LIMIT characters of a line
+    return TrainingFailed(f"training failed at step {done}; the {done} steps done are saved in {out / CHECKPOINT_DIR}: "
+                          f"fix the cause and continue with --resume (same --out and flags; a fix that changes the "
+                          f"data or a fixed flag needs a new run, --overwrite). The cause: {cause}")
 
 
 def warmup_steps(config: TrainConfig, steps_run: int) -> int:
