@@ -464,6 +464,21 @@ def _meta_count(tmp):
     return tmp, "train_000000.bin", "meta.json says 90 uint16 ids"
 
 
+def _meta_vocabulary_past_the_dtype(tmp):
+    # 10^12 ids of uint16 reached the user as torch's allocator error (a 256 TB embedding)
+    (tmp / "train_000000.bin").write_bytes(raw(ids(100, 50)))
+    (tmp / "val_000000.bin").write_bytes(raw(ids(100, 50)))
+    write_meta(tmp, [("train_000000.bin", "train", 100), ("val_000000.bin", "val", 100)], vocab_size=10**12)
+    return tmp, META_FILE, "is corrupt: .*an int vocab_size the dtype holds"
+
+
+def _meta_vocabulary_a_bool(tmp):
+    (tmp / "train_000000.bin").write_bytes(raw(ids(100, 50)))
+    (tmp / "val_000000.bin").write_bytes(raw(ids(100, 50)))
+    write_meta(tmp, [("train_000000.bin", "train", 100), ("val_000000.bin", "val", 100)], vocab_size=True)
+    return tmp, META_FILE, "is corrupt: .*an int vocab_size"
+
+
 def _megatron_bad_idx(tmp):
     (tmp / "c_text_document.bin").write_bytes(raw(ids(100, 50)))
     (tmp / "c_text_document.idx").write_bytes(b"not an index at all")
@@ -486,6 +501,8 @@ CORRUPT = [
     ("meta.json not JSON", _meta_garbled),
     ("meta.json lists a missing shard", _meta_missing_shard),
     ("meta.json token count disagrees with the size", _meta_count),
+    ("meta.json vocabulary past its dtype", _meta_vocabulary_past_the_dtype),
+    ("meta.json vocabulary a bool", _meta_vocabulary_a_bool),
     ("Megatron .idx without its magic", _megatron_bad_idx),
     ("every shard named val", _only_val),
 ]

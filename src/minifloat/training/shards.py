@@ -177,15 +177,18 @@ def read_meta(folder: pathlib.Path) -> dict:
         raise ValueError(f"{path} is not a minifloat token-shard description (format {META_FORMAT!r}, version "
                          f"{META_VERSION}); {fix}")
     shards = meta.get("shards")
-    ok = (meta.get("dtype") in ("uint16", "uint32") and isinstance(meta.get("vocab_size"), int)
-          and meta["vocab_size"] >= 1 and isinstance(shards, list) and shards
+    vocab = meta.get("vocab_size")
+    ok = (meta.get("dtype") in ("uint16", "uint32") and isinstance(vocab, int) and not isinstance(vocab, bool)
+          and 1 <= vocab <= (1 << (16 if meta["dtype"] == "uint16" else 32))  # ids the dtype can hold
+          and isinstance(shards, list) and shards
           and all(isinstance(s, dict) and _plain_name(s.get("file")) and s["file"].endswith(".bin")
                   and s.get("split") in ("train", "val")
                   and isinstance(s.get("tokens"), int) and s["tokens"] >= 0 for s in shards))
     tokenizer = meta.get("tokenizer")
     if not ok or not (tokenizer is None or isinstance(tokenizer, dict) and isinstance(tokenizer.get("sha256"), str)
                       and _plain_name(tokenizer.get("file"))):
-        raise ValueError(f"{path} is corrupt: it needs dtype uint16/uint32, an int vocab_size, a non-empty list of "
+        raise ValueError(f"{path} is corrupt: it needs dtype uint16/uint32, an int vocab_size the dtype holds "
+                         f"(at most 2^16 / 2^32), a non-empty list of "
                          f"shards, each {{file: NAME.bin, split: train/val, tokens: N}}, and a tokenizer "
                          f"{{file: NAME, sha256: HEX}} or null; {fix}")
     return meta
