@@ -389,6 +389,25 @@ def test_resume_checks_the_tokenizer_by_content_not_by_path(tmp_path, tokenizer_
         train(dataclasses.replace(config, steps=3, resume=True, tokenizer=str(other)), progress=False)
 
 
+def test_a_resume_from_another_working_folder_takes_the_checkpoints_tokenizer(tmp_path, tokenizer_file, monkeypatch,
+                                                                              capsys):
+    # the run's --tokenizer, relative to the folder it started in, was looked up from the new one and not found
+    # ("tokenizer 'tok.json' does not exist"), though the checkpoint keeps a copy
+    (tmp_path / "start").mkdir()
+    text = text_folder(tmp_path / "start" / "text")
+    (tmp_path / "start" / "tok.json").write_bytes(tokenizer_file.read_bytes())
+    flags = ["--model", "tiny", "--batch-size", "2", "--seq-len", "32", "--warmup", "1", "--eval-batches", "1",
+             "--checkpoint-every", "1"]
+    monkeypatch.chdir(tmp_path / "start")
+    assert main(["train", *flags, "--steps", "1", "--data", "text", "--tokenizer", "tok.json", "--out", "run"]) == 0
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    capsys.readouterr()
+    assert main(["train", "--out", "../start/run", "--resume", "--steps", "2", "--data", str(text)]) == 0, \
+        capsys.readouterr().err
+    assert len((tmp_path / "start" / "run" / "log.csv").read_text().splitlines()) == 3
+
+
 # ---- the manifest -------------------------------------------------------------------------------------------------
 
 def test_manifest_notices_a_changed_shard(tmp_path):

@@ -56,6 +56,7 @@ def train_config(args: argparse.Namespace):
     the checkpoint's values, so `minifloat train --out DIR --resume --steps 800` continues the run as it was set up)."""
     from minifloat.training.config import SETTINGS, config_from
     from minifloat.training.loop import CHECKPOINT_DIR
+    from minifloat.training.rundir import CHECKPOINT_TOKENIZER
     from minifloat.training.parallel import launched_by_torchrun
     from minifloat.training.sharded import read_extra
 
@@ -67,6 +68,12 @@ def train_config(args: argparse.Namespace):
         ckpt = pathlib.Path(fields.get("out", SETTINGS["out"].default)) / CHECKPOINT_DIR
         if ckpt.is_dir():  # else train() says there is no checkpoint
             saved = read_extra(ckpt).get("config") or {}
+            recorded = saved.get("tokenizer")
+            # the run's tokenizer named relative to the folder it started in, resumed from another one: the copy its
+            # checkpoint keeps (the manifest's SHA-256 still checks it)
+            if ("tokenizer" not in fields and isinstance(recorded, str) and not pathlib.Path(recorded).exists()
+                    and (ckpt / CHECKPOINT_TOKENIZER).is_file()):
+                fields["tokenizer"] = str(ckpt / CHECKPOINT_TOKENIZER)
     config = config_from(fields, saved)
     if given := [_flag(name) for name in ("compile_mode", "compile_scope") if name in fields and not config.compile]:
         raise common.CliError(f"invalid option: {' and '.join(given)} {'choose' if len(given) > 1 else 'chooses'} how "
