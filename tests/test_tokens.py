@@ -142,6 +142,19 @@ def _shard_folder(tmp):
     return tmp, train_ids, val_ids, 1000
 
 
+def _unnamed_shard_folder(tmp):
+    """Shards named by neither split nor layout (shard_00.bin, ...): a folder of .bin files alone is token data (it
+    was read as a text folder, and refused as holding no text)."""
+    parts = [ids(600, 1000, seed=i) for i in range(5)]
+    for i, p in enumerate(parts):
+        (tmp / f"shard_{i:02d}.bin").write_bytes(raw(p))
+    from minifloat.training.data import split_files
+    splits = split_files([f"shard_{i:02d}.bin" for i in range(5)], 0.05)
+    train_ids = torch.cat([p for i, p in enumerate(parts) if splits[f"shard_{i:02d}.bin"].value == "train"])
+    val_ids = torch.cat([p for i, p in enumerate(parts) if splits[f"shard_{i:02d}.bin"].value == "val"])
+    return tmp, train_ids, val_ids, 1000
+
+
 # (name, make(tmp) -> (--data, train ids, val ids, vocabulary))
 KINDS = [
     ("raw uint16 file, last 5% validation", _single_uint16),
@@ -152,6 +165,7 @@ KINDS = [
     ("Megatron int32 (.idx code 4)", _megatron(4, "uint32", 100_000)),
     ("minifloat meta.json, uint32", _meta_uint32),
     ("folder of shards split by file", _shard_folder),
+    ("folder of unnamed shards", _unnamed_shard_folder),
 ]
 
 

@@ -65,7 +65,8 @@ def _words(name: str) -> set[str]:
 
 def is_token_data(data: str) -> bool:
     """Whether --data names token shards: a `.bin` file; or a folder holding meta.json, or `.bin` files of which one
-    is an llm.c or Megatron shard or has a split word (SPLIT_WORDS) in its name, as nanoGPT's train.bin."""
+    is an llm.c or Megatron shard or has a split word (SPLIT_WORDS) in its name, as nanoGPT's train.bin, or whose
+    files are `.bin` files only (shard_00.bin, ...)."""
     path = pathlib.Path(data).expanduser()
     if path.is_file():
         return path.suffix == ".bin"
@@ -73,7 +74,10 @@ def is_token_data(data: str) -> bool:
         return False
     if _has_meta(path):
         return True
-    bins = [p for p in path.glob("*.bin") if p.is_file()]
+    files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
+    bins = [p for p in files if p.suffix == ".bin"]
+    if bins and len(bins) == len(files):
+        return True
     return any(p.with_suffix(".idx").is_file() or _words(p.name) & SPLIT_WORDS or _llmc_magic(p) for p in bins)
 
 
