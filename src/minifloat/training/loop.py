@@ -53,10 +53,10 @@ from minifloat.fp8.convert import fp8_layers
 from minifloat.fp8.step import rescale_gradient_amaxes
 from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
                                          rank_device)
-from minifloat.training.rundir import (CHECKPOINT_DIR, CHECKPOINT_TOKENIZER, RUN_FILE, TENSORBOARD_DIR, CsvLog,
-                                       GracefulStop, prepare_run_dir)
+from minifloat.training.rundir import (CHECKPOINT_DIR, CHECKPOINT_TOKENIZER, RUN_FILE, CsvLog,
+                                       GracefulStop, prepare_run_dir, tensorboard_writer)
 from minifloat.training.run import Run, build, evaluate, forward_backward  # noqa: F401 - Run, re-exported
-from minifloat.training.schedule import Schedule
+from minifloat.training.schedule import Schedule, resumed_schedule
 from minifloat.training.sharded import is_sharded, load_sharded, read_extra, save_sharded
 from minifloat.training.throughput import flops_per_token, mfu, peak_bf16_flops, resolve_device
 
@@ -122,32 +122,12 @@ def get_lr(step: int, config: TrainConfig) -> float:
     return Schedule.from_config(config).lr_at(step)
 
 
-def _tensorboard(out: pathlib.Path):
-    """A SummaryWriter on out/tensorboard, or None when tensorboard is not installed (it is optional)."""
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-    except ImportError:
-        log.info("minifloat: tensorboard is not installed; logging to log.csv only")
-        return None
-    return SummaryWriter(str(out / TENSORBOARD_DIR))
-
-
 def _resume(run: Run, ckpt_dir: pathlib.Path, loader: BatchLoader, corpus: ByteCorpus) -> tuple[int, Schedule]:
     """Load the checkpoint into the run after checking it continues the same run; (its step, the schedule)."""
     config = run.config
     saved = read_extra(ckpt_dir)
     config.check_resume(saved.get("config"), saved.get("step"), where=ckpt_dir)
-    schedule = Schedule(**saved["schedule"]) if "schedule" in saved else Schedule.from_config(
-        dataclasses.replace(config, **{k: saved["config"][k] for k in ("lr", "min_lr", "warmup", "lr_decay_steps",
-                                                                          "steps")}))
-    if config.lr_decay_steps is not None:  # a stated decay end: the rest of the schedule is re-planned
-        schedule = schedule.replan(saved["step"], config.lr_decay_steps)
-    elif not schedule.replans and schedule.decay_steps <= schedule.warmup < config.steps:
-        # a run shorter than its warm-up (its decay planned to end inside it, so never begun): continued past the
-        # warm-up it would reach lr and drop to min_lr at once; its decay ends at --steps, as in one run that long
-        log.info("minifloat: the run was planned for %d steps, within its warm-up of %d: its cosine decay now ends "
-                 "at --steps %d", schedule.decay_steps, schedule.warmup, config.steps)
-        schedule = schedule.replan(saved["step"], config.steps)
+    schedule = resumed_schedule(saved, config)
     changes = corpus.manifest.changes(saved["data"])
     if changes:
         raise ValueError(f"the corpus differs from the one checkpoint {ckpt_dir} was trained on: "
@@ -342,7 +322,7 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         val_rows = CsvLog(out / "val.csv", ("step", "val_loss"), keep_before=start_step + 1 if config.resume else None)
     else:
         log_rows, val_rows = Discard(), Discard()
-    loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, _tensorboard(out) if world.is_main else None,
+    loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, tensorboard_writer(out) if world.is_main else None,
                  compile_forward(run.train_module, config.compile_mode, config.compile_scope) if config.compile
                  else run.train_module,
                  resume_at=[start_step, loader.position])

@@ -11,6 +11,7 @@ A run writes only RUN_ITEMS in its folder, so `overwrite` removes exactly those 
 from __future__ import annotations
 
 import csv
+import logging
 import os
 import pathlib
 import shutil
@@ -20,6 +21,7 @@ import threading
 
 from minifloat.core.files import apply_umask
 
+log = logging.getLogger("minifloat")
 CHECKPOINT_DIR = "ckpt"
 TENSORBOARD_DIR = "tensorboard"
 RUN_FILE = "run.json"
@@ -147,3 +149,13 @@ class GracefulStop:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+
+def tensorboard_writer(out: pathlib.Path):
+    """A SummaryWriter on out/tensorboard, or None when tensorboard is not installed (it is optional)."""
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+    except ImportError:
+        log.info("minifloat: tensorboard is not installed; logging to log.csv only")
+        return None
+    return SummaryWriter(str(out / TENSORBOARD_DIR))

@@ -13,9 +13,12 @@ run stays what it was.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import math
 
 from minifloat.core.validate import check_int, check_number
+
+log = logging.getLogger("minifloat")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,3 +88,20 @@ def _cosine(step: int, start: int, end: int, high: float, low: float) -> float:
         return low
     ratio = (step - start) / max(1, end - start)
     return low + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (high - low)
+
+
+def resumed_schedule(saved: dict, config) -> Schedule:
+    """The schedule a resume of the checkpoint extra `saved` (at saved["step"]) continues under `config`: the one it
+    stored (older checkpoints: the plan of their config), re-planned from the step reached when config states a decay
+    end. A run shorter than its warm-up planned its decay to end inside it, so never began it: continued past the
+    warm-up it would reach lr and drop to min_lr at once, so its decay ends at config.steps, as in one run that long."""
+    schedule = Schedule(**saved["schedule"]) if "schedule" in saved else Schedule.from_config(
+        dataclasses.replace(config, **{k: saved["config"][k] for k in ("lr", "min_lr", "warmup", "lr_decay_steps",
+                                                                          "steps")}))
+    if config.lr_decay_steps is not None:
+        return schedule.replan(saved["step"], config.lr_decay_steps)
+    if not schedule.replans and schedule.decay_steps <= schedule.warmup < config.steps:
+        log.info("minifloat: the run was planned for %d steps, within its warm-up of %d: its cosine decay now ends "
+                 "at --steps %d", schedule.decay_steps, schedule.warmup, config.steps)
+        return schedule.replan(saved["step"], config.steps)
+    return schedule

@@ -76,7 +76,7 @@ def is_token_data(data: str) -> bool:
         return True
     files = [p for p in path.iterdir() if p.is_file() and not p.name.startswith(".")]
     bins = [p for p in files if p.suffix == ".bin"]
-    if bins and len(bins) == len(files):
+    if len(bins) >= 2 and len(bins) == len(files):  # shards; one lone unnamed .bin may be anything (weights.bin)
         return True
     return any(p.with_suffix(".idx").is_file() or _words(p.name) & SPLIT_WORDS or _llmc_magic(p) for p in bins)
 
