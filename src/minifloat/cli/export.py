@@ -28,8 +28,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     (its first N validation batches), a static input_scale;
     hf-fp8-block stores DeepSeek-V3's 128×128 blocks with fp32 weight_scale_inv. Embeddings, norms, lm_head and the
     layers training kept in high precision stay --dtype. transformers (5.24, CPU) reads hf, and hf-fp8-block whose
-    sizes are multiples of 128 (or at most 128), right, but loads hf-fp8's weights unscaled without an error: for
-    transformers export hf or hf-fp8-block; the command prints one warning line on stderr for each such case. A
+    sizes are multiples of 128 (or at most 128), right, and refuses hf-fp8 in one line (it would read its weights
+    unscaled): for transformers export hf or hf-fp8-block; the command prints one warning line on stderr for a
+    block file transformers would load wrong. A
     run trained with a tokenizer gets its tokenizer.json (as minifloat generate finds it, or --tokenizer) and a
     tokenizer_config.json, which AutoTokenizer reads (a warning line when a token run's tokenizer is not found),
     and its end-of-text id as eos_token_id and bos_token_id in both configs (null for a byte run). An

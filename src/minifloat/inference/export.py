@@ -22,9 +22,10 @@ such id: its ids are UTF-8 bytes). In the FP8 formats each quantized linear laye
 
 hf-fp8 is vLLM's / AutoFP8's per-tensor "fp8" checkpoint; hf-fp8-block is DeepSeek-V3's, whose `weight_scale_inv`
 is, despite its name, the dequantization multiplier (transformers' finegrained_fp8 multiplies by it). transformers
-reads hf, and hf-fp8-block whose sizes are multiples of 128 (or at most 128), right; it loads hf-fp8's weights
-unscaled without an error (its per-tensor names are not vLLM's): the export logs one warning line for each such
-case (`_transformers_warnings`; docs/inference.md, "What transformers loads").
+reads hf, and hf-fp8-block whose sizes are multiples of 128 (or at most 128), right; it refuses hf-fp8 in one line
+(hf.TRANSFORMERS_REFUSAL: it would load its weights unscaled, its per-tensor names not being vLLM's), and the export
+logs one warning line for a block file it would load wrong (`_transformers_warnings`; docs/inference.md, "What
+transformers loads").
 
 Embeddings, norms and lm_head stay in `dtype`; the linears kept in high precision are listed under both
 "ignored_layers" (vLLM) and "modules_to_not_convert" (transformers). Weights are cast through minifloat's one
@@ -224,9 +225,10 @@ def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers:
 def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str],
                            tensors: dict[str, torch.Tensor]) -> list[str]:
     """One line for each way transformers' from_pretrained would load the export wrong without raising (measured
-    with transformers 5.24 on a CPU, tests/test_export.py): the layout's own (hf.ExportFormat.transformers_misreads),
-    and partial 128×128 blocks, which its CPU dequantization places at size // blocks (vLLM reads them as written)."""
-    lines = [f"minifloat: {out} ({fmt.name}): {fmt.transformers_misreads}"] if fmt.transformers_misreads else []
+    with transformers 5.24 on a CPU, tests/test_export.py): partial 128×128 blocks, which its CPU dequantization
+    places at size // blocks (vLLM reads them as written). (hf-fp8, which it read unscaled, it now refuses:
+    hf.TRANSFORMERS_REFUSAL.)"""
+    lines = []
     ragged = [n for n in layers if fmt.granularity == Granularity.BLOCK
               and any(d > TILE and d % TILE for d in tensors[hf.hf_name(f"{n}.weight")].shape)]
     if ragged:

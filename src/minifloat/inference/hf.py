@@ -65,8 +65,6 @@ class ExportFormat:
             (vLLM's per-tensor FP8 with CUTLASS) or per 1×128 tile (DeepSeek-V3 §3.3, vLLM's block FP8).
         static: whether the layout stores static input scales (`input_scale`).
         config: the fixed fields of quantization_config.
-        transformers_misreads: how transformers' from_pretrained loads the layout wrong without raising, "" where
-            it loads it right; every export of the format logs it (docs/inference.md, "What transformers loads").
     """
 
     name: str
@@ -75,7 +73,6 @@ class ExportFormat:
     dynamic_input: Granularity | None = None
     static: bool = False
     config: tuple[tuple[str, object], ...] = ()
-    transformers_misreads: str = ""
 
     def layer_spec(self, static: bool) -> LayerSpec:
         """The Fp8InferenceLinear spec that computes what a serving stack does with this layout."""
@@ -85,16 +82,17 @@ class ExportFormat:
 
 
 _FP8 = (("quant_method", "fp8"), ("fmt", WEIGHT_FORMAT.name))
+# hf-fp8's quantization_config carries this as `expert_dtype`, a field transformers' FP8 config (5.24) checks and
+# vLLM's does not read: transformers' from_pretrained then refuses the export with it in its error line, where it
+# loaded the FP8 values unscaled without an error (it reads per-tensor scales under other names)
+TRANSFORMERS_REFUSAL = ("not for transformers: hf-fp8 is vLLM's per-tensor FP8 layout, whose weight_scale transformers "
+                        "would ignore; serve it with vLLM, or export hf or hf-fp8-block for transformers")
 FORMATS = {f.name: f for f in (
     ExportFormat("hf", None),
     # vLLM's per-tensor names. transformers reads the same quant_method "fp8" under its own (weight_scale_inv,
     # activation_scale); one file cannot hold both, as vLLM's Llama loader fails on a tensor it has no parameter for
     ExportFormat("hf-fp8", Granularity.TENSOR, "weight_scale", Granularity.ROW, True,
-                 _FP8 + (("weight_block_size", None),),
-                 transformers_misreads="transformers (5.24, CPU) ignores weight_scale and any input_scale (its "
-                                       "names for them are weight_scale_inv / activation_scale) and loads the FP8 values "
-                                       "unscaled, without an error: serve hf-fp8 with vLLM or read it with "
-                                       "load_hf_export; for transformers export hf or hf-fp8-block"),
+                 _FP8 + (("weight_block_size", None), ("expert_dtype", TRANSFORMERS_REFUSAL))),
     ExportFormat("hf-fp8-block", Granularity.BLOCK, "weight_scale_inv", Granularity.TILE, False,
                  _FP8 + (("weight_block_size", [TILE, TILE]),)),
 )}
