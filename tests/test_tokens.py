@@ -130,29 +130,21 @@ def _meta_uint32(tmp):
     return tmp, t, v, 70_000
 
 
-def _shard_folder(tmp):
-    """Several shards, none named val: split by file with split_files' hash rule (train_03 lands in validation)."""
-    parts = [ids(600, 1000, seed=i) for i in range(5)]
-    for i, p in enumerate(parts):
-        (tmp / f"train_{i:02d}.bin").write_bytes(raw(p))
-    from minifloat.training.data import split_files
-    splits = split_files([f"train_{i:02d}.bin" for i in range(5)], 0.05)
-    train_ids = torch.cat([p for i, p in enumerate(parts) if splits[f"train_{i:02d}.bin"].value == "train"])
-    val_ids = torch.cat([p for i, p in enumerate(parts) if splits[f"train_{i:02d}.bin"].value == "val"])
-    return tmp, train_ids, val_ids, 1000
-
-
-def _unnamed_shard_folder(tmp):
-    """Shards named by neither split nor layout (shard_00.bin, ...): a folder of .bin files alone is token data (it
-    was read as a text folder, and refused as holding no text)."""
-    parts = [ids(600, 1000, seed=i) for i in range(5)]
-    for i, p in enumerate(parts):
-        (tmp / f"shard_{i:02d}.bin").write_bytes(raw(p))
-    from minifloat.training.data import split_files
-    splits = split_files([f"shard_{i:02d}.bin" for i in range(5)], 0.05)
-    train_ids = torch.cat([p for i, p in enumerate(parts) if splits[f"shard_{i:02d}.bin"].value == "train"])
-    val_ids = torch.cat([p for i, p in enumerate(parts) if splits[f"shard_{i:02d}.bin"].value == "val"])
-    return tmp, train_ids, val_ids, 1000
+def _shard_folder(prefix: str):
+    """Several shards, none named val: split by file with split_files' hash rule. "train_": named by split (train_03
+    lands in validation); "shard_": named by neither split nor layout, so a folder of .bin files alone is token data
+    (it was read as a text folder, and refused as holding no text)."""
+    def make(tmp):
+        parts = [ids(600, 1000, seed=i) for i in range(5)]
+        names = [f"{prefix}{i:02d}.bin" for i in range(5)]
+        for name, p in zip(names, parts):
+            (tmp / name).write_bytes(raw(p))
+        from minifloat.training.data import split_files
+        splits = split_files(names, 0.05)
+        train_ids = torch.cat([p for n, p in zip(names, parts) if splits[n].value == "train"])
+        val_ids = torch.cat([p for n, p in zip(names, parts) if splits[n].value == "val"])
+        return tmp, train_ids, val_ids, 1000
+    return make
 
 
 # (name, make(tmp) -> (--data, train ids, val ids, vocabulary))
@@ -164,8 +156,8 @@ KINDS = [
     ("Megatron uint16 (.idx code 8)", _megatron(8, "uint16", 50_000)),
     ("Megatron int32 (.idx code 4)", _megatron(4, "uint32", 100_000)),
     ("minifloat meta.json, uint32", _meta_uint32),
-    ("folder of shards split by file", _shard_folder),
-    ("folder of unnamed shards", _unnamed_shard_folder),
+    ("folder of shards split by file", _shard_folder("train_")),
+    ("folder of unnamed shards", _shard_folder("shard_")),
 ]
 
 
