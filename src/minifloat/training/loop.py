@@ -322,7 +322,8 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
         val_rows = CsvLog(out / "val.csv", ("step", "val_loss"), keep_before=start_step + 1 if config.resume else None)
     else:
         log_rows, val_rows = Discard(), Discard()
-    loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, tensorboard_writer(out) if world.is_main else None,
+    writer = tensorboard_writer(out) if world.is_main else None
+    loop = _Loop(run, loader, corpus, schedule, out, log_rows, val_rows, writer,
                  compile_forward(run.train_module, config.compile_mode, config.compile_scope) if config.compile
                  else run.train_module,
                  resume_at=[start_step, loader.position])
