@@ -215,7 +215,27 @@ RULE_CASES = [
     ("fp8 gemm in body", rec("aten.mm.default", "fp8", module="mlp"), "lm_head", set()),
     ("bf16 all_reduce", rec("_c10d_functional.all_reduce.default", "bfloat16"), None, {"collectives_fp32"}),
     ("fp32 reduce_scatter", rec("c10d.reduce_scatter_.default", "float32"), None, set()),
+    # a softmax written by hand (exp, sum, divide) in bf16 passed: only the ATen softmax was matched
+    ("exp bf16", rec("aten.exp.default", "bfloat16"), None, {"softmax_fp32"}),
+    ("exp fp32", rec("aten.exp.default", "float32"), None, set()),
+    ("logsumexp fp16", rec("aten.logsumexp.default", "float16"), None, {"softmax_fp32"}),
 ]
+
+
+class HandSoftmaxAttention(Attention):
+    def forward(self, x):
+        scores = (self.q(x) @ x.transpose(-1, -2)).to(self.softmax_dtype)
+        e = (scores - scores.amax(-1, keepdim=True)).exp()
+        return (e / e.sum(-1, keepdim=True)).to(x.dtype) @ x
+
+
+@pytest.mark.parametrize("dtype, flagged", [(torch.bfloat16, True), (torch.float32, False)], ids=["bf16", "fp32"])
+def test_a_softmax_written_by_hand_is_checked(dtype, flagged):
+    model = TinyLM()
+    model.attn = HandSoftmaxAttention(dtype)
+    report = run_audit(mf.convert(model, keep_first_last=True))
+    assert (("softmax_fp32", "attn", "forward") in rules_broken(report)) == flagged, report.violations
+    assert report.ok == (not flagged)
 
 
 @pytest.mark.parametrize("name, record, head, expected", RULE_CASES, ids=[c[0] for c in RULE_CASES])

@@ -68,6 +68,8 @@ _FUSED_ATTENTION = frozenset({
 _SOFTMAX_OPS = frozenset({"_softmax", "_log_softmax", "_softmax_backward_data", "_log_softmax_backward_data",
                           "nll_loss_forward", "nll_loss_backward", "nll_loss2d_forward", "nll_loss2d_backward",
                           "cross_entropy_loss"})
+# a softmax or log-sum-exp written by hand (exp, sum, divide): its exp in low precision is what shows it
+_EXP_OPS = frozenset({"exp", "exp_", "logsumexp"})
 _EMBEDDING_OPS = frozenset({"embedding", "embedding_dense_backward", "_embedding_bag", "embedding_bag"})
 _EMBEDDING_TYPE_NAMES = frozenset(t.__name__ for t in EMBEDDING_TYPES)
 _COLLECTIVE_NAMESPACES = frozenset({"c10d", "_c10d_functional", "c10d_functional"})
@@ -301,6 +303,8 @@ def check(records: list[OpRecord], rules: AuditRules, head: str | None = None) -
         low = _narrower_than_fp32(r.precision)
         if rules.softmax_fp32 and name in _SOFTMAX_OPS and low:
             flag("softmax_fp32", f"{name} ran in {r.precision}; softmax / cross-entropy need fp32")
+        if rules.softmax_fp32 and name in _EXP_OPS and low and r.precision != "fp8":
+            flag("softmax_fp32", f"{name} ran in {r.precision}: a softmax or log-sum-exp written by hand needs fp32")
         if rules.norms_fp32 and low and (name in _NORM_KERNELS or (is_norm_type_name(r.module_type)
                                                                    and name in stats)):
             flag("norms_fp32", f"{name} in {r.module_type or 'a norm'} ran in {r.precision}; norms need fp32")
