@@ -568,3 +568,36 @@ def test_a_signal_stops_the_comparison_and_reuse_resumes_it(tmp_path, sig, statu
     rows = (out / "bf16" / "log.csv").read_text().splitlines()
     assert len(rows) == 1 + 150  # the header, then every step once: resumed, not trained again
     assert json.loads((out / "summary.json").read_text())["presets"]["fp8-current"]["final_val_loss"] > 0
+
+
+def test_the_heatmap_puts_every_preset_on_one_layer_axis(tmp_path, monkeypatch):
+    # a preset that keeps layers in high precision (nvfp4's last block, --fp8-layers) drew its own rows from the top,
+    # under the first panel's layer names: blocks.0.attn.o_proj's numbers in the row labelled blocks.0.attn.q_proj
+    import numpy as np
+    import torch
+    from matplotlib.figure import Figure
+
+    import minifloat as mf
+    from minifloat.fp8 import telemetry
+    from minifloat.training.plots import plot_numerics
+
+    def record(kept: int) -> telemetry.Recorder:
+        """A 3-layer MLP in FP8 with its first `kept` layers left in high precision, one batch recorded."""
+        torch.manual_seed(0)
+        model = mf.convert(torch.nn.Sequential(*(torch.nn.Linear(32, 32) for _ in range(3))), keep_first_last=False)
+        for i in range(kept):
+            model[i] = torch.nn.Linear(32, 32)
+        with telemetry.capture() as tel:
+            model(torch.randn(4, 32)).sum().backward()
+        return tel
+
+    figures = []
+    monkeypatch.setattr(Figure, "savefig", lambda fig, *a, **k: figures.append(fig))
+    plot_numerics({"all": record(0), "last two": record(1)}, tmp_path / "h.png")
+    first, second = (ax for ax in figures[0].axes[:2])
+    names = [t.get_text() for t in first.get_yticklabels()]
+    assert names == ["0", "1", "2"]
+    grid = np.ma.filled(second.images[0].get_array().astype(float), np.nan)  # NaN cells come back masked
+    # layer 0 (kept) stays empty; layer 1 in its own row (the last layer's gradient, all ones, casts exactly: its
+    # infinite SQNR is drawn blank in both panels)
+    assert grid.shape[0] == 3 and np.isnan(grid[0]).all() and np.isfinite(grid[1]).all()

@@ -199,16 +199,19 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
     values = [sum(r.sqnr_db for r in recs) / len(recs) for _, cells in tables.values() for recs in cells.values()]
     finite = [v for v in values if math.isfinite(v)] or [0.0]
     norm = Normalize(vmin=min(finite), vmax=max(finite))
-    n_layers = max(len(layers) for layers, _ in tables.values())
+    # one layer axis for every panel (a preset that keeps some layers in high precision, nvfp4's last block or
+    # --fp8-layers, leaves its rows empty): each panel's rows were its own, labelled by the first panel's names
+    rows = list(dict.fromkeys(layer for layers, _ in tables.values() for layer in layers))
+    n_layers = len(rows)
 
     # constrained layout: the two-line title above the panels' own titles, whatever the number of panels
     fig = Figure(figsize=(2.2 + 3.6 * len(tables), 1.6 + 0.55 * n_layers), layout="constrained")
     axes = fig.subplots(1, len(tables), squeeze=False)
     image = None
-    for ax, (name, (layers, cells)) in zip(axes[0], tables.items()):
-        grid = [[math.nan] * len(roles) for _ in layers]
+    for ax, (name, (_, cells)) in zip(axes[0], tables.items()):
+        grid = [[math.nan] * len(roles) for _ in rows]
         for (layer, role), recs in cells.items():
-            i, j = layers.index(layer), roles.index(role)
+            i, j = rows.index(layer), roles.index(role)
             grid[i][j] = sum(r.sqnr_db for r in recs) / len(recs)
             sat = max(r.saturated for r in recs)
             under = max(r.underflow for r in recs)
@@ -219,7 +222,7 @@ def plot_numerics(numerics: dict[str, telemetry.Recorder], path: pathlib.Path) -
             ax.text(j, i, text, ha="center", va="center", fontsize=8, color="white" if dark else "black")
         image = ax.imshow(grid, cmap="viridis", norm=norm, aspect="auto")
         ax.set_xticks(range(len(roles)), roles)
-        ax.set_yticks(range(len(layers)), layers if ax is axes[0][0] else [""] * len(layers))
+        ax.set_yticks(range(len(rows)), rows if ax is axes[0][0] else [""] * len(rows))
         fmts = sorted({r.fmt for recs in cells.values() for r in recs})
         ax.set_title(f"{name}\n({', '.join(fmts)})", fontsize=10)
         ax.set_xlabel("tensor role")
