@@ -683,3 +683,18 @@ def test_a_tensor_parallel_layer_hits_its_weight_cache_whatever_the_weights_addr
         assert (hit is not None) == sharded
         assert torch.equal(layer(x), first)
     assert len(calls) == 3  # input, weight, then input again: the second forward's weight came from the cache
+
+
+def test_telemetry_numbers_the_steps_of_a_capture():
+    # every record said step 0: nothing advanced the capture's step counter
+    torch.manual_seed(0)
+    model = mf.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), keep_first_last=False)
+    opt = torch.optim.AdamW(model.parameters())
+    with telemetry.capture() as tel:
+        for _ in range(3):
+            model(torch.randn(4, 32)).sum().backward()
+            opt.step()
+            opt.zero_grad()
+    steps = [r.step for r in tel.records]
+    assert sorted(set(steps)) == [0, 1, 2] and steps == sorted(steps)
+    assert all(steps.count(s) == 6 for s in range(3))  # 2 layers × 3 roles a step

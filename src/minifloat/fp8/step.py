@@ -34,6 +34,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook, register_op
 
 from minifloat.core.switch import ThreadSwitch
 from minifloat.core.validate import check_module
+from minifloat.fp8 import telemetry
 from minifloat.fp8.recipes import Role
 from minifloat.fp8.scaling import ROLE_INDEX, advance_states, reduce_states
 
@@ -122,6 +123,8 @@ def _end_step(layers: list[nn.Module]) -> int:
     advance_states([layer.fp8_state for layer in layers], [layer.recipe for layer in layers])
     for layer in layers:
         layer.drop_weight_casts()
+    if layers:
+        telemetry.step_ended()
     return len(layers)
 
 

@@ -42,7 +42,7 @@ class CastRecord:
     underflow: float  # fraction of non-zero elements that became zero
     nonfinite: int  # NaN/inf elements in the source
     sqnr_db: float  # over the finite elements
-    step: int
+    step: int  # FP8 steps ended since the capture began (0 for the casts before the first optimizer step)
     block_scale_min: float = math.nan  # NVFP4: the smallest E4M3 block scale of a non-zero block (NaN for others)
     block_scale_max: float = math.nan  # NVFP4: the largest E4M3 block scale
 
@@ -102,6 +102,13 @@ class Recorder:
 
 def enabled() -> bool:
     return _ACTIVE is not None
+
+
+def step_ended() -> None:
+    """An FP8 step ended (minifloat.fp8.step: each optimizer step that updates FP8 layers): the active capture's
+    later records carry the next step number."""
+    if _ACTIVE is not None:
+        _ACTIVE.next_step()
 
 
 @contextlib.contextmanager
