@@ -345,3 +345,21 @@ def test_backward_is_recorded_outside_torch_autocast():
     proj_mm = [r for r in report.records if r.phase == "backward" and r.module.endswith("q_proj") and "mm" in r.op]
     assert proj_mm and {r.precision for r in proj_mm} == {"bfloat16"}  # autocast's bf16 weights, saved in forward
     assert report.ok
+
+
+class SoftmaxThenProject(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(DIM, DIM)
+
+    def forward(self, x):
+        return self.proj(F.softmax(x, -1))
+
+
+def test_a_modules_backward_behind_a_child_is_its_own():
+    # the walk from a module's output stopped at its child's nodes: the softmax's backward went to "<backward>"
+    model = nn.Sequential(nn.Linear(DIM, DIM), SoftmaxThenProject())
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = audit(model, torch.randn(2, SEQ, DIM))
+    assert {(v.module, v.phase) for v in report.violations if v.rule == "softmax_fp32"} == {("1", "forward"),
+                                                                                           ("1", "backward")}

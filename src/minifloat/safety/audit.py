@@ -232,13 +232,18 @@ class _Tracker:
         self.claim(output, self.names[module], type(module).__name__, self.boundaries.pop())
 
     def claim(self, output, path: str, type_name: str, boundary: set) -> None:
-        """Attribute the graph nodes created since `boundary` (reached from `output`) to `path`."""
+        """Attribute the graph nodes created since `boundary` (reached from `output`) to `path`: those no child
+        module claimed; the walk goes on through a child's nodes to the module's own behind them (a module whose
+        output passes through a child, `proj(softmax(x))`, left its softmax's backward to no module)."""
         todo = [t.grad_fn for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.grad_fn is not None]
+        seen = set()
         while todo:
             node = todo.pop()
-            if node is None or node in boundary or node in self.owner:
+            if node is None or node in boundary or node in seen:
                 continue
-            self.owner[node], self.owner_type[node] = path, type_name
+            seen.add(node)
+            if node not in self.owner:
+                self.owner[node], self.owner_type[node] = path, type_name
             todo.extend(n for n, _ in node.next_functions)
 
     def current(self) -> tuple[str, str, nn.Module | None]:
