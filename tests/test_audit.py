@@ -276,14 +276,16 @@ def test_preflight_flags_overflow_and_underflow_in_state_dict():
     state = {
         "big": torch.tensor([1.0, FP16.max * 4]),
         "edge": torch.tensor([FP16.max, -FP16.max]),  # representable: not an overflow
+        # rounds to 65504 (was counted as an overflow), and the first value that rounds to inf
+        "rounding": torch.tensor([65519.99, 65520.0]),
         "tiny": torch.full((10,), FP16.min_subnormal / 4),  # flushes to zero
         "subnormal": torch.full((10,), FP16.min_subnormal),  # survives
     }
     report = preflight(state)
     by_name = {r.name: r for r in report.tensors}
-    assert by_name["big"].overflow == 1 and by_name["edge"].overflow == 0
+    assert by_name["big"].overflow == 1 and by_name["edge"].overflow == 0 and by_name["rounding"].overflow == 1
     assert by_name["tiny"].underflow == 1.0 and by_name["subnormal"].underflow == 0.0
-    assert len(report.issues) == 2 and not report.fp16_safe
+    assert len(report.issues) == 3 and not report.fp16_safe
     # cross-check against torch's own FP16 cast
     assert torch.isinf(state["big"].half()).sum() == 1 and (state["tiny"].half() == 0).all()
 

@@ -91,7 +91,7 @@ def _range(name: str, kind: str, t: torch.Tensor) -> RangeRecord:
     nonzero = finite[finite != 0]
     flushed = (nonzero <= FP16.min_subnormal / 2).sum().item()  # round-to-nearest-even sends the midpoint to 0
     return RangeRecord(name, kind, float(finite.max()) if finite.numel() else 0.0,
-                       int((finite > FP16.max).sum()), flushed / max(nonzero.numel(), 1))
+                       int(torch.isinf(finite.half()).sum()), flushed / max(nonzero.numel(), 1))  # >= 65520
 
 
 def _scaling_state(key: str) -> bool:
