@@ -262,3 +262,19 @@ def test_sdpa_attention_trains(config):
     result = train(dataclasses.replace(config, attention="sdpa", preset="bf16"), progress=False)
     first, last = sum(result.losses[:3]) / 3, sum(result.losses[-3:]) / 3
     assert last < first - 0.5, (first, last)
+
+
+def test_the_progress_bars_tok_s_is_the_runs_not_the_last_steps():
+    # the bar showed the last step's own rate, which on a busy machine reversed compare's ranking against its table
+    import types
+
+    from minifloat.training.loop import _Loop
+
+    config = TrainConfig(**SMALL)
+    loop = object.__new__(_Loop)
+    loop.run = types.SimpleNamespace(config=config, world=types.SimpleNamespace(data_size=1))
+    tokens = config.batch_size * config.seq_len
+    loop.times = [5.0]
+    assert loop.tokens_per_s() == tokens / 5.0  # one step: its own
+    loop.times = [5.0, 1.0, 3.0, 0.1]  # the first step (warm-up) left out, the rest together
+    assert loop.tokens_per_s() == pytest.approx(3 * tokens / 4.1)

@@ -191,6 +191,11 @@ class _Loop:
         is empty when none does, as for a bf16 run."""
         return self.run.policy.recipe is not None and bool(fp8_layers(self.run.model))
 
+    def tokens_per_s(self) -> float:
+        """Trained tokens per second over this call's steps so far, its first (warming-up) steps left out."""
+        timed = self.times[warmup_steps(self.config, len(self.times)):] or self.times[-1:]
+        return self.per_step * self.config.batch_size * self.config.seq_len * len(timed) / sum(timed) if timed else 0.0
+
     @property
     def per_step(self) -> int:
         """Micro-batches per optimizer step, all ranks together."""
@@ -339,12 +344,12 @@ def train(config: TrainConfig, *, progress: bool = True) -> TrainResult:
                 report, mode, lr = loop.update(step)
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # the step's time is the GPU's, not the launch queue's
-                row = loop.log(step, report, mode, lr, time.perf_counter() - t0)
+                loop.log(step, report, mode, lr, time.perf_counter() - t0)
                 stopping = any_rank(stop.signal is not None, world)  # all ranks stop at the same step
                 if report.rollback is None:
                     loop.after_update(step + 1, stopping)
                 step = report.next_step
-                info = f"loss {report.loss:.4f}  {row['tokens_per_s']:,.0f} tok/s  skipped {len(loop.skipped)}"
+                info = f"loss {report.loss:.4f}  {loop.tokens_per_s():,.0f} tok/s  skipped {len(loop.skipped)}"
                 bar.update(task, completed=step, info=info + (f"  {mode.value}" if config.shadow_every else ""))
                 if stopping:
                     if report.rollback is not None:  # the step ended in a rollback: checkpoint the restored state
@@ -366,9 +371,7 @@ def _result(loop: _Loop, start_step: int, step: int, stopped_by: str | None) -> 
     torchrun forwards it)."""
     config, run = loop.config, loop.run
     warmup = warmup_steps(config, len(loop.times))
-    timed = loop.times[warmup:]
-    tokens_per_step = loop.per_step * config.batch_size * config.seq_len
-    tokens_per_s = tokens_per_step * len(timed) / sum(timed) if timed else 0.0
+    tokens_per_s = loop.tokens_per_s() if loop.times[warmup:] else 0.0
     model = run.model
     flops = flops_per_token(model, n_layers=model.config.n_layer, d_model=model.config.d_model, seq_len=config.seq_len)
     peak = peak_bf16_flops(run.device)
