@@ -1149,6 +1149,15 @@ def test_sqnr_of_non_finite_tensors(reference, approx, expected):
     assert (math.isnan(got) and math.isnan(expected)) or got == expected
 
 
+def test_sqnr_refuses_tensors_it_cannot_compare():
+    # a complex tensor lost its imaginary part to .double() (a torch warning only); meta tensors hold no numbers
+    # (torch's "Tensor.item() cannot be called on meta tensors")
+    with pytest.raises(TypeError, match="real tensors that hold numbers, got a torch.complex64 reference"):
+        sqnr_db(torch.ones(3, dtype=torch.complex64), torch.ones(3))
+    with pytest.raises(TypeError, match="got a torch.float32 approx on meta"):
+        sqnr_db(torch.ones(3), torch.ones(3, device="meta"))
+
+
 @pytest.mark.parametrize("call, match", [
     (lambda: quantize(torch.zeros(5, 0), E4M3, granularity="row"), "scales along the last dim"),
     (lambda: quantize(torch.tensor(1.0), E4M3, granularity="mx"), "scales along the last dim"),

@@ -13,6 +13,10 @@ def sqnr_db(reference: torch.Tensor, approx: torch.Tensor) -> float:
     NaN (or inf on both sides) leaves no ratio."""
     if not (isinstance(reference, torch.Tensor) and isinstance(approx, torch.Tensor)):
         raise TypeError(f"sqnr_db compares two tensors, got {type(reference).__name__} and {type(approx).__name__}")
+    for name, t in (("reference", reference), ("approx", approx)):
+        if t.is_complex() or t.device.type == "meta":  # .double() dropped the imaginary part; meta holds no numbers
+            raise TypeError(f"sqnr_db compares real tensors that hold numbers, got a {t.dtype} {name} on "
+                            f"{t.device.type}")
     if reference.shape != approx.shape:
         raise ValueError(f"sqnr_db compares tensors of one shape, got {tuple(reference.shape)} (reference) and "
                          f"{tuple(approx.shape)} (approx)")
