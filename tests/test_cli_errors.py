@@ -47,6 +47,9 @@ OPTION_CASES = [
     ("audit --batch 0, Llama", ["audit", "--model", "tiny", "--batch", "0"], ["invalid option", "batch", "got 0"]),
     ("audit --seed -1", ["audit", "--seed", "-1"], ["invalid option", "seed", "got -1"]),
     ("audit unknown preset", ["audit", "--preset", "fp9"], ["invalid option", "preset", "'fp9'"]),
+    # --overwrite acts on --json's file only: alone it was accepted and did nothing
+    ("audit --overwrite alone", ["audit", "--overwrite"], ["invalid option", "--overwrite replaces the file --json"]),
+    ("memory --overwrite alone", ["memory", "--model", "tiny", "--overwrite"], ["invalid option", "add --json PATH"]),
     # a corpus too short for one sequence: the fix, not a tensor shape ("tokens must be a 1-D stream ... (9,)")
     ("memory --max-bytes 10", ["memory", "--model", "tiny", "--max-bytes", "10"], ["raise --max-bytes"]),
 ]

@@ -42,6 +42,15 @@ class CliError(Exception):
         self.status = status
 
 
+def json_output(args) -> pathlib.Path | None:
+    """The file `--json` writes (`output_file`), or None without --json; --overwrite without --json (it replaces
+    only that file) is an invalid option, not silently nothing."""
+    if args.overwrite and not args.json:
+        raise CliError("invalid option: --overwrite replaces the file --json writes; add --json PATH, or leave "
+                       "--overwrite out")
+    return output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
+
+
 def output_file(flag: str, value: str, *, overwrite: bool = False) -> pathlib.Path:
     """The file an option (`flag` `value`) writes, checked before the command's work: a CliError of one line
     (status 2) when the path is a folder, its folder does not exist or is not a folder, or the file exists and

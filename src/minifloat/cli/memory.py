@@ -38,7 +38,7 @@ def cmd_memory(args: argparse.Namespace) -> int:
                          device=args.device,
                          optimizer_state=args.optimizer_state, master=args.master)
     # before the work
-    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
+    json_path = common.json_output(args)
     report = memory_report(config)
     common.print_table(memory_table(report))
     common.console.print("MiB: 2^20 bytes; B/param: bytes per parameter. Saved for backward: one micro-batch's "

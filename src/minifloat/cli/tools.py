@@ -177,7 +177,7 @@ def cmd_audit(args: argparse.Namespace) -> int:
         check_int("batch", args.batch, low=1)
         check_seed("seed", args.seed)
     # checked before the work
-    json_path = common.output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
+    json_path = common.json_output(args)
     policy = PrecisionPolicy.preset(args.preset)
     torch.manual_seed(args.seed)
     if args.model == "byte-mlp":
