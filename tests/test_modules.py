@@ -698,3 +698,26 @@ def test_telemetry_numbers_the_steps_of_a_capture():
     steps = [r.step for r in tel.records]
     assert sorted(set(steps)) == [0, 1, 2] and steps == sorted(steps)
     assert all(steps.count(s) == 6 for s in range(3))  # 2 layers × 3 roles a step
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.BlockScaling(), mf.NVFP4Scaling()],
+                         ids=["delayed", "block", "nvfp4"])
+@pytest.mark.parametrize("shape", [(4, 64), (2, 3, 64)], ids=["2d", "3d"])
+def test_a_layers_output_can_be_modified_in_place(recipe, shape):
+    # the autograd Function returned a view it made (its reshape), which autograd forbids modifying in place:
+    # "Output 0 of Fp8LinearFunction is a view and is being modified inplace" (HF Falcon's `mlp_output += attn`)
+    torch.manual_seed(0)
+    layer = mf.convert(nn.Linear(64, 64), recipe=recipe, keep_first_last=False)
+    x = torch.randn(*shape, requires_grad=True)
+    plain = layer(x)
+    (plain * 1).sum().backward()
+    expected, x.grad = x.grad.clone(), None
+    y = layer(x)
+    y += 1  # d(y + 1)/dy = 1: the same gradient
+    y.sum().backward()
+    assert torch.equal(x.grad, expected) and torch.equal(y, plain + 1)
+    frozen = mf.prepare_inference(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64)), recipe=recipe,
+                                  keep_first_last=False)
+    out = frozen(x)
+    out += 1  # a prepared model's layers pass gradients to their inputs (adapters): the same rule
+    out.sum().backward()

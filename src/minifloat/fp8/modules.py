@@ -212,8 +212,11 @@ class Fp8Linear(nn.Linear):
             return recording_linear(x, weight, bias, caster)
         if caster.recipe.four_bit:
             _add_random_state(self.fp8_state, caster.recipe, name)  # present unless autocast brought it
-            return Fp4LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
-        return Fp8LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
+        function = Fp4LinearFunction if caster.recipe.four_bit else Fp8LinearFunction
+        # the Function sees (tokens, in) and gives (tokens, out); the reshapes happen out here, so the output is no
+        # view made inside it, which a caller could not modify in place (`y += r`, HF Falcon)
+        y = function.apply(x.reshape(-1, x.shape[-1]), weight, bias, caster, compute_dtype(x))
+        return y.reshape(*x.shape[:-1], y.shape[-1])
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"

@@ -179,7 +179,8 @@ class FrozenWeightLinear(torch.autograd.Function):
     def forward(ctx, x: torch.Tensor, bias: torch.Tensor | None, layer: "Fp8InferenceLinear") -> torch.Tensor:
         ctx.layer, ctx.x_dtype = layer, x.dtype
         ctx.bias_dtype = bias.dtype if bias is not None else None
-        return layer.product(x)
+        y = layer.product(x)
+        return y if y._base is None else y.clone()
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
@@ -319,7 +320,10 @@ class Fp8InferenceLinear(nn.Module):
                             f"which its model cast to the stored weight's dtype; keep this layer in high precision "
                             f"(prepare_inference's keep=[its name])")
         if torch.is_grad_enabled() and (x.requires_grad or (self.bias is not None and self.bias.requires_grad)):
-            return FrozenWeightLinear.apply(x, self.bias, self)
+            # (tokens, in) in, (tokens, out) out: reshaped out here, so the output is no view made inside the
+            # Function, which a caller could not modify in place
+            y = FrozenWeightLinear.apply(x.reshape(-1, self.in_features), self.bias, self)
+            return y.reshape(*x.shape[:-1], self.out_features)
         return self.product(x)
 
     @torch.no_grad()
