@@ -267,3 +267,42 @@ def test_gpt2s_conv1d_projections_are_named_when_nothing_converts(caplog):
             apply(transformers.GPT2LMHeadModel(config))
         assert any("8 transformers Conv1D projection(s) (transformer.h.0.attn.c_attn, ...) are not nn.Linear"
                    in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
+
+
+class Router(nn.Linear):
+    """An MoE router: a linear with a forward of its own, returning (weights, indices) as HF's Llama4 / PhiMoE do."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits.softmax(-1), logits.argmax(-1)
+
+
+class RoutedMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.router, self.down = nn.Linear(32, 64), Router(64, 16), nn.Linear(64, 32)
+
+    def forward(self, x):
+        h = self.up(x)
+        weights, _ = self.router(h)
+        return self.down(h * weights.sum(-1, keepdim=True))
+
+
+def test_a_linear_subclass_with_its_own_forward_is_left_as_it_is(caplog):
+    # it became an Fp8Linear, whose forward returned a tensor: "too many values to unpack" inside the model
+    model = RoutedMLP()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        mf.convert(model, keep_first_last=False)
+    assert type(model.router) is Router and isinstance(model.up, mf.Fp8Linear)
+    assert "kept 1 nn.Linear subclass(es) with a forward of their own" in caplog.text and "router" in caplog.text
+    model(torch.randn(4, 32)).sum().backward()
+    prepared = mf.prepare_inference(RoutedMLP(), recipe=mf.CurrentScaling(), keep_first_last=False)
+    assert type(prepared.router) is Router
+    prepared(torch.randn(4, 32))
+
+
+@pytest.mark.parametrize("verdict", ["no", None, torch.tensor([True, False])], ids=["str", "none", "tensor"])
+def test_a_filter_must_answer_with_a_bool(verdict):
+    # "no" converted every layer (truthy), None none, and a tensor raised torch's "Boolean value ... is ambiguous"
+    with pytest.raises(TypeError, match="filter\\(name, layer\\) must return a bool"):
+        mf.convert(RoutedMLP(), filter=lambda name, layer: verdict, keep_first_last=False)

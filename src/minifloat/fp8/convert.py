@@ -36,11 +36,14 @@ class Fp8Plan:
         convert: layers that become Fp8Linear.
         kept: layers `keep_first_last` (input projections and output head) or `keep_blocks` keeps in high precision.
         misshapen: layers left in high precision because their features are not multiples of 16.
+        own_forward: nn.Linear subclasses with a forward of their own (MoE routers returning a tuple, ...), left as
+            they are: an Fp8Linear would replace that forward by a plain linear's.
     """
 
     convert: tuple[str, ...]
     kept: tuple[str, ...]
     misshapen: tuple[str, ...]
+    own_forward: tuple[str, ...] = ()
 
 
 Filter = Callable[[str, nn.Linear], bool]  # filter(name, linear) -> bool: convert the layer?
@@ -77,15 +80,28 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
     """
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
-    convert_, kept, misshapen = [], [], []
+    convert_, kept, misshapen, own = [], [], [], []
     for name, lin in roles.named_linears(model):
         if isinstance(lin, Fp8Linear):
             continue
-        if name in first_last:
+        if type(lin).forward is not nn.Linear.forward:
+            own.append(name)
+        elif name in first_last:
             kept.append(name)
-        elif filter is None or filter(name, lin):
+        elif accepts(filter, name, lin):
             (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
-    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen))
+    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own))
+
+
+def accepts(filter: Filter | None, name: str, layer: nn.Module) -> bool:
+    """filter(name, layer), which must be a bool (a truthy "no" converted a layer; a tensor raised torch's error)."""
+    if filter is None:
+        return True
+    verdict = filter(name, layer)
+    if not isinstance(verdict, bool):
+        raise TypeError(f"filter(name, layer) must return a bool (True: convert the layer), got a "
+                        f"{type(verdict).__name__} for {name!r}")
+    return verdict
 
 
 def convert(model: nn.Module, *, recipe: Recipe | None = None,
@@ -122,7 +138,7 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
     check_no_other_recipe("minifloat.convert", model, recipe,
-                          lambda name, layer: name not in first_last and (filter is None or filter(name, layer)))
+                          lambda name, layer: name not in first_last and accepts(filter, name, layer))
     plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last, keep_blocks=keep_blocks)
     root = model
     for name in plan.convert:
@@ -138,6 +154,9 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
     elif plan.misshapen:
         log.warning("minifloat.convert: kept %d layer(s) in high precision, their features are not multiples of "
                     "%d: %s", len(plan.misshapen), MIN_DIM_MULTIPLE, _listed(model, plan.misshapen, sizes=True))
+    if plan.own_forward:
+        log.warning("minifloat.convert: kept %d nn.Linear subclass(es) with a forward of their own as they are (an "
+                    "Fp8Linear would replace it): %s", len(plan.own_forward), _listed(model, plan.own_forward))
     return root
 
 
@@ -191,7 +210,10 @@ def _nothing_converted(model: nn.Module, plan: Fp8Plan, filter) -> str:
     if plan.misshapen:
         reasons.append(f"{len(plan.misshapen)} with features that are not multiples of {MIN_DIM_MULTIPLE}: "
                        f"{_listed(model, plan.misshapen, sizes=True)}")
-    refused = len(linears) - len(plan.kept) - len(plan.misshapen)
+    if plan.own_forward:
+        reasons.append(f"{len(plan.own_forward)} nn.Linear subclass(es) with a forward of their own: "
+                       f"{_listed(model, plan.own_forward)}")
+    refused = len(linears) - len(plan.kept) - len(plan.misshapen) - len(plan.own_forward)
     if refused and filter is not None:
         reasons.append(f"{refused} refused by `filter`")
     return f"every nn.Linear of the {type(model).__name__} stays in high precision: " + "; ".join(reasons) + \

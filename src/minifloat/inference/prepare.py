@@ -61,6 +61,9 @@ def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_las
     if plan.misshapen:
         log.warning("minifloat.prepare_inference: kept %d layer(s) in high precision, their features are not "
                     "multiples of %d: %s", len(plan.misshapen), roles.MIN_DIM_MULTIPLE, ", ".join(plan.misshapen))
+    if plan.own_forward:
+        log.warning("minifloat.prepare_inference: kept %d nn.Linear subclass(es) with a forward of their own as they "
+                    "are: %s", len(plan.own_forward), ", ".join(plan.own_forward))
     chosen = set(plan.convert) | {n for n, m in roles.named_linears(model) if isinstance(m, Fp8Linear)}
     chosen -= roles.kept_in_fp32(model)
     return [n for n in linears if n in chosen and not any(fnmatch.fnmatchcase(n, p) for p in keep)]
