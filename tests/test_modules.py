@@ -721,3 +721,27 @@ def test_a_layers_output_can_be_modified_in_place(recipe, shape):
     out = frozen(x)
     out += 1  # a prepared model's layers pass gradients to their inputs (adapters): the same rule
     out.sum().backward()
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.NVFP4Scaling()], ids=["delayed", "nvfp4"])
+def test_a_model_built_on_meta_gets_a_fresh_scaling_state_from_to_empty(recipe):
+    # to_empty left uninitialised memory: scales like -1e24 marked as seeded, NaN losses; with assign=True the
+    # state stayed on meta and torch's device error came from inside a cast
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    fresh = mf.convert(copy.deepcopy(reference), recipe=recipe, keep_first_last=False)
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    model = mf.convert(model, recipe=recipe, keep_first_last=False).to_empty(device="cpu")
+    model.load_state_dict(reference.state_dict(), strict=False)  # weights saved before conversion
+    for built, new in zip(mf.fp8_layers(model), mf.fp8_layers(fresh)):
+        assert not built.fp8_state.initialized.any() and torch.equal(built.fp8_state.scale, new.fp8_state.scale)
+        assert not built.fp8_state.amax_history.any()
+    x = torch.randn(4, 64)
+    assert torch.equal(model(x), fresh(x))
+    with torch.device("meta"):
+        assigned = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+    assigned = mf.convert(assigned, recipe=recipe, keep_first_last=False)
+    assigned.load_state_dict(reference.state_dict(), strict=False, assign=True)
+    with pytest.raises(ValueError, match="scaling state is on the meta device .* call model.to_empty"):
+        assigned(x)

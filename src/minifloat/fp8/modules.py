@@ -194,6 +194,10 @@ class Fp8Linear(nn.Linear):
                              f"last dimension is {weight.shape[-1]}, got {got}")
         if not state.enabled or x.numel() == 0:
             return F.linear(x, weight, bias)
+        if self.fp8_state.scale.is_meta and not x.is_meta:  # torch's "Tensor on device meta is not on cpu" otherwise
+            raise ValueError(f"{self.fp8_name or type(self).__name__}'s FP8 scaling state is on the meta device (a "
+                             f"model built there and loaded with assign=True); call model.to_empty(device=...) "
+                             f"before loading, or load a state dict that holds it")
         # evaluation records nothing; activation-checkpoint recompute records the same amaxes again (a no-op)
         recording = (self.training and torch.is_grad_enabled()) or state.calibrating
         # a compiled graph casts the weight in the graph: no WeightCache, whose entries (filled by eager forwards,

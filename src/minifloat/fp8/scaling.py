@@ -79,6 +79,28 @@ class ScalingState(nn.Module):
                 self.register_buffer(key, torch.empty_like(state_dict[prefix + key], device=self.scale.device))
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
 
+    def _apply(self, fn, recurse: bool = True):
+        was_meta = self.scale.is_meta
+        out = super()._apply(fn, recurse)
+        if was_meta and not self.scale.is_meta:  # to_empty off the meta device: no values came along, only memory
+            self.reset()
+        return out
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """A fresh state, as a new layer's: empty history, scales 1, nothing seeded (its first step seeds the
+        scales); random streams (NVFP4) are drawn again at the next cast. A model built on the meta device gets it
+        from `to_empty` (uninitialised memory held garbage scales marked as seeded, and a load of weights saved
+        before conversion leaves the state as it is)."""
+        self.amax_history.zero_()
+        self.scale.fill_(1.0)
+        self.initialized.zero_()
+        self.nonfinite.zero_()
+        for key in ("rht_signs", "sr_seed", "sr_draws"):
+            self._buffers.pop(key, None)
+        self._seeded, self._reciprocals, self._scratch, self._slots = None, None, None, None
+        self.generation += 1
+
     def _host_seeded(self) -> list[bool]:
         if self._seeded is None:
             if self.initialized.is_meta:  # shapes only: nothing to seed from, the stored scale stands in
