@@ -306,3 +306,17 @@ def test_a_filter_must_answer_with_a_bool(verdict):
     # "no" converted every layer (truthy), None none, and a tensor raised torch's "Boolean value ... is ambiguous"
     with pytest.raises(TypeError, match="filter\\(name, layer\\) must return a bool"):
         mf.convert(RoutedMLP(), filter=lambda name, layer: verdict, keep_first_last=False)
+
+
+def test_a_policy_keeps_non_persistent_buffers_in_their_dtype():
+    # HF's RoPE inv_freq (a non-persistent buffer) went to bf16 with param_dtype=bfloat16: phases off by 0.7 rad at
+    # position 4096; a persistent buffer is state and follows param_dtype
+    import dataclasses
+
+    model = RoutedMLP()
+    model.register_buffer("inv_freq", torch.rand(8), persistent=False)
+    model.register_buffer("running", torch.rand(8))
+    policy = dataclasses.replace(mf.PrecisionPolicy.preset("bf16"), param_dtype=torch.bfloat16)
+    policy.apply(model)
+    assert model.inv_freq.dtype == torch.float32 and model.running.dtype == torch.bfloat16
+    assert model.up.weight.dtype == torch.bfloat16

@@ -269,7 +269,10 @@ class PrecisionPolicy:
             if isinstance(m, ScalingState):
                 continue
             dtype = torch.float32 if inside(name, islands) else self.param_dtype
-            for t in list(m.parameters(recurse=False)) + list(m.buffers(recurse=False)):
+            # non-persistent buffers are derived constants (HF's RoPE inv_freq: in bf16 its phases drift by 0.7 rad
+            # at position 4096), not state: they keep their dtype
+            buffers = [b for n, b in m.named_buffers(recurse=False) if n not in m._non_persistent_buffers_set]
+            for t in list(m.parameters(recurse=False)) + buffers:
                 if t.is_floating_point() and t.dtype != dtype:
                     t.data = t.data.to(dtype)
                     if t.grad is not None:
