@@ -430,3 +430,14 @@ def test_hugging_face_models(activations, tmp_path):
             mf.save_quantized(model, tmp_path / name)
             loaded = mf.load_quantized(tmp_path / name, model=type(reference)(reference.config))
             assert torch.equal(loaded(**x)[key], y), name
+
+
+def test_preparing_a_prepared_model_under_another_recipe_is_refused(caplog):
+    # it returned the model unchanged under its first recipe, with "no linear layer left to convert"
+    model = mf.prepare_inference(mlp(), recipe=mf.DelayedScaling(), keep_first_last=False)
+    with caplog.at_level("WARNING", logger="minifloat"):
+        assert mf.prepare_inference(model, recipe=mf.DelayedScaling(), keep_first_last=False) is model
+    assert "(it is prepared already)" in caplog.text
+    with pytest.raises(ValueError, match="prepared for FP8 inference already, under another recipe .* prepare the "
+                                         "unprepared model"):
+        mf.prepare_inference(model, recipe=mf.MXScaling(), keep_first_last=False)

@@ -26,7 +26,7 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.validate import check_bool, check_choice, check_number
-from minifloat.fp8.convert import fp8_plan
+from minifloat.fp8.convert import fp8_plan, other_projections
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role, check_recipe
@@ -165,7 +165,15 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
                  "(predicted %.1f dB): %s", len(kept), keep_sensitive, combined_sqnr_db(sqnrs[n] for n in names),
                  ", ".join(f"{n} ({sqnrs[n]:.1f} dB)" for n in kept) or "none")
     if not names:
-        log.warning("minifloat.prepare_inference: the %s has no linear layer left to convert", type(model).__name__)
+        prepared = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)]
+        asked = LayerSpec.from_recipe(recipe, activations)
+        if other := [n for n, m in prepared if (m.spec.weight, m.spec.input, m.spec.activations)
+                     != (asked.weight, asked.input, asked.activations)]:
+            raise ValueError(f"the {type(model).__name__} is prepared for FP8 inference already, under another "
+                             f"recipe or activation mode ({len(other)} layer(s): {', '.join(other[:3])}"
+                             f"{', ...' if len(other) > 3 else ''}); prepare the unprepared model instead")
+        log.warning("minifloat.prepare_inference: the %s has no linear layer left to convert%s", type(model).__name__,
+                    " (it is prepared already)" if prepared else other_projections(model))
         return model
     specs = {n: LayerSpec.from_recipe(recipe, activations) for n in names}
     input_scales: dict[str, torch.Tensor] = {}
