@@ -25,7 +25,8 @@ from minifloat.core.skip import SkipReason
 from minifloat.fp8 import telemetry
 from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.recipes import ROLES, Role
-from minifloat.fp8.scaling import NonfiniteWatch, ScalingState
+from minifloat.fp8.nonfinite import NonfiniteWatch
+from minifloat.fp8.scaling import ScalingState
 from minifloat.fp8.step import fp8_step
 from minifloat.numerics import compiling
 from minifloat.numerics.compiling import compile_enabled, eager_kernels

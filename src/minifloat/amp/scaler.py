@@ -37,7 +37,8 @@ from minifloat.amp.unscale import check_and_unscale_, grad_param_groups, grad_va
 from minifloat.core.skip import SkipReason
 from minifloat.core.validate import check_bool, check_int, check_number
 from minifloat.fp8.recipes import Role
-from minifloat.fp8.scaling import ROLE_INDEX, NonfiniteWatch
+from minifloat.fp8.nonfinite import NonfiniteWatch
+from minifloat.fp8.scaling import ROLE_INDEX
 from minifloat.numerics.formats import NumberFormat
 
 log = logging.getLogger("minifloat")

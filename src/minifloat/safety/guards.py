@@ -19,7 +19,7 @@ One object, bound to the model and optimizer, keeps a plain training loop readab
 Non-finite steps: a step is skipped when its loss or total gradient norm is NaN/inf, or when one of its FP8 casts (an
 Fp8Linear's input, weight or output gradient) met NaN/inf: FP8 casts saturate (+inf becomes +448 in E4M3), so the loss
 and the gradients may stay finite, and only the layers' `nonfinite` counters, read against their value at
-`begin_step` (minifloat.fp8.scaling.NonfiniteWatch), show it. `nonfinite_reason` names the first of these to go bad.
+`begin_step` (minifloat.fp8.nonfinite.NonfiniteWatch), show it. `nonfinite_reason` names the first of these to go bad.
 
 What a skip guarantees: parameters, optimizer state and module buffers are bitwise what they were at `begin_step`
 (FP8 layers record amaxes and count non-finite ones during the bad step's forward and backward, so buffers need the
@@ -53,7 +53,7 @@ from minifloat.core.skip import SkipReason
 from minifloat.core.snapshot import buffer_snapshot, restore_buffers, state_snapshot
 from minifloat.core.validate import check_bool, check_choice, check_int, check_number
 from minifloat.fp8.recipes import Role
-from minifloat.fp8.scaling import NonfiniteWatch
+from minifloat.fp8.nonfinite import NonfiniteWatch
 from minifloat.safety.words import level_shift_in_words, skip_in_words, spike_in_words
 
 log = logging.getLogger("minifloat")
