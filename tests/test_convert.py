@@ -320,3 +320,52 @@ def test_a_policy_keeps_non_persistent_buffers_in_their_dtype():
     policy.apply(model)
     assert model.inv_freq.dtype == torch.float32 and model.running.dtype == torch.bfloat16
     assert model.up.weight.dtype == torch.bfloat16
+
+
+class StackedExperts(nn.Module):
+    """Experts' weights stacked as (experts, out, in), multiplied by the module's own forward (transformers 5's
+    MixtralExperts layout)."""
+
+    def __init__(self, n=4, d=32, f=64):
+        super().__init__()
+        self.up = nn.Parameter(torch.randn(n, f, d) / d**0.5)
+        self.down = nn.Parameter(torch.randn(n, d, f) / f**0.5)
+
+    def forward(self, x, expert):
+        return torch.nn.functional.linear(torch.nn.functional.linear(x, self.up[expert]).relu(), self.down[expert])
+
+
+class MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj, self.experts, self.conv = nn.Linear(32, 32), StackedExperts(), nn.Conv2d(3, 16, 3)
+
+    def forward(self, x):
+        return self.experts(self.proj(x), 0)
+
+
+def test_stacked_expert_weights_are_named_as_staying_in_high_precision(caplog):
+    # MoE experts held as 3-D parameters (Mixtral in transformers 5) stayed in high precision with no word of it;
+    # a convolution's 4-D weight is not a stacked matmul weight
+    model = MoEBlock()
+    assert roles.stacked_weights(model) == {"experts": (("up", (4, 64, 32)), ("down", (4, 32, 64)))}
+    assert fp8_plan(model, keep_first_last=False).stacked == ("experts",)
+    with caplog.at_level("WARNING", logger="minifloat"):
+        mf.convert(model, keep_first_last=False)
+    share = round(100 * (2 * 4 * 64 * 32) / sum(p.numel() for p in model.parameters()))
+    assert "1 module(s) multiply stacked weights of their own" in caplog.text
+    assert f"{share}% of the model's parameters: experts (up 4x64x32, down 4x32x64)" in caplog.text
+    assert isinstance(model.proj, mf.Fp8Linear) and "conv (" not in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        mf.prepare_inference(MoEBlock(), recipe=mf.CurrentScaling(), keep_first_last=False)
+    assert "minifloat.prepare_inference: 1 module(s) multiply stacked weights" in caplog.text
+
+
+def test_a_hugging_face_mixtral_names_its_experts():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4)
+    model = transformers.MixtralForCausalLM(config)
+    plan = fp8_plan(model)
+    assert plan.stacked == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")

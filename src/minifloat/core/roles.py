@@ -19,6 +19,11 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
   and each hold an nn.Linear (the reference Llama's `blocks`, Hugging Face Llama's `model.layers`, BERT's
   `encoder.layer`); 4-bit training keeps the first and last few of them in high precision.
 
+* stacked matmul weights (`stacked_weights`): modules other than convolutions that hold a parameter of 3 or more
+  dimensions directly, such as a mixture of experts' weights stacked as (experts, out, in) and multiplied by the
+  module's own forward (transformers 5's MixtralExperts, Qwen3-MoE, DeepSeek-V3, GPT-OSS). FP8 conversion takes
+  nn.Linear layers only, so these stay in high precision, and convert says so.
+
 GPT-2's Conv1D is not an nn.Linear and has no role here.
 """
 
@@ -35,6 +40,7 @@ MIN_DIM_MULTIPLE = 16  # FP8 tensor cores (torch._scaled_mm) need K and N divisi
 NORM_TYPES = (nn.LayerNorm, nn.RMSNorm, nn.GroupNorm, nn.LocalResponseNorm, nn.BatchNorm1d, nn.BatchNorm2d,
               nn.BatchNorm3d, nn.SyncBatchNorm, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d)
 EMBEDDING_TYPES = (nn.Embedding, nn.EmbeddingBag)
+CONV_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
 HEAD_NAMES = ("lm_head", "classifier", "score", "head", "output")  # in priority order
 POOLER_NAMES = frozenset({"pooler"})
 # own names of the projections that read an attention block's input: separate q / k / v (Llama, BERT, T5,
@@ -119,6 +125,19 @@ def first_and_last(model: nn.Module) -> set[str]:
     """The nn.Linear layers `keep_first_last` keeps in high precision: the input projections and the output head."""
     head = output_head(model)
     return set(input_projections(model)) | ({head} if head is not None else set())
+
+
+def stacked_weights(model: nn.Module) -> dict[str, tuple[tuple[str, tuple[int, ...]], ...]]:
+    """{module name: ((parameter name, shape), ...)} for the modules (not convolutions) that hold parameters of 3 or more
+    dimensions directly: stacked matmul weights such as MoE experts' (see the module docstring)."""
+    found = {}
+    for name, m in model.named_modules():
+        if isinstance(m, CONV_TYPES):
+            continue
+        params = tuple((p_name, tuple(p.shape)) for p_name, p in m.named_parameters(recurse=False) if p.dim() >= 3)
+        if params:
+            found[name] = params
+    return found
 
 
 def fp8_shape_ok(linear: nn.Linear) -> bool:

@@ -38,12 +38,15 @@ class Fp8Plan:
         misshapen: layers left in high precision because their features are not multiples of 16.
         own_forward: nn.Linear subclasses with a forward of their own (MoE routers returning a tuple, ...), left as
             they are: an Fp8Linear would replace that forward by a plain linear's.
+        stacked: modules holding stacked matmul weights (MoE experts' 3-D parameters, minifloat.core.roles.
+            stacked_weights), which are not nn.Linear layers and stay in high precision.
     """
 
     convert: tuple[str, ...]
     kept: tuple[str, ...]
     misshapen: tuple[str, ...]
     own_forward: tuple[str, ...] = ()
+    stacked: tuple[str, ...] = ()
 
 
 Filter = Callable[[str, nn.Linear], bool]  # filter(name, linear) -> bool: convert the layer?
@@ -90,7 +93,7 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
             kept.append(name)
         elif accepts(filter, name, lin):
             (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
-    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own))
+    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own), tuple(roles.stacked_weights(model)))
 
 
 def accepts(filter: Filter | None, name: str, layer: nn.Module) -> bool:
@@ -157,7 +160,25 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
     if plan.own_forward:
         log.warning("minifloat.convert: kept %d nn.Linear subclass(es) with a forward of their own as they are (an "
                     "Fp8Linear would replace it): %s", len(plan.own_forward), _listed(model, plan.own_forward))
+    if plan.stacked:
+        log.warning("minifloat.convert: %s", stacked_note(model, plan.stacked))
     return root
+
+
+def stacked_note(model: nn.Module, stacked: tuple[str, ...]) -> str:
+    """One line saying that `stacked` (modules with stacked matmul weights: MoE experts) stay in high precision, and
+    what share of the model's parameters they hold."""
+    found = roles.stacked_weights(model)
+    shown = []
+    for name in stacked[:MAX_LISTED]:
+        shapes = ", ".join(f"{p} {'x'.join(map(str, shape))}" for p, shape in found[name])
+        shown.append(f"{name or 'the model itself'} ({shapes})")
+    held = sum(model.get_submodule(n).get_parameter(p).numel() for n in stacked for p, _ in found[n])
+    total = sum(p.numel() for p in model.parameters()) or 1
+    more = f", ... ({len(stacked)} in all)" if len(stacked) > MAX_LISTED else ""
+    return (f"{len(stacked)} module(s) multiply stacked weights of their own (MoE experts held as 3-D parameters), "
+            f"which only nn.Linear layers can run in FP8: they stay in high precision, {100 * held / total:.0f}% of "
+            f"the model's parameters: {', '.join(shown)}{more}")
 
 
 MAX_LISTED = 4  # layers a warning names before "..."

@@ -26,7 +26,7 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.validate import check_bool, check_choice, check_number
-from minifloat.fp8.convert import fp8_plan, other_projections
+from minifloat.fp8.convert import fp8_plan, other_projections, stacked_note
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role, check_recipe
@@ -64,6 +64,8 @@ def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_las
     if plan.own_forward:
         log.warning("minifloat.prepare_inference: kept %d nn.Linear subclass(es) with a forward of their own as they "
                     "are: %s", len(plan.own_forward), ", ".join(plan.own_forward))
+    if plan.stacked:
+        log.warning("minifloat.prepare_inference: %s", stacked_note(model, plan.stacked))
     chosen = set(plan.convert) | {n for n, m in roles.named_linears(model) if isinstance(m, Fp8Linear)}
     chosen -= roles.kept_in_fp32(model)
     return [n for n in linears if n in chosen and not any(fnmatch.fnmatchcase(n, p) for p in keep)]
