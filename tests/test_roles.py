@@ -193,3 +193,40 @@ def test_transformer_blocks(make, blocks):
                                                 (2, 2, ["0", "1", "2"]), (0, 9, ["0", "1", "2"])])
 def test_linears_in_first_and_last_blocks(first, last, kept):
     assert roles.linears_in_blocks(TwoStacks(), first, last) == {f"layers.{i}.0" for i in kept}
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(D, D)
+
+
+class EncoderDecoder(nn.Module):
+    """T5's layout: an encoder stack and a shorter decoder stack of the same block type; each block's experts form a
+    longer list inside it."""
+
+    def __init__(self, encoder=3, decoder=2):
+        super().__init__()
+        self.encoder = nn.ModuleList([Block() for _ in range(encoder)])
+        self.decoder = nn.ModuleList([Block() for _ in range(decoder)])
+        for block in self.decoder:
+            block.experts = nn.ModuleList([nn.Sequential(nn.Linear(D, D)) for _ in range(6)])
+
+
+def test_every_stack_of_an_encoder_decoder_keeps_its_own_first_and_last_blocks():
+    # the encoder's blocks alone were taken: nvfp4's "last block in BF16" kept the encoder's, not the decoder block
+    # that feeds the head
+    model = EncoderDecoder()
+    assert roles.block_stacks(model) == [["encoder.0", "encoder.1", "encoder.2"], ["decoder.0", "decoder.1"]]
+    kept = roles.linears_in_blocks(model, 0, 1)
+    assert kept == {"encoder.2.proj", "decoder.1.proj"} | {f"decoder.1.experts.{i}.0" for i in range(6)}
+    assert roles.linears_in_blocks(model, 0.5, 0) == {"encoder.0.proj", "encoder.1.proj", "decoder.0.proj"} | {
+        f"decoder.0.experts.{i}.0" for i in range(6)}
+
+
+def test_a_hugging_face_t5_has_two_stacks():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=3, num_decoder_layers=2,
+                                   num_heads=4)
+    stacks = roles.block_stacks(transformers.T5ForConditionalGeneration(config))
+    assert stacks == [[f"encoder.block.{i}" for i in range(3)], [f"decoder.block.{i}" for i in range(2)]]

@@ -15,9 +15,12 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
   the first nn.Linear (module order) that is neither the head nor in a pooler and, when it is an attention input
   projection, every attention input projection beside it: q, k and v read the same input, so they are one layer.
 * FP8 shape (`fp8_shape_ok`): in and out features multiples of MIN_DIM_MULTIPLE.
-* transformer blocks (`transformer_blocks`): the entries of the longest nn.ModuleList whose entries share one type
-  and each hold an nn.Linear (the reference Llama's `blocks`, Hugging Face Llama's `model.layers`, BERT's
-  `encoder.layer`); 4-bit training keeps the first and last few of them in high precision.
+* transformer blocks (`block_stacks`, `transformer_blocks`): the entries of the longest nn.ModuleList whose entries
+  share one type and each hold an nn.Linear (the reference Llama's `blocks`, Hugging Face Llama's `model.layers`,
+  BERT's `encoder.layer`), and of every other such list, not inside another, as long or of the same block type: an
+  encoder-decoder's second stack (T5's `encoder.block` and `decoder.block`, Whisper's encoder and decoder layers).
+  4-bit training keeps the first and last few blocks of each stack in high precision: the decoder's last block
+  feeds the head, the encoder's last every cross-attention.
 
 * stacked matmul weights (`stacked_weights`): modules other than convolutions that hold a parameter of 3 or more
   dimensions directly, such as a mixture of experts' weights stacked as (experts, out, in) and multiplied by the
@@ -145,14 +148,32 @@ def fp8_shape_ok(linear: nn.Linear) -> bool:
     return linear.in_features % MIN_DIM_MULTIPLE == 0 and linear.out_features % MIN_DIM_MULTIPLE == 0
 
 
+def _uniform_lists(model: nn.Module) -> list[tuple[str, nn.ModuleList]]:
+    """(name, list) of the nn.ModuleLists whose entries share one type and each hold an nn.Linear, in module order."""
+    return [(name, m) for name, m in model.named_modules()
+            if isinstance(m, nn.ModuleList) and len(m) and len({type(c) for c in m}) == 1
+            and all(any(isinstance(s, nn.Linear) for s in c.modules()) for c in m)]
+
+
+def block_stacks(model: nn.Module) -> list[list[str]]:
+    """The names of the model's repeated blocks, stack by stack in module order (see the module docstring); [] for a
+    model without them."""
+    lists = _uniform_lists(model)
+    # lists inside another's entries (a block's experts) are not stacks of the model's
+    outer = [(name, m) for name, m in lists
+             if not any(other != name and (other == "" or name.startswith(f"{other}.")) for other, _ in lists)]
+    if not outer:
+        return []
+    longest = max(outer, key=lambda item: len(item[1]))[1]  # the first of the longest
+    block_type = type(longest[0])
+    own_type = not block_type.__module__.startswith("torch.")  # a T5Block, not a generic nn.Sequential
+    return [[f"{name}.{i}" if name else str(i) for i in range(len(m))] for name, m in outer
+            if m is longest or len(m) == len(longest) or (own_type and type(m[0]) is block_type)]
+
+
 def transformer_blocks(model: nn.Module) -> list[str]:
-    """The names of the model's repeated blocks in order (see the module docstring); [] for a model without them."""
-    best: list[str] = []
-    for name, m in model.named_modules():
-        if isinstance(m, nn.ModuleList) and len(m) > len(best) and len({type(c) for c in m}) == 1 \
-                and all(any(isinstance(s, nn.Linear) for s in c.modules()) for c in m):
-            best = [f"{name}.{i}" if name else str(i) for i in range(len(m))]
-    return best
+    """The names of the model's repeated blocks in module order, every stack's (see block_stacks)."""
+    return [block for stack in block_stacks(model) for block in stack]
 
 
 def block_count(keep: int | float, n_blocks: int) -> int:
@@ -164,11 +185,12 @@ def block_count(keep: int | float, n_blocks: int) -> int:
 
 
 def linears_in_blocks(model: nn.Module, first: int | float, last: int | float) -> set[str]:
-    """The nn.Linear layers inside the first `first` and the last `last` transformer blocks (counts, or fractions of
-    the blocks: see block_count)."""
-    blocks = transformer_blocks(model)
-    first, last = block_count(first, len(blocks)), block_count(last, len(blocks))
-    kept = blocks[:first] + blocks[max(first, len(blocks) - last):]
+    """The nn.Linear layers inside the first `first` and the last `last` blocks of each stack of transformer blocks
+    (counts, or fractions of the stack's blocks: see block_count)."""
+    kept = []
+    for blocks in block_stacks(model):
+        head, tail = block_count(first, len(blocks)), block_count(last, len(blocks))
+        kept += blocks[:head] + blocks[max(head, len(blocks) - tail):]
     return {n for n, _ in named_linears(model) if any(n.startswith(b + ".") for b in kept)}
 
 
