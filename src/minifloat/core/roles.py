@@ -131,8 +131,8 @@ def first_and_last(model: nn.Module) -> set[str]:
 
 
 def stacked_weights(model: nn.Module) -> dict[str, tuple[tuple[str, tuple[int, ...]], ...]]:
-    """{module name: ((parameter name, shape), ...)} for the modules (not convolutions) that hold parameters of 3 or more
-    dimensions directly: stacked matmul weights such as MoE experts' (see the module docstring)."""
+    """{module name: ((parameter name, shape), ...)} for the modules (not convolutions) that hold parameters of 3 or
+    more dimensions directly: stacked matmul weights such as MoE experts' (see the module docstring)."""
     found = {}
     for name, m in model.named_modules():
         if isinstance(m, CONV_TYPES):
