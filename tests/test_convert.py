@@ -369,3 +369,75 @@ def test_a_hugging_face_mixtral_names_its_experts():
     model = transformers.MixtralForCausalLM(config)
     plan = fp8_plan(model)
     assert plan.stacked == ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
+
+
+def test_a_layer_registered_under_two_names_is_replaced_under_both():
+    # only its first name was replaced: the forward kept calling the nn.Linear under the other names
+    model = nn.Module()
+    shared = nn.Linear(32, 32)
+    model.enc, model.dec = nn.Sequential(shared), nn.Sequential(nn.ReLU(), shared)
+    mf.convert(model, keep_first_last=False)
+    assert isinstance(model.enc[0], mf.Fp8Linear) and model.enc[0] is model.dec[1]
+
+
+def test_hooks_on_a_converted_layer_still_fire_and_still_remove():
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32))
+    seen = []
+    handle = model[2].register_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
+    model[2].register_forward_pre_hook(lambda mod, args: seen.append("pre"))
+    mf.convert(model, keep_first_last=False)
+    model(torch.randn(4, 32))
+    assert seen == ["pre", "Fp8Linear"]
+    handle.remove()
+    model(torch.randn(4, 32))
+    assert seen == ["pre", "Fp8Linear", "pre"]
+
+
+class Tracked(nn.Linear):
+    """An nn.Linear subclass with state of its own and nn.Linear's forward."""
+
+    def __init__(self, *args):
+        super().__init__(*args)
+        self.register_buffer("usage", torch.zeros(self.out_features))
+
+
+def _weight_norm(m):
+    return nn.utils.parametrizations.weight_norm(m)
+
+
+def _prune(m):
+    from torch.nn.utils import prune
+
+    return prune.l1_unstructured(m, "weight", amount=0.5)
+
+
+# (name, make a layer, the reason named)
+UNSUPPORTED = [
+    ("parametrized", lambda: _weight_norm(nn.Linear(32, 32)), "its weight is computed"),
+    ("pruned", lambda: _prune(nn.Linear(32, 32)), "its weight is computed"),
+    ("own-state", lambda: Tracked(32, 32), "Tracked holds state of its own (usage)"),
+]
+
+
+@pytest.mark.parametrize("make, reason", [c[1:] for c in UNSUPPORTED], ids=[c[0] for c in UNSUPPORTED])
+def test_a_layer_an_fp8_linear_cannot_stand_in_for_is_left_as_it_is(make, reason, caplog):
+    # a parametrized or pruned layer raised torch's "cannot assign 'torch.FloatTensor' as parameter 'weight'"
+    # half-way through the model; a subclass lost its own buffers
+    layer = make()
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), layer, nn.ReLU(), nn.Linear(32, 32))
+    keys = set(model.state_dict())
+    with caplog.at_level("WARNING", logger="minifloat"):
+        mf.convert(model, keep_first_last=False)
+    assert model[2] is layer and isinstance(model[0], mf.Fp8Linear) and isinstance(model[4], mf.Fp8Linear)
+    assert f"2 ({reason}" in caplog.text
+    assert keys <= set(model.state_dict())
+    model(torch.randn(4, 32)).sum().backward()
+
+
+def test_multihead_attentions_out_proj_is_left_and_said():
+    layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(32, 32), nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                          nn.Linear(32, 8))
+    plan = fp8_plan(model)
+    assert [n for n, _ in plan.unsupported] == ["1.layers.0.self_attn.out_proj", "1.layers.1.self_attn.out_proj"]
+    assert "1.layers.0.linear1" in plan.convert

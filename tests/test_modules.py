@@ -745,3 +745,65 @@ def test_a_model_built_on_meta_gets_a_fresh_scaling_state_from_to_empty(recipe):
     assigned.load_state_dict(reference.state_dict(), strict=False, assign=True)
     with pytest.raises(ValueError, match="scaling state is on the meta device .* call model.to_empty"):
         assigned(x)
+
+
+# ---------------------------------------------------------------------------------------------------- user code
+
+
+def test_an_evaluation_after_an_edit_through_data_uses_the_new_weight(gen):
+    # an EMA swap or pruning mask written through `.data` bumps no version counter: the cached weight cast kept
+    # the old weight (0.1 dB from the swapped-in weights)
+    layer = make_layer(mf.CurrentScaling(), gen)
+    x = torch.randn(M, K, generator=gen)
+    with torch.no_grad():
+        layer(x)
+        layer.weight.data.mul_(0.5)
+        y = layer(x)
+        ref = nn.functional.linear(x.double(), layer.weight.double(), layer.bias.double())
+    assert sqnr_db(ref, y) >= SQNR_FORWARD_DB
+
+
+@ALL_RECIPES
+def test_a_create_graph_backward_is_refused_in_one_line(recipe, gen):
+    # a gradient penalty silently lost the second-order terms through the layer (its dx is not differentiable)
+    layer = make_layer(recipe, gen)
+    x = torch.randn(M, K, generator=gen, requires_grad=True)
+    with pytest.raises(RuntimeError, match="create_graph=True .* cannot differentiate through FP8/FP4 layers"):
+        torch.autograd.grad(layer(x).pow(2).sum(), x, create_graph=True)
+
+
+@ALL_RECIPES
+def test_a_frozen_weight_runs_no_wgrad_and_saves_no_input(recipe, gen, monkeypatch):
+    from minifloat.fp8 import autograd as fp8_autograd
+    from minifloat.fp8.fourbit import linear as fp4_linear
+
+    layer = make_layer(recipe, gen)
+    layer.weight.requires_grad_(False)
+    x = torch.randn(M, K, generator=gen, requires_grad=True)
+    twin_layer = twin(layer)
+    gemms = []
+    for module, name in ((fp8_autograd, "scaled_mm"), (fp4_linear, "fp4_mm")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, real=real, **k: gemms.append(1) or real(*a, **k))
+    saved, _ = _saved_bytes(layer, x, list(layer.parameters()))
+    assert saved < M * K // 8  # no copy of x (of M·K bytes in FP8) is kept; a per-tensor weight scale may be
+    gemms.clear()
+    layer(x).backward(torch.ones(M, N))
+    assert len(gemms) == 2  # fprop and dgrad
+    twin_layer.weight.requires_grad_(True)
+    x2 = x.detach().clone().requires_grad_(True)
+    twin_layer(x2).backward(torch.ones(M, N))
+    assert torch.equal(x.grad, x2.grad)  # dx as when the weight trains
+    gemms.clear()
+    x3 = x.detach()  # an input that needs no gradient: no dgrad either
+    layer.bias.grad = None
+    layer(x3).backward(torch.ones(M, N))
+    assert len(gemms) == 1 and layer.bias.grad is not None
+
+
+def test_a_float64_layer_is_left_in_high_precision(caplog):
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)).double()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        mf.convert(model, keep_first_last=False)
+    assert type(model[0]) is nn.Linear and "float64 weight" in caplog.text
+    model(torch.randn(4, 32, dtype=torch.float64))

@@ -230,3 +230,22 @@ def test_a_hugging_face_t5_has_two_stacks():
                                    num_heads=4)
     stacks = roles.block_stacks(transformers.T5ForConditionalGeneration(config))
     assert stacks == [[f"encoder.block.{i}" for i in range(3)], [f"decoder.block.{i}" for i in range(2)]]
+
+
+class OutputInBlocks(nn.Module):
+    """A transformer whose attention out-projection is called `output` and whose head has no head name."""
+
+    def __init__(self, vocab=64):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, D)
+        self.layers = nn.ModuleList(nn.ModuleDict({"qkv": nn.Linear(D, 3 * D), "output": nn.Linear(D, D)})
+                                    for _ in range(3))
+        self.to_logits = nn.Linear(D, vocab)
+
+
+def test_a_blocks_output_projection_is_not_the_head():
+    # layers.2.output was taken as the head (fp32 island) and the real head, to_logits, ran in FP8
+    model = OutputInBlocks()
+    assert roles.output_head(model) == "to_logits"
+    model.output = nn.Linear(64, 8)  # named so outside the blocks, it is the head again
+    assert roles.output_head(model) == "output"

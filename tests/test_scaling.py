@@ -35,7 +35,10 @@ SCALE_RTOL = 2.0**-22
 
 
 class TEReference:
-    """Transformer Engine's delayed scaling on Python floats (float64), one column per role."""
+    """Transformer Engine's delayed scaling on Python floats (float64), one column per role, with minifloat's one
+    difference: a role whose step recorded nothing (amax 0) keeps its column and scale. TE updates a module's
+    state when that module runs; minifloat's step end may also come when it did not (a second optimizer, a step
+    after a skipped one), which must then change nothing."""
 
     def __init__(self, history_len: int, amax_compute: str, margin: int):
         self.history = [[0.0] * len(ROLES) for _ in range(history_len)]
@@ -43,14 +46,17 @@ class TEReference:
         self.amax_compute, self.margin = amax_compute, margin
 
     def update(self) -> None:
+        recorded = [self.history[0][col] != 0 for col in range(len(ROLES))]
         for col in range(len(ROLES)):
             column = [row[col] for row in self.history]
             amax = max(column) if self.amax_compute == "max" else column[0]
-            if amax > 0 and math.isfinite(amax):
+            if amax > 0 and math.isfinite(amax) and recorded[col]:
                 # fp8_max / amax in float32 (the division of the state's dtype); / 2^margin is exact
                 self.scale[col] = float(np.float32(FMT_MAX[col]) / np.float32(amax)) / 2.0**self.margin
-        self.history = self.history[1:] + [self.history[0]]
-        self.history[0] = [0.0] * len(ROLES)
+        rolled = self.history[1:] + [self.history[0]]
+        rolled[0] = [0.0] * len(ROLES)
+        self.history = [[new[col] if recorded[col] else old[col] for col in range(len(ROLES))]
+                        for new, old in zip(rolled, self.history)]
 
     def record(self, col: int, amax: float) -> None:
         if math.isfinite(amax):
@@ -551,3 +557,16 @@ def test_delayed_cast_scales_follow_a_step_end_of_many_layers():
         s = state.scale[0].clone()
         assert s.item() != 112.0
         assert (_f32_bits(d), _f32_bits(m)) == (_f32_bits(1.0 / s), _f32_bits(1.0 / (1.0 / s)))
+
+
+@pytest.mark.parametrize("to", [torch.float16, torch.bfloat16], ids=["half", "bf16"])
+def test_a_model_cast_to_low_precision_keeps_its_scaling_state_in_float32(to):
+    # model.half() made an output gradient's scale of 5.7e7 inf (fp16's max is 65504): NaN gradients
+    layer = Fp8Linear(32, 32)
+    with torch.no_grad():
+        layer.fp8_state.scale.copy_(torch.tensor([191.7, 3584.8, 57209832.0]))
+    expected = layer.fp8_state.scale.clone()
+    layer.to(to)
+    assert layer.weight.dtype == to
+    assert layer.fp8_state.scale.dtype == torch.float32 and torch.equal(layer.fp8_state.scale, expected)
+    assert layer.fp8_state.amax_history.dtype == torch.float32

@@ -146,7 +146,7 @@ def test_block_dgrad_takes_the_forward_weight_cast_transposed(cache, monkeypatch
     casts = []
     real = caster_module.quantize_t
     monkeypatch.setattr(caster_module, "quantize_t", lambda t, *a, **k: casts.append(t) or real(t, *a, **k))
-    loss_of(layer(batches(1)[0])).backward()
+    loss_of(layer(batches(1)[0].requires_grad_())).backward()  # an input that needs its gradient: dgrad runs
     assert any(t is layer.weight for t in casts) != cache
     assert layer.weight.grad is not None
 
@@ -335,3 +335,57 @@ def test_weight_casts_live_through_the_micro_batches_and_are_gone_when_the_optim
         assert int((layer.fp8_state.amax_history[1:, 0] > 0).sum()) == step + 1
         assert not fp8_step_module._STEPPING
     assert seen == [0, 0]
+
+
+@ALL_RECIPES
+def test_two_optimizers_over_one_layer_end_one_fp8_step(recipe):
+    # weights in one optimizer, biases in another (a no-decay group, Muon + AdamW): each step() rolled the history,
+    # so every other row was empty and the history held half the steps it should
+    data = batches(STEPS)
+    one = make_model(recipe)
+    two = make_model(recipe)
+    opt = torch.optim.SGD(one.parameters(), lr=1e-3)
+    weights = torch.optim.SGD([p for n, p in two.named_parameters() if n.endswith("weight")], lr=1e-3)
+    biases = torch.optim.SGD([p for n, p in two.named_parameters() if not n.endswith("weight")], lr=1e-3)
+    for x in data:
+        loss_of(one(x)).backward()
+        opt.step()
+        opt.zero_grad()
+        loss_of(two(x)).backward()
+        weights.step()
+        biases.step()
+        weights.zero_grad()
+        biases.zero_grad()
+    assert_bitwise(fp8_buffers(one), fp8_buffers(two))
+
+
+def test_an_fp8_step_end_that_met_no_forward_changes_nothing():
+    model = make_model(mf.DelayedScaling())
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for x in batches(2):
+        loss_of(model(x)).backward()
+        opt.step()
+    before = fp8_buffers(model)
+    opt.zero_grad(set_to_none=True)
+    opt.step()  # no forward since the last one: nothing recorded
+    assert mf.fp8_step(model) > 0
+    assert_bitwise(before, fp8_buffers(model))
+
+
+def test_a_frozen_layer_trained_through_says_that_no_optimizer_ends_its_step(caplog, monkeypatch):
+    # a frozen base under LoRA adapters: delayed scales never moved and the base's SQNR fell to 3 dB without a word
+    from minifloat.fp8 import modules
+
+    monkeypatch.setattr(modules, "_FROZEN_WARNED", False)
+    model = make_model(mf.DelayedScaling())
+    for p in model.parameters():
+        p.requires_grad_(False)
+    x = batches(1)[0].requires_grad_()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        loss_of(model(x)).backward()
+        loss_of(model(x)).backward()
+    assert caplog.text.count("is frozen (no parameter requires grad)") == 1
+    assert "mf.fp8_step(model)" in caplog.text
+    before = fp8_buffers(model)
+    assert mf.fp8_step(model) > 0
+    assert not all(torch.equal(before[k], v) for k, v in fp8_buffers(model).items())  # the step did end

@@ -6,10 +6,11 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
   RMSNorm, a hand-written norm; BatchNorm1d-style "Norm1d" too). Names starting with "_" (torch's weight-norm
   parametrizations) are not norms.
 * embedding: nn.Embedding and nn.EmbeddingBag; a linear layer tied to one shares its weight Parameter.
-* output head (`output_head`), the first rule that finds one: the last nn.Linear named like HEAD_NAMES (the first
-  name in that order that occurs: lm_head, classifier, score, head, output); the last nn.Linear whose weight is an
-  embedding's (a tied head, e.g. BERT's masked-LM decoder); the last nn.Linear outside a pooler (a plain MLP's last
-  layer; BertModel's last encoder projection, since sentence embeddings never use BERT's pooler).
+* output head (`output_head`), the first rule that finds one: the last nn.Linear outside the transformer blocks
+  named like HEAD_NAMES (the first name in that order that occurs: lm_head, classifier, score, head, output); the
+  last nn.Linear whose weight is an embedding's (a tied head, e.g. BERT's masked-LM decoder); the last nn.Linear
+  outside a pooler (a plain MLP's last layer; BertModel's last encoder projection, since sentence embeddings never
+  use BERT's pooler).
 * attention input projection: an nn.Linear whose own name is one of ATTENTION_INPUT_NAMES (q_proj, key, qkv, ...).
 * input projections (`input_projections`), the "first layer" that mixed-precision practice keeps in high precision:
   the first nn.Linear (module order) that is neither the head nor in a pooler and, when it is an attention input
@@ -98,8 +99,11 @@ def output_head(model: nn.Module, *, names: tuple[str, ...] = HEAD_NAMES) -> str
         names: own names that mark the head, in priority order.
     """
     linears = named_linears(model)
+    # a head is never inside a repeated block: a block's own `output` projection (an attention's out-projection
+    # named so) does not mark the model's head
+    blocks = tuple(f"{b}." for b in transformer_blocks(model))
     for marker in names:
-        marked = [n for n, _ in linears if n.rpartition(".")[2] == marker]
+        marked = [n for n, _ in linears if n.rpartition(".")[2] == marker and not n.startswith(blocks)]
         if marked:
             return marked[-1]
     embeddings = embedding_param_ids(model)

@@ -80,6 +80,15 @@ def _gemm(caster: LayerCaster, which: str, a: Quantized, b: Quantized, out_dtype
         raise ValueError(f"{caster.name or 'an FP8 layer'} ({which}): {exc}") from None
 
 
+def refuse_double_backward(caster: LayerCaster) -> None:
+    """RuntimeError in a backward run with create_graph=True (grad mode on): the low-precision GEMMs' gradients are
+    not differentiable, so the second-order terms through the layer would silently be zero."""
+    if torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        raise RuntimeError(f"{caster.name or 'a low-precision layer'}: a backward with create_graph=True (a gradient "
+                           f"penalty, a Hessian-vector product) cannot differentiate through FP8/FP4 layers, whose "
+                           f"gradients are not differentiable; run that part under mf.autocast(enabled=False)")
+
+
 class Fp8LinearFunction(torch.autograd.Function):
     """y = x @ Wᵀ + b with all three GEMMs in FP8.
 
@@ -99,8 +108,11 @@ class Fp8LinearFunction(torch.autograd.Function):
         # Saved for backward: the input's FP8 bytes (only xᵀ's row-major copy where the cast made one: wgrad reads
         # that) and scales, and the weight parameter itself (no copy: the backward re-quantizes it, identically for
         # per-tensor scales by reusing the forward's scale).
+        # Only wgrad reads x: a frozen weight (LoRA, fine-tuning a part) saves none of it.
         transposed = qx.data_t is not None
-        ctx.save_for_backward(qx.data_t if transposed else qx.data, qx.scale, weight,
+        wants_dw = ctx.needs_input_grad[1]
+        ctx.save_for_backward((qx.data_t if transposed else qx.data) if wants_dw else None,
+                              qx.scale if wants_dw else None, weight,
                               qw.scale if granularity_info(qw.granularity).per_tensor else None)
         ctx.meta = (qx.fmt, qx.granularity, qx.scale_folded, qw.granularity, transposed)
         ctx.caster, ctx.compute_dtype = caster, compute_dtype
@@ -109,30 +121,39 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_double_backward(ctx.caster)
         xd, xs, weight, ws = ctx.saved_tensors
         xf, xg, xfold, wg, transposed = ctx.meta
-        qx = (Quantized(xd.t(), xs, xf, xg, scale_folded=xfold, data_t=xd) if transposed
-              else Quantized(xd, xs, xf, xg, scale_folded=xfold))
         caster, out_dtype = ctx.caster, ctx.compute_dtype
+        wants_dx, wants_dw = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         dy2 = dy.reshape(-1, dy.shape[-1])
-        qdy, qdyt = caster.cast_both(Role.GRAD_OUTPUT, dy2)  # scaled along N for dgrad, along M for wgrad
+        dx = dw = None
+        if wants_dw:
+            qdy, qdyt = caster.cast_both(Role.GRAD_OUTPUT, dy2)  # scaled along N for dgrad, along M for wgrad
+        else:
+            qdy = caster.cast(Role.GRAD_OUTPUT, dy2)  # records dy's amax, as every backward does
 
-        # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
-        qwt = _weight_along_n(caster, weight, wg, ws)
-        dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype, grad_of=ctx.x_dtype)
+        if wants_dx:
+            # dgrad: dy @ W = dx   — needs W scaled along N (its rows' other axis)
+            qwt = _weight_along_n(caster, weight, wg, ws)
+            dx = _gemm(caster, "dgrad", qdy, qwt, out_dtype, grad_of=ctx.x_dtype)
+            dx = dx.reshape(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
+            del qwt
         # dy's layout for dgrad is not needed again: released before wgrad allocates dW (a transposed cast holds
         # both layouts, so the other one's reference goes too)
-        del qdy, qwt
-        qdyt = Quantized(qdyt.data, qdyt.scale, qdyt.fmt, qdyt.granularity, qdyt.amax, qdyt.operand,
-                         qdyt.scale_folded)
+        del qdy
 
-        # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
-        qxt = caster.cast_t_of(Role.INPUT, qx)
-        dw = _gemm(caster, "wgrad", qdyt, qxt, out_dtype, grad_of=weight.dtype)
+        if wants_dw:
+            qdyt = Quantized(qdyt.data, qdyt.scale, qdyt.fmt, qdyt.granularity, qdyt.amax, qdyt.operand,
+                             qdyt.scale_folded)
+            qx = (Quantized(xd.t(), xs, xf, xg, scale_folded=xfold, data_t=xd) if transposed
+                  else Quantized(xd, xs, xf, xg, scale_folded=xfold))
+            # wgrad: dyᵀ @ x = dW  — needs dy and x scaled along M (the token axis)
+            qxt = caster.cast_t_of(Role.INPUT, qx)
+            dw = _gemm(caster, "wgrad", qdyt, qxt, out_dtype, grad_of=weight.dtype)
 
         # db = Σ dy, accumulated in fp32 by torch and returned in dy's dtype (as F.linear's backward does)
-        db = dy2.sum(0) if ctx.has_bias else None
-        dx = dx.reshape(*dy.shape[:-1], dx.shape[-1]).to(ctx.x_dtype)
+        db = dy2.sum(0) if ctx.has_bias and ctx.needs_input_grad[2] else None
         return dx, dw, db, None, None
 
 

@@ -16,7 +16,9 @@ import dataclasses
 import logging
 from typing import Callable
 
+import torch
 from torch import nn
+from torch.nn.utils import parametrize
 
 from minifloat.core import roles
 from minifloat.core.roles import MIN_DIM_MULTIPLE
@@ -40,6 +42,9 @@ class Fp8Plan:
             they are: an Fp8Linear would replace that forward by a plain linear's.
         stacked: modules holding stacked matmul weights (MoE experts' 3-D parameters, minifloat.core.roles.
             stacked_weights), which are not nn.Linear layers and stay in high precision.
+        unsupported: (name, reason) of the layers an Fp8Linear cannot stand in for, left as they are
+            (`unsupported_reason`): a weight computed by a parametrization, weight norm or pruning; a float64
+            weight; state of an nn.Linear subclass's own; nn.MultiheadAttention's out_proj.
     """
 
     convert: tuple[str, ...]
@@ -47,6 +52,7 @@ class Fp8Plan:
     misshapen: tuple[str, ...]
     own_forward: tuple[str, ...] = ()
     stacked: tuple[str, ...] = ()
+    unsupported: tuple[tuple[str, str], ...] = ()
 
 
 Filter = Callable[[str, nn.Linear], bool]  # filter(name, linear) -> bool: convert the layer?
@@ -83,7 +89,8 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
     """
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
-    convert_, kept, misshapen, own = [], [], [], []
+    convert_, kept, misshapen, own, unsupported = [], [], [], [], []
+    read_directly = _read_directly(model)
     for name, lin in roles.named_linears(model):
         if isinstance(lin, Fp8Linear):
             continue
@@ -92,8 +99,49 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
         elif name in first_last:
             kept.append(name)
         elif accepts(filter, name, lin):
-            (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
-    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own), tuple(roles.stacked_weights(model)))
+            reason = read_directly.get(id(lin)) or unsupported_reason(lin)
+            if reason:
+                unsupported.append((name, reason))
+            else:
+                (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
+    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own), tuple(roles.stacked_weights(model)),
+                   tuple(unsupported))
+
+
+_LINEAR_STATE = {"weight", "bias"}
+
+
+def unsupported_reason(linear: nn.Linear) -> str:
+    """Why an Fp8Linear cannot stand in for `linear` (which runs nn.Linear's forward), or "" when it can."""
+    if parametrize.is_parametrized(linear) or not isinstance(linear._parameters.get("weight"),
+                                                                            nn.Parameter):
+        return "its weight is computed (a parametrization, weight norm, spectral norm or pruning)"
+    if linear.weight.dtype == torch.float64:
+        return "float64 weight (FP8 GEMMs give bfloat16, float16 or float32)"
+    extra = ({n for n, _ in linear.named_parameters(recurse=False)} | {n for n, _ in linear.named_buffers(
+        recurse=False)}) - _LINEAR_STATE
+    if extra or any(True for _ in linear.children()):
+        return f"{type(linear).__name__} holds state of its own ({', '.join(sorted(extra)) or 'submodules'})"
+    return ""
+
+
+def _read_directly(model: nn.Module) -> dict[int, str]:
+    """{id(linear): reason} for linears whose weight their parent reads itself instead of calling them."""
+    return {id(m.out_proj): "nn.MultiheadAttention reads its out_proj's weight itself"
+            for m in model.modules() if isinstance(m, nn.MultiheadAttention)}
+
+
+def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
+    """Put `new` wherever `model` holds `old` (a module registered under two names is replaced under both), with
+    `old`'s forward and backward hooks (the same hook dicts, so their handles still remove them)."""
+    for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks"):
+        if hasattr(old, attr):
+            setattr(new, attr, getattr(old, attr))
+    for parent in model.modules():
+        for child, module in list(parent._modules.items()):
+            if module is old:
+                parent._modules[child] = new
 
 
 def accepts(filter: Filter | None, name: str, layer: nn.Module) -> bool:
@@ -144,14 +192,14 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
                           lambda name, layer: name not in first_last and accepts(filter, name, layer))
     plan = fp8_plan(model, filter=filter, keep_first_last=keep_first_last, keep_blocks=keep_blocks)
     root = model
-    for name in plan.convert:
-        lin = model.get_submodule(name)
+    layers = [(name, model.get_submodule(name)) for name in plan.convert]  # every one found before any is replaced
+    for name, lin in layers:
         fp8 = Fp8Linear.from_linear(lin, recipe=recipe, backend=backend, name=name)
         if not name:  # the model is the linear layer itself: nothing holds it, so the new layer is returned
             root = fp8
+            replace_module(nn.Module(), lin, fp8)  # its hooks
             continue
-        parent_name, _, child = name.rpartition(".")
-        setattr(model.get_submodule(parent_name), child, fp8)
+        replace_module(model, lin, fp8)
     if not fp8_layers(root):
         log.warning("minifloat.convert: converted nothing, %s", _nothing_converted(model, plan, filter))
     elif plan.misshapen:
@@ -162,7 +210,25 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
                     "Fp8Linear would replace it): %s", len(plan.own_forward), _listed(model, plan.own_forward))
     if plan.stacked:
         log.warning("minifloat.convert: %s", stacked_note(model, plan.stacked))
+    if plan.unsupported:
+        log.warning("minifloat.convert: %s", unsupported_note(plan.unsupported))
+    fused = [f"{n}." for n, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer)]
+    if any(name.startswith(tuple(fused)) for name in plan.convert):
+        log.warning("minifloat.convert: torch's nn.TransformerEncoderLayer has a fused fast path for evaluation "
+                    "(eval(), no grad, no torch.autocast) that reads its linear1/linear2 weights itself, in high "
+                    "precision: evaluate under torch.autocast to run them in FP8 as in training")
     return root
+
+
+def unsupported_note(unsupported: tuple[tuple[str, str], ...]) -> str:
+    """One line naming the layers an Fp8Linear cannot stand in for, with why."""
+    return (f"kept {len(unsupported)} nn.Linear layer(s) as they are, which an Fp8Linear cannot stand in for: "
+            f"{_reasons(unsupported)}")
+
+
+def _reasons(unsupported: tuple[tuple[str, str], ...]) -> str:
+    shown = "; ".join(f"{name or 'the model itself'} ({reason})" for name, reason in unsupported[:MAX_LISTED])
+    return shown + (f"; ... ({len(unsupported)} in all)" if len(unsupported) > MAX_LISTED else "")
 
 
 def stacked_note(model: nn.Module, stacked: tuple[str, ...]) -> str:
@@ -234,7 +300,10 @@ def _nothing_converted(model: nn.Module, plan: Fp8Plan, filter) -> str:
     if plan.own_forward:
         reasons.append(f"{len(plan.own_forward)} nn.Linear subclass(es) with a forward of their own: "
                        f"{_listed(model, plan.own_forward)}")
-    refused = len(linears) - len(plan.kept) - len(plan.misshapen) - len(plan.own_forward)
+    if plan.unsupported:
+        reasons.append(f"{len(plan.unsupported)} that an Fp8Linear cannot stand in for: "
+                       f"{_reasons(plan.unsupported)}")
+    refused = len(linears) - len(plan.kept) - len(plan.misshapen) - len(plan.own_forward) - len(plan.unsupported)
     if refused and filter is not None:
         reasons.append(f"{refused} refused by `filter`")
     return f"every nn.Linear of the {type(model).__name__} stays in high precision: " + "; ".join(reasons) + \

@@ -104,6 +104,18 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
+_FROZEN_WARNED = False  # once per process: an adapter-tuned model has a frozen FP8 layer in every block
+
+
+def _warn_frozen(name: str) -> None:
+    global _FROZEN_WARNED
+    _FROZEN_WARNED = True
+    log.warning("minifloat: %s is frozen (no parameter requires grad), so no optimizer step ends its FP8 step and "
+                "its delayed scales and amax history stay where they are (nor those of any other frozen FP8 layer; "
+                "said once); call mf.fp8_step(model) after each optimizer step (a no-op for the layers an optimizer "
+                "already stepped)", name or "an Fp8Linear")
+
+
 class Fp8Linear(nn.Linear):
     """nn.Linear whose three GEMMs (fprop, dgrad, wgrad) run in FP8 under a scaling recipe.
 
@@ -203,7 +215,9 @@ class Fp8Linear(nn.Linear):
         # a compiled graph casts the weight in the graph: no WeightCache, whose entries (filled by eager forwards,
         # emptied at each FP8 step) and generation dynamo would otherwise guard on, recompiling the next steps
         compiling = torch.compiler.is_compiling()
-        weights = self._weights if self.cache_weight and not compiling else None
+        # nor does a forward without autograd (evaluation): the cache is for the micro-batches of a training step, and
+        # an edit through `.data` between evaluations (an EMA swap, a pruning mask) bumps no version counter
+        weights = self._weights if self.cache_weight and not compiling and torch.is_grad_enabled() else None
         if weights is not None:  # a TP layer's cache hits on every rank or none (WeightCache)
             weights.by_storage = self.amax_reduce is None
         # nor does a compiled graph read the layer's name (messages and telemetry only): dynamo would guard on the
@@ -212,6 +226,9 @@ class Fp8Linear(nn.Linear):
         caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state, name,
                              state.backend if state.backend is not None else self.backend, recording, weights,
                              self.amax_reduce)
+        if recording and not compiling and not _FROZEN_WARNED and self.step_on == "optimizer" and not any(
+                p.requires_grad for p in self.parameters(recurse=False)):
+            _warn_frozen(self.fp8_name)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
         if caster.recipe.four_bit:

@@ -81,7 +81,14 @@ class ScalingState(nn.Module):
 
     def _apply(self, fn, recurse: bool = True):
         was_meta = self.scale.is_meta
-        out = super()._apply(fn, recurse)
+
+        def keep_dtype(t: torch.Tensor) -> torch.Tensor:
+            # model.half() / .to(torch.bfloat16) move the state but keep it float32: an output gradient's scale is
+            # often above fp16's 65504 (inf, then NaN gradients), and bf16 would round every scale
+            moved = fn(t)
+            return moved if moved.dtype == t.dtype else moved.to(t.dtype) if t.is_meta else t.to(moved.device)
+
+        out = super()._apply(keep_dtype, recurse)
         if was_meta and not self.scale.is_meta:  # to_empty off the meta device: no values came along, only memory
             self.reset()
         return out
@@ -274,8 +281,9 @@ class ScalingState(nn.Module):
 
     def advance(self, recipe) -> None:
         """The end of an optimizer step: delayed recipes turn the history into new scales (TE rule); the history
-        rolls under every recipe, so it always holds the last H steps' amaxes (telemetry, and current statistics
-        when a run switches to delayed scaling). `advance_states` does it for many layers at once."""
+        rolls under every recipe, so it always holds the amaxes of the last H steps that ran the layer (telemetry,
+        and current statistics when a run switches to delayed scaling; a role the step did not record stays as it
+        is: `_roll`). `advance_states` does it for many layers at once."""
         advance_states([self], [recipe])
 
     @torch.no_grad()
@@ -294,8 +302,13 @@ class ScalingState(nn.Module):
         self._roll()
 
     def _roll(self) -> None:
-        self.amax_history.copy_(torch.roll(self.amax_history, -1, 0))
-        self.amax_history[0].zero_()
+        # Only the roles this step recorded roll (row 0 nonzero; a device-side choice, no host read): a step end
+        # that met no forward or backward of the layer (a second optimizer over other parameters, an optimizer
+        # step after a skipped one, a layer not run this step) leaves the history and scales as they are, so they
+        # hold the last H steps that ran the layer instead of ageing by empty rows
+        rolled = torch.roll(self.amax_history, -1, 0)
+        rolled[0].zero_()
+        self.amax_history.copy_(torch.where(self.amax_history[0].ne(0), rolled, self.amax_history))
 
 
 _MAXIMA: dict[tuple, torch.Tensor] = {}
@@ -329,14 +342,16 @@ def advance_states(states: Sequence[ScalingState], recipes: Sequence) -> None:
             _advance_one(group[0], rule)
             continue
         history = torch.stack([s.amax_history for s in group])  # (layers, H, roles)
+        recorded = history[:, 0].ne(0)  # (layers, roles): the roles this step recorded (see _advance_one)
         if rule is not None:
             compute, margin, maxima = rule
             amax = history.amax(dim=1) if compute == AmaxCompute.MAX else history[:, 0]
-            scales = scale_from_amax(amax, _format_maxima(maxima, device), margin=margin,
-                                     fallback=torch.stack([s.scale for s in group]))
-            torch._foreach_copy_([s.scale for s in group], list(scales.unbind(0)))
+            old = torch.stack([s.scale for s in group])
+            scales = scale_from_amax(amax, _format_maxima(maxima, device), margin=margin, fallback=old)
+            torch._foreach_copy_([s.scale for s in group], list(torch.where(recorded, scales, old).unbind(0)))
         rolled = torch.roll(history, -1, 1)
         rolled[:, 0].zero_()
+        rolled = torch.where(recorded[:, None], rolled, history)
         torch._foreach_copy_([s.amax_history for s in group], list(rolled.unbind(0)))
 
 
@@ -348,8 +363,10 @@ def _advance_one(state: ScalingState, rule: tuple | None) -> None:
     compute, margin, maxima = rule
     amax = state.amax_history.amax(dim=0) if compute == AmaxCompute.MAX else state.amax_history[0]
     # the three roles' scales in one pass (their formats' maxima as a tensor); scale_from_amax keeps the previous
-    # scale where amax is 0 (nothing recorded in the whole history)
-    state.scale.copy_(scale_from_amax(amax, _format_maxima(maxima, amax.device), margin=margin, fallback=state.scale))
+    # scale where amax is 0 (nothing recorded in the whole history), and a role this step did not record keeps it
+    # too (see _roll)
+    new = scale_from_amax(amax, _format_maxima(maxima, amax.device), margin=margin, fallback=state.scale)
+    state.scale.copy_(torch.where(state.amax_history[0].ne(0), new, state.scale))
     state._roll()
 
 

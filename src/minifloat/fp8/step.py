@@ -149,8 +149,9 @@ def params_updated(params: Iterable[torch.Tensor]) -> int:
 def fp8_step(model: nn.Module) -> int:
     """End the FP8 step of every Fp8Linear in `model` (whatever its `step_on`); returns how many.
 
-    Only for loops where no torch.optim optimizer steps the layers' parameters, or for layers built with
-    `step_on="manual"`; in a plain loop `optimizer.step()` already does this, and calling both advances twice.
+    For loops where no torch.optim optimizer steps the layers' parameters (frozen layers under adapters, custom
+    update rules), or for layers built with `step_on="manual"`; in a plain loop `optimizer.step()` already does
+    this, and a second end of the same step changes nothing (a role that recorded nothing keeps its state).
     """
     check_module("fp8_step", model)
     return _end_step([m for m in model.modules() if hasattr(m, "fp8_step") and hasattr(m, "fp8_state")])

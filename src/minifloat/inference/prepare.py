@@ -26,7 +26,7 @@ from torch import nn
 
 from minifloat.core import roles
 from minifloat.core.validate import check_bool, check_choice, check_number
-from minifloat.fp8.convert import fp8_plan, other_projections, stacked_note
+from minifloat.fp8.convert import fp8_plan, other_projections, replace_module, stacked_note, unsupported_note
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role, check_recipe
@@ -66,6 +66,8 @@ def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_las
                     "are: %s", len(plan.own_forward), ", ".join(plan.own_forward))
     if plan.stacked:
         log.warning("minifloat.prepare_inference: %s", stacked_note(model, plan.stacked))
+    if plan.unsupported:
+        log.warning("minifloat.prepare_inference: %s", unsupported_note(plan.unsupported))
     chosen = set(plan.convert) | {n for n, m in roles.named_linears(model) if isinstance(m, Fp8Linear)}
     chosen -= roles.kept_in_fp32(model)
     return [n for n in linears if n in chosen and not any(fnmatch.fnmatchcase(n, p) for p in keep)]
@@ -197,14 +199,11 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
                                                specs={n: specs[n].input for n in names}, static=static)
             input_scales = {n: static_scale(a, specs[n].input) for n, a in amaxes.items()}
 
-    for n in names:
-        parent_name, _, child = n.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
+    for n, old in [(n, model.get_submodule(n)) for n in names]:
         spec = LayerSpec.from_recipe(recipe, activations, smooth=n in divide)
-        old = getattr(parent, child)
         layer = Fp8InferenceLinear.from_linear(old, spec, input_scale=input_scales.get(n),
                                                smooth_scale=divide.get(n), backend=backend, recipe=recipe)
-        setattr(parent, child, layer.train(old.training))
+        replace_module(model, old, layer.train(old.training))  # under every name it has, with its hooks
     log.info("minifloat.prepare_inference: %d layer(s) in FP8 (%s, %s activations)", len(names),
              type(recipe).__name__, activations.value)
     return model

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from minifloat.fp8.autograd import refuse_double_backward
 from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.fourbit.gemm import fp4_mm
 from minifloat.fp8.recipes import NVFP4Scaling, NVFP4Spec, Role
@@ -90,6 +91,7 @@ class Fp4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        refuse_double_backward(ctx.caster)
         weight, *saved_xt = ctx.saved_tensors
         caster, out_dtype = ctx.caster, ctx.compute_dtype
         dy2 = dy.reshape(-1, dy.shape[-1])
