@@ -6,11 +6,14 @@ a command with its own time limit; the limits of a call add up to less than one 
 output goes to OUT/<step>.log, and a summary (each step's exit status, seconds and pytest's last line) to
 OUT/summary.txt and the screen.
 
-    call 1  the in-launch amax records racing on real programs, the GPU tier's part no GPU has run yet
-            (tests/test_gpu_training.py), and the eager benchmark with the profiler (host time, syncs and Python per
-            run: the 100m question)
+    call 1  the autotuned large casts, the in-launch amax records racing on real programs, the GPU tier's part no
+            GPU has run yet (tests/test_gpu_training.py), and the eager benchmark with the profiler (host time,
+            syncs and Python per run: the 100m question first)
     call 2  the optimizer-state and no-sync tests, and CUDA graphs (reduce-overhead) for the host-bound 100m step
-    call 3  the Llama-3-8B shapes compiled (a later session's)
+    call 3  the inference tier, the Llama-3-8B shapes compiled, FP8 where it pays (a later session's)
+
+A step that reaches its limit is interrupted first (SIGINT, GRACE_S before the limit), so pytest still prints which
+tests failed and why, and a benchmark keeps the rows it saved.
 
 Usage (on the GPU machine, from the repository root; $OUT is the folder whose files come back):
     python3 -m pip install --no-deps --no-build-isolation -e . && python3 benchmarks/gpu_session.py 1 --out $OUT
@@ -23,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import signal
 import subprocess
 import sys
 import time
@@ -57,28 +61,34 @@ CALLS: dict[int, tuple[Step, ...]] = {
         Step("gemm-paths", 30, (sys.executable, "-m", "minifloat", "formats", "--gemms")),
         # since 2026-11-28 native dgrad and wgrad write fp32 gradients: each GEMM's output dtype on this GPU
         Step("native-grads", 30, _pytest("-m", "gpu", "tests/test_native_grads.py")),
-        Step("records", 120, _pytest("-m", "gpu", "tests/test_gpu_numerics.py", "-k",
-                                     "recording_its_amax or large_cast")),
+        # the autotuned large casts (new since the last GPU run) in their own step, before the records' 15 cases
+        # (83 s on the H200) could use up a shared limit
+        Step("large-cast", 45, _pytest("-m", "gpu", "tests/test_gpu_numerics.py", "-k", "large_cast")),
+        Step("records", 100, _pytest("-m", "gpu", "tests/test_gpu_numerics.py", "-k", "recording_its_amax")),
         # ~40-60 s of compiling per case on an H100: the three fullgraph cases and delayed's CUDA graphs
-        Step("compiled", 200, _pytest("-m", "gpu", "--durations=20", "tests/test_gpu_training.py", "-k",
+        Step("compiled", 180, _pytest("-m", "gpu", "--durations=20", "tests/test_gpu_training.py", "-k",
                                       "(compiled_model and fullgraph) or (cuda_graphs and delayed)")),
-        Step("bench-eager", 150, _bench("--sections", "gemm,linear,llama8b,100m", "--variants",
+        # the host-bound 100m first (the question this call asks), the GEMM ceiling left out (measured twice)
+        Step("bench-eager", 135, _bench("--sections", "100m,linear,llama8b", "--variants",
                                         "delayed,current,row,block", "--no-compile", "--profile",
                                         "{out}/profile.txt", "--json", "{out}/gpu_eager.json", "--overwrite")),
     ),
     2: (
-        Step("optim", 70, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
-                                  "optimizer or master or stochastic or synchronise")),
-        Step("bench-graphs", 160, _bench("--sections", "100m", "--variants", "delayed", "--compile-variants",
-                                         "delayed", "--compile-mode", "reduce-overhead", "--budget-s", "150",
-                                         "--json", "{out}/gpu_graphs.json", "--overwrite")),
+        Step("optim", 40, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
+                                  "optimizer or master or stochastic")),
+        Step("no-sync", 60, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k", "synchronise")),
+        # compiled only (call 1 measured the eager rows): bf16 and delayed under CUDA graphs, the budget read from
+        # the bf16 run's own compile time
+        Step("bench-graphs", 170, _bench("--sections", "100m", "--variants", "delayed", "--compile-variants",
+                                         "delayed", "--compiled-only", "--compile-mode", "reduce-overhead",
+                                         "--budget-s", "165", "--json", "{out}/gpu_graphs.json", "--overwrite")),
     ),
     3: (
         # since 2026-11-28: NVFP4 inference layers (per-token global scales through torch.ldexp), never run on a GPU
         Step("inference", 90, _pytest("-m", "gpu", "tests/test_gpu_inference.py")),
-        Step("bench-compiled", 200, _bench("--sections", "llama8b", "--variants", "delayed,current",
-                                           "--compile-variants", "delayed,current", "--budget-s", "180", "--json",
-                                           "{out}/gpu_compiled.json", "--overwrite")),
+        Step("bench-compiled", 260, _bench("--sections", "llama8b", "--variants", "delayed,current",
+                                           "--compile-variants", "delayed,current", "--compiled-only", "--budget-s",
+                                           "255", "--json", "{out}/gpu_compiled.json", "--overwrite")),
         # since 2026-11-28: FP8 only where mf.where_fp8_pays predicts a gain (the 1b's MLP; none of the 100m's)
         Step("bench-pays", 120, _bench("--sections", "100m,1b", "--variants", "delayed,delayed-pays", "--no-compile",
                                        "--json", "{out}/gpu_pays.json", "--overwrite")),
@@ -97,6 +107,26 @@ def last_line(log: pathlib.Path) -> str:
     return (summary or lines or ["(no output)"])[-1][:200]
 
 
+GRACE_S = 15  # a step at its limit gets SIGINT this long before it (pytest then prints its failures), then SIGKILL
+
+
+def run_step(argv: list[str], log: pathlib.Path, timeout_s: int, env: dict) -> int:
+    """Run one step's command under its limit. At `timeout_s - GRACE_S` it is interrupted (SIGINT: pytest reports what
+    failed so far, a benchmark has saved its rows), at `timeout_s` killed; 124 then, as timeout(1) says."""
+    with log.open("w") as f:
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        try:
+            return proc.wait(timeout=max(timeout_s - GRACE_S, 1))
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=GRACE_S)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        return 124
+
+
 def run_call(number: int, out: pathlib.Path) -> int:
     """Run call `number`'s steps in order, each under its time limit; returns 0 when every step exited 0."""
     out.mkdir(parents=True, exist_ok=True)
@@ -105,12 +135,7 @@ def run_call(number: int, out: pathlib.Path) -> int:
     for step in CALLS[number]:
         log = out / f"{step.name}.log"
         t0 = time.monotonic()
-        with log.open("w") as f:
-            try:
-                code = subprocess.run(command(step, out), stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
-                                      timeout=step.timeout_s).returncode
-            except subprocess.TimeoutExpired:
-                code = 124
+        code = run_step(command(step, out), log, step.timeout_s, env)
         seconds = time.monotonic() - t0
         worst = worst or code
         rows.append(f"{step.name:15s} exit {code:3d} {seconds:6.0f} s  {last_line(log)}")

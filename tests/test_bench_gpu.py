@@ -247,3 +247,52 @@ def test_time_parts_classifies_a_kernel_by_its_name_then_by_the_ops_above_it(nam
     """benchmarks/time_parts.py: minifloat's and inductor's Triton kernels by their own names (wherever they were
     launched), the rest by the innermost CPU op that says what it is."""
     assert time_parts.part_of(name, ops) == part
+
+
+# (flags, what the one line says)
+REFUSED = [
+    (["--no-compile", "--compile-variants", "delayed"], "--no-compile runs nothing compiled"),
+    (["--variants", "current", "--compile-variants", "delayed"], "not in --variants"),
+    (["--compile-variants", "all,delayed"], "'all' stands alone"),
+    (["--sections", ""], "--sections names none"),
+    (["--steps", "0"], "--steps and --warmup must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("flags, says", REFUSED, ids=[r[1][:24] for r in REFUSED])
+def test_flags_that_would_run_something_else_are_refused(bench, flags, says, tmp_path, capsys):
+    # each ran silently before: compiled nothing, only bf16, or the default steps
+    try:
+        code = bench.main(["--smoke", "--device", "cpu", "--json", str(tmp_path / "r.json"), *flags])
+    except SystemExit as stop:  # argparse's own refusals
+        code = stop.code
+    err = capsys.readouterr().err
+    assert code == 2 and says in err and not (tmp_path / "r.json").exists()
+
+
+def test_the_plan_compiles_what_was_asked(bench):
+    args = bench.parse_args(["--smoke", "--sections", "100m,linear", "--variants", "delayed,delayed-pays",
+                             "--compile-variants", "delayed,delayed-pays", "--compiled-only"])
+    cases = bench.plan(args, [bench.BASELINE, "delayed", "delayed-pays"])
+    assert all(c.compiled for c in cases)  # --compiled-only: no eager run
+    assert [(c.section, c.variant) for c in cases] == [
+        ("100m", "bf16"), ("100m", "delayed"), ("100m", "delayed-pays"), ("linear", "bf16"), ("linear", "delayed"),
+        ("linear", "bf16"), ("linear", "delayed")]  # no "-pays" outside a Llama; the linear section's two shapes
+
+
+def test_the_time_budget_reads_the_compile_time_measured(bench, monkeypatch):
+    # with the static 120 s guess for the 100m section, a 170 s budget skipped delayed after bf16's 50 s compile
+    import time
+
+    args = bench.parse_args(["--smoke", "--sections", "100m", "--variants", "delayed", "--compile-variants",
+                             "delayed", "--compiled-only", "--budget-s", "170"])
+    args.start = time.perf_counter() - 40  # 40 s of the call spent
+
+    def fifty_seconds(case, *rest, **kwargs):
+        args.start -= 50
+        return {"section": case.section, "shape": "s", "variant": case.variant, "mode": case.mode, "step_ms": 1.0,
+                "wall_s": 50.0, "peak_gib": None}
+
+    monkeypatch.setattr(bench, "run_case", fifty_seconds)
+    rows = bench.run(bench.plan(args, [bench.BASELINE, "delayed"]), args, {}, lambda rows: None)
+    assert [r["variant"] for r in rows if "skipped" not in r] == ["bf16", "delayed"]

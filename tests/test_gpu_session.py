@@ -75,8 +75,12 @@ def test_each_benchmark_step_is_a_valid_gpu_py_command(step, tmp_path):
     argv = session.command(step, tmp_path)
     args = bench.parse_args(argv[2:])
     known = {v.name for v in bench.VARIANTS}
-    for option in (args.variants, args.compile_variants):
-        assert {v for v in option.split(",") if v} <= known | {"all"}, option
+    assert {v for v in args.variants.split(",") if v} | set(args.compile_variants) <= known | {"all"}
+    cases = bench.plan(args, [bench.BASELINE, *[v for v in args.variants.split(",") if v]])
+    wanted = {bench.BASELINE, *args.compile_variants}
+    if args.compile_variants:  # every variant asked to compile is planned, in every section asked
+        assert {(c.section, c.variant) for c in cases if c.compiled} == {
+            (s, v) for s in args.sections for v in wanted if s in bench.LLAMA_SECTIONS or not v.endswith("-pays")}
     assert str(tmp_path) in args.json, "the results must land in the call's output folder"
 
 
@@ -101,3 +105,15 @@ def test_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys):
     printed = capsys.readouterr().out
     assert printed.count("\n") == len(session.CALLS[1]) and str(tmp_path / "o") in printed
     assert not (tmp_path / "o").exists()
+
+
+def test_a_step_past_its_limit_is_interrupted_first_so_it_can_report(monkeypatch, tmp_path):
+    # SIGKILL at the limit lost pytest's summary of failures (printed only at the end of its run): the compiled
+    # tests' reasons were lost so on the H200
+    monkeypatch.setattr(session, "GRACE_S", 2)
+    script = ("import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+              "    print('=== 1 failed, 2 passed in 9s ===', flush=True)\n    raise SystemExit(2)")
+    monkeypatch.setitem(session.CALLS, 9, (session.Step("slow", 3, (sys.executable, "-c", script)),))
+    assert session.run_call(9, tmp_path) == 1
+    assert "1 failed, 2 passed" in (tmp_path / "slow.log").read_text()
+    assert "exit 124" in (tmp_path / "summary.txt").read_text()
