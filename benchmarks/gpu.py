@@ -25,9 +25,10 @@ delayed-pays and current-pays (the Llama sections only: the preset with Precisio
 mf.where_fp8_pays(...)), only the linears FP8 is predicted to speed up at the section's tokens on this GPU, H100 or
 H200 rates; docs/fp8.md "Where FP8 pays"); torchao-tensorwise and torchao-rowwise
 (torchao.float8.convert_to_float8_training, on the linears minifloat's presets convert) when torchao imports. On an H100 (SM90) MX and NVFP4 GEMMs run emulated (docs/fp8.md), so their rows
-time the emulation. Every variant runs eager; compiled (torch.compile of each repeated block, or of the whole model
-with --compile-scope model; inductor defaults) runs a priority list (COMPILED_PRIORITY) while --budget-s lasts, or
---compile-variants.
+time the emulation. Every variant runs eager (unless --compiled-only); compiled (torch.compile of each repeated block,
+or of the whole model with --compile-scope model; inductor defaults) runs a priority list (COMPILED_PRIORITY) while
+--budget-s lasts, or --compile-variants. A compiled run is skipped when it would end past --budget-s by the time the
+section's compiled runs have taken so far (COMPILE_GUESS_S until one has run).
 
 Measured, per variant, one at a time (built from the same seed: same weights and data), memory freed in between:
   * step time: the median of --steps steps after --warmup untimed ones, each step between two CUDA events (on a CPU,
