@@ -392,7 +392,8 @@ def config_line(args: argparse.Namespace) -> str:
 
 def print_table(table_rows: list[dict], skipped: dict[str, str], args: argparse.Namespace, info: dict) -> None:
     table = Table(title=f"Training step, {config_line(args)}",
-                  caption=f"{info['cpu_model']} ({', '.join(info['cpu_flags_of_note'])}), torch {info['torch']}")
+                  caption=f"{info['cpu_model']} ({', '.join(info['cpu_flags_of_note']) or 'no bf16 extensions'}), "
+                          f"torch {info['torch']}")
     for col in ("variant", "FP8 linears", "step ms (median)", "step ms (min)", f"× {BASELINE}",
                 "saved MiB", f"× {BASELINE} saved", "peak RSS delta MiB (approx.)"):
         table.add_column(col, justify="left" if col == "variant" else "right")
