@@ -442,10 +442,11 @@ def test_a_large_cast_takes_the_autotuned_tiling_and_the_cpus_bits(device, granu
         return q, state.state_dict()
 
     want_q, want_state = run("cpu")
+    before = sum(len(tuned) for tuned in triton_tiles.picked().values())
     got_q, got_state = run(device)
     assert_same_bits(got_q.data.view(torch.uint8), want_q.data.view(torch.uint8), "data")
     assert_same_bits(got_q.data_t.view(torch.uint8), want_q.data_t.view(torch.uint8), "data_t")
     assert_same_bits(got_q.scale, want_q.scale, "scale")
     assert_same_state(got_state, want_state)
-    if device == "cuda":
-        assert triton_tiles.picked(), "no tiling was autotuned"
+    if device == "cuda":  # this granularity's kernels tuned a shape of their own (another case's do not count)
+        assert sum(len(tuned) for tuned in triton_tiles.picked().values()) > before, "no tiling was autotuned"
