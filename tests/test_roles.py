@@ -249,3 +249,14 @@ def test_a_blocks_output_projection_is_not_the_head():
     assert roles.output_head(model) == "to_logits"
     model.output = nn.Linear(64, 8)  # named so outside the blocks, it is the head again
     assert roles.output_head(model) == "output"
+
+
+def test_an_encoder_decoder_keeps_each_stacks_first_projections():
+    # keep_first_last kept the encoder's first q/k/v only, though the decoder's first block reads the target tokens
+    transformers = pytest.importorskip("transformers")
+    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
+                                   num_heads=4)
+    model = transformers.T5ForConditionalGeneration(config)
+    attention = ("q", "k", "v")
+    assert set(roles.input_projections(model)) == {f"encoder.block.0.layer.0.SelfAttention.{p}" for p in attention} | {
+        f"decoder.block.0.layer.0.SelfAttention.{p}" for p in attention}

@@ -616,3 +616,36 @@ def test_the_autotuners_trials_leave_the_recorded_state_as_they_found_it(monkeyp
     picked = triton_tiles.picked()
     assert picked["_amax_fn"][0]["tiles"] == list(triton_tiles.AMAX_TILES[-1])
     assert {tuple(p["tiles"]) for p in picked["_cast_kernel_fn"]} == {triton_tiles.CAST_TILES[-1]}
+
+
+def test_a_view_whose_elements_lie_2_31_apart_takes_the_torch_path(monkeypatch):
+    # the kernels' int32 offsets overflowed on a few-element view with far-apart rows (a column slice of a large
+    # fused tensor): a segfault in the interpreter, a read outside the tensor on a GPU
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    base = torch.empty(3, 2**30, dtype=torch.bfloat16)  # address space only: the pages written below are touched
+    x = base[:, :8]
+    x.copy_(torch.arange(24, dtype=torch.bfloat16).reshape(3, 8) + 1)
+    assert x.numel() == 24 and triton_cast.span(x) > triton_cast.MAX_ELEMENTS
+    assert not triton_cast.available(x) and triton_cast.available(x.contiguous())
+    got = quantize(x, mf.E4M3, granularity="row")
+    monkeypatch.delenv("TRITON_INTERPRET")
+    want = quantize(x.contiguous(), mf.E4M3, granularity="row")
+    assert torch.equal(bits(got.data), bits(want.data)) and torch.equal(got.scale, want.scale)
+
+
+@pytest.mark.parametrize("granularity", ["tensor", "row", "tile", "block"])
+def test_float8_input_is_quantized_as_its_float32_values_on_every_path(monkeypatch, granularity):
+    # the torch path raised torch's '"aminmax_cpu" not implemented for Float8_e4m3fn' where the kernels ran
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(33, 130, generator=g) * 50).to(torch.float8_e4m3fn)
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    want = quantize(x.float(), mf.E5M2, granularity=granularity)
+    for got in both(monkeypatch, lambda: quantize(x, mf.E5M2, granularity=granularity)):
+        assert torch.equal(bits(got.data), bits(want.data)) and torch.equal(got.scale, want.scale)
+
+
+def test_an_all_zero_tensors_amax_is_plus_zero_on_every_path(monkeypatch):
+    # the torch path gave -0.0 (maximum(-0.0, +0.0)), the kernels +0.0
+    x = torch.zeros(4, 5)
+    for q in both(monkeypatch, lambda: quantize(x, mf.E4M3)):
+        assert q.amax.view(torch.int32).item() == 0

@@ -14,7 +14,8 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
 * attention input projection: an nn.Linear whose own name is one of ATTENTION_INPUT_NAMES (q_proj, key, qkv, ...).
 * input projections (`input_projections`), the "first layer" that mixed-precision practice keeps in high precision:
   the first nn.Linear (module order) that is neither the head nor in a pooler and, when it is an attention input
-  projection, every attention input projection beside it: q, k and v read the same input, so they are one layer.
+  projection, every attention input projection beside it: q, k and v read the same input, so they are one layer;
+  an encoder-decoder's decoder stack (see transformer blocks) has its own first layer the same way.
 * FP8 shape (`fp8_shape_ok`): in and out features multiples of MIN_DIM_MULTIPLE.
 * transformer blocks (`block_stacks`, `transformer_blocks`): the entries of the longest nn.ModuleList whose entries
   share one type and each hold an nn.Linear (the reference Llama's `blocks`, Hugging Face Llama's `model.layers`,
@@ -116,9 +117,18 @@ def output_head(model: nn.Module, *, names: tuple[str, ...] = HEAD_NAMES) -> str
 
 def input_projections(model: nn.Module) -> list[str]:
     """The nn.Linear layers nearest the data, by name (see the module docstring): e.g. the first block's q_proj,
-    k_proj and v_proj in a transformer, the first layer of an MLP."""
+    k_proj and v_proj in a transformer, the first layer of an MLP; an encoder-decoder's decoder reads data of its own
+    (the target tokens), so the first projections of each further stack of blocks (block_stacks) count too."""
     head = output_head(model)
     candidates = [n for n, _ in named_linears(model) if n != head and not in_pooler(n)]
+    firsts = _first_group(candidates)
+    for stack in block_stacks(model)[1:]:
+        firsts += _first_group([n for n in candidates if n.startswith(f"{stack[0]}.")])
+    return list(dict.fromkeys(firsts))
+
+
+def _first_group(candidates: list[str]) -> list[str]:
+    """The first of `candidates` (module order), with the attention input projections beside it when it is one."""
     if not candidates:
         return []
     first = candidates[0]

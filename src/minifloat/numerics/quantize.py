@@ -90,7 +90,7 @@ def abs_max(x: torch.Tensor, dim: int | tuple[int, ...] | None):
         return torch.zeros(shape, dtype=torch.float32, device=x.device)
     if dim is None:
         lo, hi = torch.aminmax(x)  # one eager pass, no temporary
-        return torch.maximum(-lo, hi).float()
+        return torch.maximum(-lo, hi).abs().float()  # abs: maximum(-0.0, +0.0) of an all-zero x is -0.0
     return _block_amax(x, dim)  # eager reductions along a dim are 3-10× slower than this compiled one
 
 
@@ -258,6 +258,8 @@ def quantize(x: torch.Tensor, fmt: NumberFormat | str, *, granularity: Granulari
                          f"named {fmt.name!r}; mf.cast rounds onto any NumberFormat")
     if x.dtype == torch.float64:  # rounded to odd: the kernels' float32 rounding is then x's own (see cast)
         x = float32_round_to_odd(x.detach())
+    if x.element_size() == 1:  # float8 values (a re-quantization from E4M3 to E5M2): exact in float32, which every
+        x = x.float()  # device's kernels read (torch's CPU reductions have no float8 kernels)
     if not keep_data and operand_dtype is None:
         raise ValueError("keep_data=False needs an operand_dtype, or nothing would be returned")
     check_int("margin", margin, low=0, high=MAX_MARGIN)

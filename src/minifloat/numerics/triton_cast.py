@@ -72,9 +72,10 @@ def interpreted() -> bool:
 
 def available(x: torch.Tensor) -> bool:
     """Whether `fused_cast` can run on `x` here: a CUDA tensor with Triton, or any tensor in the interpreter; on a
-    GPU only once `self_check` passed there. Tensors of 2^31 elements or more take the torch path: the kernels
-    address elements with int32 offsets."""
-    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()) or x.numel() >= MAX_ELEMENTS:
+    GPU only once `self_check` passed there. Tensors whose elements lie 2^31 or more apart take the torch path: the
+    kernels address elements with int32 offsets (a view of few elements with far-apart rows, such as a column slice
+    of a large fused tensor, read outside the tensor)."""
+    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()) or span(x) >= MAX_ELEMENTS:
         return False
     if _triton() is None:
         return False
@@ -82,6 +83,13 @@ def available(x: torch.Tensor) -> bool:
 
 
 MAX_ELEMENTS = 2**31  # int32 element offsets in every kernel
+
+
+def span(x: torch.Tensor) -> int:
+    """1 + the largest element offset of `x` from its first element, in elements (its numel when contiguous)."""
+    if x.numel() == 0:
+        return 0
+    return 1 + sum((size - 1) * abs(stride) for size, stride in zip(x.shape, x.stride()))
 _CHECKING: list = []  # non-empty while self_check runs: quantize then takes the torch path, the reference
 _CHECKED: dict[str, bool] = {}  # per device: did the kernels give the torch path's bits?
 
