@@ -352,19 +352,9 @@ def _addmm_bf16_shape(a, b_t, alpha, bias):
     return a.new_empty((a.shape[0], b_t.shape[1]), dtype=torch.bfloat16)
 
 
-def _dense(t: torch.Tensor) -> torch.Tensor:
-    """`t` as a compiled graph hands it to the GEMM ops: as it is when it or its transpose is contiguous (the layout
-    eager mode passes, which the GEMM's bits depend on), else a contiguous copy. An MX operand cut from its padded
-    blocks, saved for backward as such a strided view, had its stride fixed at the batch size it was traced at by
-    torch 2.13's dynamic-shape backward (inductor's assert_size_stride failed at a third batch size)."""
-    return t if t.is_contiguous() or t.t().is_contiguous() else t.contiguous()
-
-
 def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    A, B = operand(a), operand(b)
-    if torch.compiler.is_compiling():
-        A, B = _dense(A), _dense(B)
+    A, B = compiling.graph_operand(operand(a)), compiling.graph_operand(operand(b))
     sa, sb = _outer_scale(a, "a"), _outer_scale(b, "b")
     if out_dtype == torch.bfloat16:
         scalar = (sa is None or sa.dim() == 0) and (sb is None or sb.dim() == 0)

@@ -108,3 +108,14 @@ def transposed_copy(x: torch.Tensor) -> torch.Tensor:
 @transposed_copy.register_fake
 def _transposed_copy_shape(x):
     return x.new_empty((x.shape[1], x.shape[0]))
+
+
+def graph_operand(t: torch.Tensor) -> torch.Tensor:
+    """A 2-D GEMM operand as a compiled graph hands it to minifloat's GEMM ops: as it is in eager mode, and when it or
+    its transpose is contiguous (the layout eager mode passes, which the GEMM's bits depend on), else a contiguous
+    copy. An MX operand cut from its padded blocks, saved for backward as such a strided view, had its stride fixed
+    at the batch size it was traced at by torch 2.13's dynamic-shape backward (inductor's assert_size_stride failed
+    at a third batch size)."""
+    if not torch.compiler.is_compiling() or t.is_contiguous() or t.t().is_contiguous():
+        return t
+    return t.contiguous()
