@@ -226,8 +226,7 @@ class Fp8Linear(nn.Linear):
         caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state, name,
                              state.backend if state.backend is not None else self.backend, recording, weights,
                              self.amax_reduce)
-        if recording and not compiling and not _FROZEN_WARNED and self.step_on == "optimizer" and not any(
-                p.requires_grad for p in self.parameters(recurse=False)):
+        if not compiling and not _FROZEN_WARNED and self._frozen_in_training():
             _warn_frozen(self.fp8_name)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
@@ -238,6 +237,12 @@ class Fp8Linear(nn.Linear):
         # view made inside it, which a caller could not modify in place (`y += r`, HF Falcon)
         y = function.apply(x.reshape(-1, x.shape[-1]), weight, bias, caster, compute_dtype(x))
         return y.reshape(*x.shape[:-1], y.shape[-1])
+
+    def _frozen_in_training(self) -> bool:
+        """Trained through (training mode, autograd on) with no parameter of its own to train: then no optimizer
+        ends its FP8 step."""
+        return (self.training and torch.is_grad_enabled() and self.step_on == "optimizer"
+                and not any(p.requires_grad for p in self.parameters(recurse=False)))
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe}"
