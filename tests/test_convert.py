@@ -385,12 +385,13 @@ def test_hooks_on_a_converted_layer_still_fire_and_still_remove():
     seen = []
     handle = model[2].register_forward_hook(lambda mod, args, out: seen.append(type(mod).__name__))
     model[2].register_forward_pre_hook(lambda mod, args: seen.append("pre"))
+    model[2].register_full_backward_hook(lambda mod, grad_in, grad_out: seen.append("backward"))
     mf.convert(model, keep_first_last=False)
-    model(torch.randn(4, 32))
-    assert seen == ["pre", "Fp8Linear"]
+    model(torch.randn(4, 32)).sum().backward()
+    assert seen == ["pre", "Fp8Linear", "backward"]
     handle.remove()
     model(torch.randn(4, 32))
-    assert seen == ["pre", "Fp8Linear", "pre"]
+    assert seen == ["pre", "Fp8Linear", "backward", "pre"]
 
 
 class Tracked(nn.Linear):
@@ -441,3 +442,24 @@ def test_multihead_attentions_out_proj_is_left_and_said():
     plan = fp8_plan(model)
     assert [n for n, _ in plan.unsupported] == ["1.layers.0.self_attn.out_proj", "1.layers.1.self_attn.out_proj"]
     assert "1.layers.0.linear1" in plan.convert
+
+
+def test_scaling_state_saved_for_a_layer_now_kept_in_high_precision_loads_strictly(caplog):
+    # an earlier minifloat converted MultiheadAttention's out_proj: its checkpoint's fp8_state keys failed a strict
+    # load (a resume across the upgrade)
+    def build():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        return nn.TransformerEncoder(layer, 1, enable_nested_tensor=False)
+
+    old = build()
+    old.layers[0].self_attn.out_proj = mf.Fp8Linear.from_linear(old.layers[0].self_attn.out_proj)
+    saved = mf.convert(old, keep_first_last=False).state_dict()
+    assert "layers.0.self_attn.out_proj.fp8_state.scale" in saved
+    new = mf.convert(build(), keep_first_last=False)
+    with caplog.at_level("WARNING", logger="minifloat"):
+        new.load_state_dict(saved)  # strict
+    assert "FP8 scaling state for 1 layer(s) this model keeps in high precision" in caplog.text
+    assert torch.equal(new.layers[0].linear1.fp8_state.scale, saved["layers.0.linear1.fp8_state.scale"])
+    with pytest.raises(RuntimeError, match="Unexpected key"):  # any other unexpected key still fails
+        new.load_state_dict({**saved, "layers.0.linear1.bogus": torch.zeros(1)})

@@ -251,12 +251,42 @@ def test_a_blocks_output_projection_is_not_the_head():
     assert roles.output_head(model) == "output"
 
 
-def test_an_encoder_decoder_keeps_each_stacks_first_projections():
-    # keep_first_last kept the encoder's first q/k/v only, though the decoder's first block reads the target tokens
+def test_an_encoder_decoder_of_unequal_stacks_has_both():
+    # Whisper's encoder and decoder layers are classes of their own, 4 and 2 here (distil-whisper: 32 and 2)
     transformers = pytest.importorskip("transformers")
-    config = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2,
-                                   num_heads=4)
-    model = transformers.T5ForConditionalGeneration(config)
-    attention = ("q", "k", "v")
-    assert set(roles.input_projections(model)) == {f"encoder.block.0.layer.0.SelfAttention.{p}" for p in attention} | {
-        f"decoder.block.0.layer.0.SelfAttention.{p}" for p in attention}
+    config = transformers.WhisperConfig(vocab_size=128, d_model=64, encoder_layers=4, decoder_layers=2,
+                                        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=128,
+                                        decoder_ffn_dim=128, num_mel_bins=16, max_source_positions=32,
+                                        max_target_positions=32, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                        decoder_start_token_id=1)
+    stacks = roles.block_stacks(transformers.WhisperForConditionalGeneration(config))
+    assert [len(s) for s in stacks] == [4, 2] and stacks[1][0] == "model.decoder.layers.0"
+
+
+class Expert(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.down = nn.Linear(D, D), nn.Linear(D, D)
+
+
+class MoEBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(Expert() for _ in range(4))
+
+
+def test_experts_in_a_list_of_mixed_blocks_are_no_stack():
+    # a hybrid (attention and MoE blocks in one list, not uniform): each block's experts were taken as a stack, and
+    # keep_blocks kept the first and last experts
+    model = nn.Module()
+    model.layers = nn.ModuleList([nn.Sequential(nn.Linear(D, D)), MoEBlock(), nn.Sequential(nn.Linear(D, D)),
+                                  MoEBlock()])
+    assert roles.block_stacks(model) == []
+    assert roles.linears_in_blocks(model, 1, 1) == set()
+
+
+def test_embedding_tables_and_conv_parametrizations_are_no_stacked_weights():
+    model = nn.Module()
+    model.cls_token, model.pos_embed = nn.Parameter(torch.zeros(1, 1, D)), nn.Parameter(torch.zeros(1, 17, D))
+    model.conv = nn.utils.parametrizations.weight_norm(nn.Conv1d(D, D, 3), dim=2)
+    assert roles.stacked_weights(model) == {}

@@ -377,14 +377,20 @@ def test_a_frozen_layer_trained_through_says_that_no_optimizer_ends_its_step(cap
     from minifloat.fp8 import modules
 
     monkeypatch.setattr(modules, "_FROZEN_WARNED", False)
+    monkeypatch.setattr(modules, "FROZEN_WARN_AFTER", 3)
     model = make_model(mf.DelayedScaling())
     for p in model.parameters():
         p.requires_grad_(False)
+    held = torch.optim.SGD(model.parameters(), lr=1e-3)  # an optimizer holding the frozen parameters ends the step
     x = batches(1)[0].requires_grad_()
     with caplog.at_level("WARNING", logger="minifloat"):
-        loss_of(model(x)).backward()
-        loss_of(model(x)).backward()
-    assert caplog.text.count("is frozen (no parameter requires grad)") == 1
+        for _ in range(4):
+            loss_of(model(x)).backward()
+            held.step()
+        assert "is frozen" not in caplog.text
+        for _ in range(4):  # none does now
+            loss_of(model(x)).backward()
+    assert caplog.text.count("is frozen (no parameter requires grad) and 3 training forwards") == 1
     assert "mf.fp8_step(model)" in caplog.text
     before = fp8_buffers(model)
     assert mf.fp8_step(model) > 0

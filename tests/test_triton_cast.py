@@ -649,3 +649,11 @@ def test_an_all_zero_tensors_amax_is_plus_zero_on_every_path(monkeypatch):
     x = torch.zeros(4, 5)
     for q in both(monkeypatch, lambda: quantize(x, mf.E4M3)):
         assert q.amax.view(torch.int32).item() == 0
+
+
+def test_a_broadcast_view_of_2_31_elements_takes_the_torch_path(monkeypatch):
+    # its span is small (stride 0), but the kernels write its (M, K) output with int32 offsets
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x = torch.ones(1, 2**16, dtype=torch.bfloat16).expand(2**15, 2**16)
+    assert triton_cast.span(x) < triton_cast.MAX_ELEMENTS <= x.numel()
+    assert not triton_cast.available(x)

@@ -14,13 +14,13 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
 * attention input projection: an nn.Linear whose own name is one of ATTENTION_INPUT_NAMES (q_proj, key, qkv, ...).
 * input projections (`input_projections`), the "first layer" that mixed-precision practice keeps in high precision:
   the first nn.Linear (module order) that is neither the head nor in a pooler and, when it is an attention input
-  projection, every attention input projection beside it: q, k and v read the same input, so they are one layer;
-  an encoder-decoder's decoder stack (see transformer blocks) has its own first layer the same way.
+  projection, every attention input projection beside it: q, k and v read the same input, so they are one layer.
 * FP8 shape (`fp8_shape_ok`): in and out features multiples of MIN_DIM_MULTIPLE.
 * transformer blocks (`block_stacks`, `transformer_blocks`): the entries of the longest nn.ModuleList whose entries
   share one type and each hold an nn.Linear (the reference Llama's `blocks`, Hugging Face Llama's `model.layers`,
-  BERT's `encoder.layer`), and of every other such list, not inside another, as long or of the same block type: an
-  encoder-decoder's second stack (T5's `encoder.block` and `decoder.block`, Whisper's encoder and decoder layers).
+  BERT's `encoder.layer`), and of every other such list, not inside another list, whose blocks are of a model's own
+  class and hold at least as many linears: an encoder-decoder's second stack (T5's `encoder.block` and
+  `decoder.block`, Whisper's and BART's encoder and decoder layers, whatever their numbers).
   4-bit training keeps the first and last few blocks of each stack in high precision: the decoder's last block
   feeds the head, the encoder's last every cross-attention.
 
@@ -117,18 +117,9 @@ def output_head(model: nn.Module, *, names: tuple[str, ...] = HEAD_NAMES) -> str
 
 def input_projections(model: nn.Module) -> list[str]:
     """The nn.Linear layers nearest the data, by name (see the module docstring): e.g. the first block's q_proj,
-    k_proj and v_proj in a transformer, the first layer of an MLP; an encoder-decoder's decoder reads data of its own
-    (the target tokens), so the first projections of each further stack of blocks (block_stacks) count too."""
+    k_proj and v_proj in a transformer, the first layer of an MLP."""
     head = output_head(model)
     candidates = [n for n, _ in named_linears(model) if n != head and not in_pooler(n)]
-    firsts = _first_group(candidates)
-    for stack in block_stacks(model)[1:]:
-        firsts += _first_group([n for n in candidates if n.startswith(f"{stack[0]}.")])
-    return list(dict.fromkeys(firsts))
-
-
-def _first_group(candidates: list[str]) -> list[str]:
-    """The first of `candidates` (module order), with the attention input projections beside it when it is one."""
     if not candidates:
         return []
     first = candidates[0]
@@ -148,10 +139,13 @@ def stacked_weights(model: nn.Module) -> dict[str, tuple[tuple[str, tuple[int, .
     """{module name: ((parameter name, shape), ...)} for the modules (not convolutions) that hold parameters of 3 or
     more dimensions directly: stacked matmul weights such as MoE experts' (see the module docstring)."""
     found = {}
+    convs = tuple(f"{n}." for n, m in model.named_modules() if isinstance(m, CONV_TYPES))
     for name, m in model.named_modules():
-        if isinstance(m, CONV_TYPES):
+        if isinstance(m, CONV_TYPES) or name.startswith(convs):  # a conv's weight, or its parametrization's
             continue
-        params = tuple((p_name, tuple(p.shape)) for p_name, p in m.named_parameters(recurse=False) if p.dim() >= 3)
+        # (experts, out, in): a leading 1 is a single embedding-like table (ViT's class token, position embeddings)
+        params = tuple((p_name, tuple(p.shape)) for p_name, p in m.named_parameters(recurse=False)
+                       if p.dim() >= 3 and p.shape[0] > 1)
         if params:
             found[name] = params
     return found
@@ -173,16 +167,23 @@ def block_stacks(model: nn.Module) -> list[list[str]]:
     """The names of the model's repeated blocks, stack by stack in module order (see the module docstring); [] for a
     model without them."""
     lists = _uniform_lists(model)
-    # lists inside another's entries (a block's experts) are not stacks of the model's
+    containers = [name for name, m in model.named_modules() if isinstance(m, nn.ModuleList)]
+    # lists inside another list's entries (a block's experts, also in a list of mixed blocks) are not stacks
     outer = [(name, m) for name, m in lists
-             if not any(other != name and (other == "" or name.startswith(f"{other}.")) for other, _ in lists)]
+             if not any(other != name and (other == "" or name.startswith(f"{other}.")) for other in containers)]
     if not outer:
         return []
     longest = max(outer, key=lambda item: len(item[1]))[1]  # the first of the longest
-    block_type = type(longest[0])
-    own_type = not block_type.__module__.startswith("torch.")  # a T5Block, not a generic nn.Sequential
+    block_type, linears = type(longest[0]), _linear_count(longest[0])
+    # another stack: blocks of a model's own class (a T5Block, a WhisperDecoderLayer; not a generic nn.Sequential of
+    # adapters) holding at least as many linears (a decoder block adds cross-attention), whatever their number
     return [[f"{name}.{i}" if name else str(i) for i in range(len(m))] for name, m in outer
-            if m is longest or len(m) == len(longest) or (own_type and type(m[0]) is block_type)]
+            if m is longest or (not type(m[0]).__module__.startswith("torch.") and _linear_count(m[0]) >= linears
+                                and not block_type.__module__.startswith("torch."))]
+
+
+def _linear_count(module: nn.Module) -> int:
+    return sum(isinstance(m, nn.Linear) for m in module.modules())
 
 
 def transformer_blocks(model: nn.Module) -> list[str]:

@@ -133,9 +133,12 @@ def _read_directly(model: nn.Module) -> dict[int, str]:
 
 def replace_module(model: nn.Module, old: nn.Module, new: nn.Module) -> None:
     """Put `new` wherever `model` holds `old` (a module registered under two names is replaced under both), with
-    `old`'s forward and backward hooks (the same hook dicts, so their handles still remove them)."""
+    `old`'s forward, backward and state-dict hooks (the same hook dicts, so their handles still remove them; a
+    module shared with another model then shares its later hooks too)."""
     for attr in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called",
-                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks"):
+                 "_forward_pre_hooks", "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks",
+                 "_is_full_backward_hook", "_state_dict_hooks", "_state_dict_pre_hooks", "_load_state_dict_pre_hooks",
+                 "_load_state_dict_post_hooks"):
         if hasattr(old, attr):
             setattr(new, attr, getattr(old, attr))
     for parent in model.modules():
@@ -200,6 +203,9 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
             replace_module(nn.Module(), lin, fp8)  # its hooks
             continue
         replace_module(model, lin, fp8)
+    if not getattr(root, "_minifloat_orphans_hook", False):
+        root.register_load_state_dict_pre_hook(_drop_orphaned_state)
+        root._minifloat_orphans_hook = True
     if not fp8_layers(root):
         log.warning("minifloat.convert: converted nothing, %s", _nothing_converted(model, plan, filter))
     elif plan.misshapen:
@@ -218,6 +224,22 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
                     "(eval(), no grad, no torch.autocast) that reads its linear1/linear2 weights itself, in high "
                     "precision: evaluate under torch.autocast to run them in FP8 as in training")
     return root
+
+
+def _drop_orphaned_state(module: nn.Module, state_dict: dict, prefix: str, *args) -> None:
+    """A load's pre-hook (convert registers it on the model): the FP8 scaling state a checkpoint holds for layers
+    this model keeps in high precision (an earlier minifloat converted them, e.g. nn.MultiheadAttention's out_proj,
+    or a decoder's last block under keep_blocks) is left out, with one warning, instead of failing a strict load."""
+    modules = dict(module.named_modules())
+    orphans = [key for key in state_dict if key.startswith(prefix) and ".fp8_state." in key
+               and not isinstance(modules.get(key[len(prefix):].partition(".fp8_state.")[0], Fp8Linear), Fp8Linear)]
+    for key in orphans:
+        del state_dict[key]
+    if orphans:
+        layers = sorted({key[len(prefix):].partition(".fp8_state.")[0] for key in orphans})
+        log.warning("minifloat: the state dict holds FP8 scaling state for %d layer(s) this model keeps in high "
+                    "precision (converted by another minifloat or recipe), left out: %s", len(layers),
+                    ", ".join(layers[:MAX_LISTED]) + (", ..." if len(layers) > MAX_LISTED else ""))
 
 
 def unsupported_note(unsupported: tuple[tuple[str, str], ...]) -> str:

@@ -105,15 +105,19 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 
 _FROZEN_WARNED = False  # once per process: an adapter-tuned model has a frozen FP8 layer in every block
+# training forwards of a frozen layer without an end of its FP8 step before that is said (more than any gradient
+# accumulation takes: a frozen layer an optimizer holds has its step ended at every optimizer step)
+FROZEN_WARN_AFTER = 1024
 
 
-def _warn_frozen(name: str) -> None:
+def _warn_frozen(name: str, forwards: int) -> None:
     global _FROZEN_WARNED
     _FROZEN_WARNED = True
-    log.warning("minifloat: %s is frozen (no parameter requires grad), so no optimizer step ends its FP8 step and "
-                "its delayed scales and amax history stay where they are (nor those of any other frozen FP8 layer; "
-                "said once); call mf.fp8_step(model) after each optimizer step (a no-op for the layers an optimizer "
-                "already stepped)", name or "an Fp8Linear")
+    log.warning("minifloat: %s is frozen (no parameter requires grad) and %d training forwards went through it "
+                "without an end of its FP8 step (no optimizer holds its parameters), so its delayed scales and amax "
+                "history stay where they are (said once, for every such layer); call mf.fp8_step(model) after each "
+                "optimizer step (a no-op for the layers an optimizer already stepped)", name or "an Fp8Linear",
+                forwards)
 
 
 class Fp8Linear(nn.Linear):
@@ -163,6 +167,7 @@ class Fp8Linear(nn.Linear):
         self.fp8_name = ""
         self._weights = WeightCache()
         self.amax_reduce = None
+        self._unstepped = 0  # training forwards of a frozen layer since its FP8 step last ended
         fp8_steps.track(self)
 
     @classmethod
@@ -184,12 +189,18 @@ class Fp8Linear(nn.Linear):
     def __setstate__(self, state) -> None:  # deepcopy and unpickling build no new layer through __init__
         super().__setstate__(state)
         self.__dict__.setdefault("amax_reduce", None)  # layers pickled before tensor parallel existed
+        self.__dict__.setdefault("_unstepped", 0)
         fp8_steps.track(self)
 
     def fp8_step(self) -> None:
         """End this layer's FP8 step: new delayed scales from the amax history, history rolled, weight casts
         dropped. Called for you after optimizer steps (see minifloat.fp8.step)."""
         self.fp8_state.advance(self.recipe)
+        self.step_ended()
+
+    def step_ended(self) -> None:
+        """Called when this layer's FP8 step has ended (minifloat.fp8.step): its weight casts are dropped."""
+        self._unstepped = 0
         self.drop_weight_casts()
 
     def drop_weight_casts(self) -> None:
@@ -227,7 +238,9 @@ class Fp8Linear(nn.Linear):
                              state.backend if state.backend is not None else self.backend, recording, weights,
                              self.amax_reduce)
         if not compiling and not _FROZEN_WARNED and self._frozen_in_training():
-            _warn_frozen(self.fp8_name)
+            self._unstepped += 1  # an optimizer holding the frozen parameters ends the step anyway (and resets it)
+            if self._unstepped >= FROZEN_WARN_AFTER:
+                _warn_frozen(self.fp8_name, self._unstepped)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
         if caster.recipe.four_bit:

@@ -122,7 +122,7 @@ def _end_step(layers: list[nn.Module]) -> int:
     # every layer's scaling state at once (a fixed number of launches, not 18 per layer), then each layer's casts
     advance_states([layer.fp8_state for layer in layers], [layer.recipe for layer in layers])
     for layer in layers:
-        layer.drop_weight_casts()
+        (layer.step_ended if hasattr(layer, "step_ended") else layer.drop_weight_casts)()
     if layers:
         telemetry.step_ended()
     return len(layers)
