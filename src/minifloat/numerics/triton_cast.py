@@ -75,7 +75,9 @@ def available(x: torch.Tensor) -> bool:
     GPU only once `self_check` passed there. Tensors of 2^31 elements or more, or whose elements lie 2^31 or more
     apart, take the torch path: the kernels address inputs and outputs with int32 offsets (a view of few elements
     with far-apart rows, such as a column slice of a large fused tensor, read outside the tensor)."""
-    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()) or max(span(x), x.numel()) >= MAX_ELEMENTS:
+    if torch.compiler.is_compiling() or _CHECKING or (not x.is_cuda and not interpreted()):
+        return False
+    if max(span(x), x.numel()) >= MAX_ELEMENTS:
         return False
     if _triton() is None:
         return False
