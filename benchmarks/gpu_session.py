@@ -110,11 +110,18 @@ def last_line(log: pathlib.Path) -> str:
 GRACE_S = 15  # a step at its limit gets SIGINT this long before it (pytest then prints its failures), then SIGKILL
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def run_step(argv: list[str], log: pathlib.Path, timeout_s: int, env: dict) -> int:
     """Run one step's command under its limit. At `timeout_s - GRACE_S` it is interrupted (SIGINT: pytest reports what
     failed so far, a benchmark has saved its rows), at `timeout_s` killed; 124 then, as timeout(1) says."""
     with log.open("w") as f:
-        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        # SIGINT at its default in the step: a shell runs a background job (`cmd &`) with SIGINT ignored, which the
+        # step would inherit, and then the interrupt below would do nothing
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT,
+                                preexec_fn=_default_sigint)
         try:
             return proc.wait(timeout=max(timeout_s - GRACE_S, 1))
         except subprocess.TimeoutExpired:

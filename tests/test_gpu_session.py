@@ -5,8 +5,10 @@ and running a call writes each step's log and a summary (a step past its limit i
 import importlib.util
 import json
 import pathlib
+import signal
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -109,11 +111,20 @@ def test_dry_run_prints_the_commands_and_runs_nothing(tmp_path, capsys):
 
 def test_a_step_past_its_limit_is_interrupted_first_so_it_can_report(monkeypatch, tmp_path):
     # SIGKILL at the limit lost pytest's summary of failures (printed only at the end of its run): the compiled
-    # tests' reasons were lost so on the H200
-    monkeypatch.setattr(session, "GRACE_S", 2)
-    script = ("import time\ntry:\n    time.sleep(30)\nexcept KeyboardInterrupt:\n"
+    # tests' reasons were lost so on the H200. And a shell starts a background job (`gpu_session.py 1 &`) with SIGINT
+    # ignored, which the steps inherited: the interrupt then did nothing, and the step was killed without its report
+    monkeypatch.setattr(session, "GRACE_S", 20)
+    script = ("import time\ntry:\n    time.sleep(60)\nexcept KeyboardInterrupt:\n"
               "    print('=== 1 failed, 2 passed in 9s ===', flush=True)\n    raise SystemExit(2)")
-    monkeypatch.setitem(session.CALLS, 9, (session.Step("slow", 3, (sys.executable, "-c", script)),))
-    assert session.run_call(9, tmp_path) == 1
+    # interrupted at 4 s (a loaded machine may take a second to start Python), killed at 24 s
+    monkeypatch.setitem(session.CALLS, 9, (session.Step("slow", 24, (sys.executable, "-c", script)),))
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        t0 = time.monotonic()
+        assert session.run_call(9, tmp_path) == 1
+        seconds = time.monotonic() - t0
+    finally:
+        signal.signal(signal.SIGINT, previous)
     assert "1 failed, 2 passed" in (tmp_path / "slow.log").read_text()
     assert "exit 124" in (tmp_path / "summary.txt").read_text()
+    assert seconds < 20, "the step outlived its interrupt: it was killed at the limit"
