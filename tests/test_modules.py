@@ -763,6 +763,38 @@ def test_an_evaluation_after_an_edit_through_data_uses_the_new_weight(gen):
     assert sqnr_db(ref, y) >= SQNR_FORWARD_DB
 
 
+def test_reuse_weight_casts_casts_an_evaluations_weights_once(gen, monkeypatch):
+    # an evaluation's batches cast every weight afresh (the test above): inside reuse_weight_casts() each layer casts
+    # it once, the same bits, and an in-place change (which bumps the version counter) is still seen
+    from minifloat.fp8 import caster as fp8_caster
+    from minifloat.fp8.modules import reuse_weight_casts
+
+    layer = make_layer(mf.DelayedScaling(), gen)
+    xs = [torch.randn(M, K, generator=gen) for _ in range(3)]
+    casts = []
+    real = fp8_caster.LayerCaster.cast
+    monkeypatch.setattr(fp8_caster.LayerCaster, "cast",
+                        lambda self, role, *a, **k: (role is Role.WEIGHT and casts.append(1)) or real(self, role, *a, **k))
+    with torch.no_grad():
+        fresh = [layer(x) for x in xs]
+        assert len(casts) == 3
+        casts.clear()
+        with reuse_weight_casts():
+            with reuse_weight_casts():  # nesting keeps it on
+                pass
+            reused = [layer(x) for x in xs]
+            assert len(casts) == 1
+            layer.weight.mul_(0.5)
+            halved = layer(xs[0])
+        assert len(casts) == 2
+        casts.clear()
+        layer(xs[0])
+        assert len(casts) == 1  # off again after the block
+    assert all(torch.equal(a, b) for a, b in zip(fresh, reused))
+    ref = nn.functional.linear(xs[0].double(), layer.weight.double(), layer.bias.double())
+    assert sqnr_db(ref, halved) >= SQNR_FORWARD_DB
+
+
 @ALL_RECIPES
 def test_a_create_graph_backward_is_refused_in_one_line(recipe, gen):
     # a gradient penalty silently lost the second-order terms through the layer (its dx is not differentiable)

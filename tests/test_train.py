@@ -278,3 +278,29 @@ def test_the_progress_bars_tok_s_is_the_runs_not_the_last_steps():
     assert loop.tokens_per_s() == tokens / 5.0  # one step: its own
     loop.times = [5.0, 1.0, 3.0, 0.1]  # the first step (warm-up) left out, the rest together
     assert loop.tokens_per_s() == pytest.approx(3 * tokens / 4.1)
+
+
+def test_an_evaluation_casts_each_weight_once_with_the_same_loss(config, monkeypatch):
+    # an evaluation's batches cast every FP8 weight afresh unless told the weights do not change between them
+    # (minifloat.fp8.modules.reuse_weight_casts): the trainer's evaluation casts each once, for the same loss
+    import contextlib
+
+    from minifloat.fp8 import caster as fp8_caster
+    from minifloat.fp8.modules import Fp8Linear
+    from minifloat.fp8.recipes import Role
+    from minifloat.training import run as training_run
+
+    config = dataclasses.replace(config, preset="fp8-delayed", eval_batches=3)
+    built = training_run.build(config)
+    tokens = torch.randint(0, 256, (20_000,), generator=torch.Generator().manual_seed(0))
+    casts = []
+    real = fp8_caster.LayerCaster.cast
+    monkeypatch.setattr(fp8_caster.LayerCaster, "cast",
+                        lambda self, role, *a, **k: (role is Role.WEIGHT and casts.append(1)) or real(self, role, *a, **k))
+    once = training_run.evaluate(built.model, tokens, built.policy, config)
+    layers = sum(isinstance(m, Fp8Linear) for m in built.model.modules())
+    assert layers > 0 and len(casts) == layers
+    casts.clear()
+    monkeypatch.setattr(training_run, "reuse_weight_casts", contextlib.nullcontext)
+    assert training_run.evaluate(built.model, tokens, built.policy, config) == once
+    assert len(casts) == 3 * layers

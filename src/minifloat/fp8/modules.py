@@ -52,6 +52,30 @@ class _PerThread(threading.local):
 _LOCAL = _PerThread()
 
 
+class _Reuse(threading.local):
+    on = False
+
+
+_REUSE = _Reuse()
+
+
+@contextlib.contextmanager
+def reuse_weight_casts() -> Iterator[None]:
+    """Let forwards without autograd (an evaluation's batches) reuse each Fp8Linear's weight casts, made once per FP8
+    step, as a training step's micro-batches do.
+
+    Outside it, every evaluation forward casts its weights afresh: a weight changed through `.data` (an EMA swap, a
+    pruning mask) bumps no version counter, so a cache could not tell. Inside it, promise that no weight changes that
+    way; changes by in-place ops, `load_state_dict` and optimizer steps are still noticed. Eager only (a compiled
+    graph casts in the graph). Per thread; nests.
+    """
+    previous, _REUSE.on = _REUSE.on, True
+    try:
+        yield
+    finally:
+        _REUSE.on = previous
+
+
 @contextlib.contextmanager
 def autocast(*, recipe: Recipe | None = None, enabled: bool = True, calibrating: bool = False,
              backend: str | None = None) -> Iterator[None]:
@@ -226,9 +250,11 @@ class Fp8Linear(nn.Linear):
         # a compiled graph casts the weight in the graph: no WeightCache, whose entries (filled by eager forwards,
         # emptied at each FP8 step) and generation dynamo would otherwise guard on, recompiling the next steps
         compiling = torch.compiler.is_compiling()
-        # nor does a forward without autograd (evaluation): the cache is for the micro-batches of a training step, and
-        # an edit through `.data` between evaluations (an EMA swap, a pruning mask) bumps no version counter
-        weights = self._weights if self.cache_weight and not compiling and torch.is_grad_enabled() else None
+        # nor does a forward without autograd (evaluation), unless inside `reuse_weight_casts()`: the cache is for the
+        # micro-batches of a training step, and an edit through `.data` between evaluations (an EMA swap, a pruning
+        # mask) bumps no version counter
+        weights = (self._weights if self.cache_weight and not compiling and (torch.is_grad_enabled() or _REUSE.on)
+                   else None)
         if weights is not None:  # a TP layer's cache hits on every rank or none (WeightCache)
             weights.by_storage = self.amax_reduce is None
         # nor does a compiled graph read the layer's name (messages and telemetry only): dynamo would guard on the

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from minifloat.amp.policy import PrecisionPolicy
 from minifloat.amp.scaler import LossScaler
-from minifloat.fp8.modules import autocast
+from minifloat.fp8.modules import autocast, reuse_weight_casts
 from minifloat.safety.guards import GuardConfig, StepGuard
 from minifloat.safety.shadow import Mode, ShadowCheck, ShadowConfig
 from minifloat.safety.stability import StabilityConfig
@@ -127,11 +127,12 @@ def evaluate(model: Llama, tokens: torch.Tensor, policy: PrecisionPolicy, config
     device = device if device is not None else next(model.parameters()).device
     model.eval()
     total, rows = 0.0, 0
-    for x, y in val_batches(tokens, batch_size=config.batch_size, seq_len=config.seq_len,
-                            max_batches=config.eval_batches):
-        with policy.autocast("cuda" if device.type == "cuda" else "cpu"), autocast(enabled=fp8):
-            _, loss = model(x.to(device), y.to(device))
-        total += loss.item() * x.shape[0]
-        rows += x.shape[0]
+    with reuse_weight_casts():  # nothing changes the weights between the batches: each layer casts them once
+        for x, y in val_batches(tokens, batch_size=config.batch_size, seq_len=config.seq_len,
+                                max_batches=config.eval_batches):
+            with policy.autocast("cuda" if device.type == "cuda" else "cpu"), autocast(enabled=fp8):
+                _, loss = model(x.to(device), y.to(device))
+            total += loss.item() * x.shape[0]
+            rows += x.shape[0]
     model.train()
     return total / rows
