@@ -26,23 +26,20 @@ emulated on every GPU (docs/fp8.md).
 Where a rule does not hold the product runs emulated (exactly), or with backend="native" forced, `gemm_path` raises
 a ValueError that names the reason.
 
-Output rounding of the emulated backend: for a bfloat16 output the accumulator is rounded to bfloat16 by the GEMM
-and the per-tensor/row scales are applied to that (at most one extra bfloat16 rounding, 2^-8 relative, against the
-one a tensor core makes); for float32 (and float16) outputs the GEMM runs with fp32 output and no extra rounding.
-The native backend accumulates in the tensor core's own order and precision (docs/fp8.md gives the measured gap).
+Output rounding of the emulated backend (its GEMM kernels: minifloat.fp8.emulated_mm): for a bfloat16 output the
+accumulator is rounded to bfloat16 by the GEMM and the per-tensor/row scales are applied to that (at most one extra
+bfloat16 rounding, 2^-8 relative, against the one a tensor core makes); for float32 (and float16) outputs the GEMM
+runs with fp32 output and no extra rounding. The native backend accumulates in the tensor core's own order and precision (docs/fp8.md gives the measured gap).
 """
 
 from __future__ import annotations
 
-import contextlib
 import enum
 import logging
-import math
 
 import torch
-from torch.utils.flop_counter import register_flop_formula
 
-from minifloat.core.autocast import autocast_off
+from minifloat.fp8.emulated_mm import addmm_bf16, k_block_mm, mm_bf16, mm_fp32
 from minifloat.numerics import compiling
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.fp8.native import (  # noqa: F401 - native_fp8_available, native_granularity: re-exported
@@ -293,65 +290,6 @@ def _k_block_scales(q: Quantized) -> tuple[torch.Tensor | None, int]:
     return (s.reshape(q.shape[0], -1) if rows == 1 else s.repeat_interleave(rows, dim=0)[: q.shape[0]]), cols
 
 
-@contextlib.contextmanager
-def _fp32_matmul_via_bf16():
-    """Let oneDNN run fp32 GEMMs on bfloat16 units. Exact here: every operand value is a bfloat16 value."""
-    knob = getattr(getattr(torch.backends, "mkldnn", None), "matmul", None)
-    if knob is None or not hasattr(knob, "fp32_precision"):
-        yield
-        return
-    old = knob.fp32_precision
-    knob.fp32_precision = "bf16"
-    try:
-        yield
-    finally:
-        knob.fp32_precision = old
-
-
-# The two GEMM kernels of the emulated backend are custom ops: opaque to torch.compile, so a compiled model calls the
-# very kernels eager mode calls (and gets the same bits) instead of re-deriving them, which would need host reads
-# (`alpha`) and process-global flags (oneDNN's fp32 precision) inside the graph.
-
-
-@torch.library.custom_op("minifloat::mm_fp32", mutates_args=(), schema="(Tensor x, Tensor y_t) -> Tensor")
-def mm_fp32(x: torch.Tensor, y_t: torch.Tensor) -> torch.Tensor:
-    """x @ y_t in float32 with exact products (operands are bfloat16 values) and fp32 accumulation.
-
-    On CPUs oneDNN may run it on bfloat16 units; on GPUs TF32, if enabled, holds bfloat16 values exactly too.
-    """
-    # autocast off: a custom op's body runs its ops through the dispatcher afresh, where autocast would make this
-    # an fp16/bf16 GEMM
-    with autocast_off(x.device.type):
-        if x.device.type == "cpu":
-            with _fp32_matmul_via_bf16():
-                return x.float() @ y_t.float()
-        return x.float() @ y_t.float()
-
-
-@mm_fp32.register_fake
-def _mm_fp32_shape(x, y_t):
-    return x.new_empty((x.shape[0], y_t.shape[1]), dtype=torch.float32)
-
-
-@torch.library.custom_op("minifloat::addmm_bf16", mutates_args=(),
-                         schema="(Tensor a, Tensor b_t, Tensor alpha, Tensor? bias) -> Tensor")
-def addmm_bf16(a: torch.Tensor, b_t: torch.Tensor, alpha: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """bfloat16 alpha · (a @ b_t) + bias with one rounding of the fp32 accumulator (one oneDNN GEMM on CPU).
-
-    `alpha` is a 0-dim tensor read on the host: the CPU holds it already, so the read costs no device sync.
-    """
-    base = (bias.to(torch.bfloat16) if bias is not None
-            else torch.zeros((), dtype=torch.bfloat16, device=a.device).expand(a.shape[0], b_t.shape[1]))
-    # beta=0 ignores the zero-stride placeholder when there is no bias
-    with autocast_off(a.device.type):
-        return torch.addmm(base, a, b_t, beta=1.0 if bias is not None else 0.0, alpha=float(alpha))
-
-
-@addmm_bf16.register_fake
-def _addmm_bf16_shape(a, b_t, alpha, bias):
-    return a.new_empty((a.shape[0], b_t.shape[1]), dtype=torch.bfloat16)
-
-
 def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
                        bias: torch.Tensor | None) -> torch.Tensor:
     A, B = compiling.graph_operand(operand(a)), compiling.graph_operand(operand(b))
@@ -363,7 +301,7 @@ def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
             one = torch.ones((), dtype=torch.float32, device=A.device)
             alpha = (one if sa is None else sa) * (one if sb is None else sb)
             return addmm_bf16(A, B.t(), alpha, bias)
-        acc = torch.mm(A, B.t())
+        acc = mm_bf16(A, B.t())
     else:
         acc = mm_fp32(A, B.t())
     if sa is None and sb is None and bias is None:
@@ -376,45 +314,3 @@ def _emulated_k_blocks(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias:
     (sa, wa), (sb, wb) = _k_block_scales(a), _k_block_scales(b)
     out = k_block_mm(A, B, sa, wa, sb, wb)
     return _epilogue(out, _outer_scale(a, "a"), _outer_scale(b, "b"), bias, out_dtype)
-
-
-@torch.library.custom_op("minifloat::k_block_mm", mutates_args=(),
-                         schema="(Tensor a, Tensor b, Tensor? sa, int wa, Tensor? sb, int wb) -> Tensor")
-def k_block_mm(a: torch.Tensor, b: torch.Tensor, sa: torch.Tensor | None, wa: int, sb: torch.Tensor | None,
-               wb: int) -> torch.Tensor:
-    """Σ over K blocks of (a_blk @ b_blkᵀ) · sa_blk · sb_blk in fp32: DeepSeek-V3 §3.3.2's promotion.
-
-    Products of each K block are summed in fp32, scaled by that block's scales (`sa`: (M, K/wa), `sb`: (N, K/wb);
-    None where the operand's scales are folded in or factor out) and accumulated into an fp32 result ("promotion to
-    CUDA cores"). A custom op, so compiled graphs run this very loop (the same bits) rather than refusing it.
-    """
-    width = math.gcd(wa, wb)  # K blocks this wide lie within one scale block of each operand (gcd(w, 0) = w)
-    m, k = a.shape
-    out = torch.zeros(m, b.shape[0], dtype=torch.float32, device=a.device)
-    for start in range(0, k, width):  # (mm_fp32 switches autocast off; the rest is elementwise)
-        part = mm_fp32(a[:, start:start + width], b[:, start:start + width].t())
-        if sa is not None:
-            part = part * sa[:, start // wa : start // wa + 1]
-        if sb is not None:
-            part = part * sb[:, start // wb].reshape(1, -1)
-        out += part
-    return out
-
-
-@k_block_mm.register_fake
-def _k_block_mm_shape(a, b, sa, wa, sb, wb):
-    return a.new_empty((a.shape[0], b.shape[0]), dtype=torch.float32)
-
-
-# FLOPs of the custom-op GEMMs for torch.utils.flop_counter.FlopCounterMode (MFU tools count with it): 2·M·K·N each,
-# as torch counts mm. A dispatch mode sees each custom op as one op and not the GEMMs inside it, which would count 0.
-@register_flop_formula([torch.ops.minifloat.mm_fp32, torch.ops.minifloat.addmm_bf16])
-def _mk_kn_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    (m, k), (_, n) = a_shape, b_shape
-    return 2 * m * k * n
-
-
-@register_flop_formula(torch.ops.minifloat.k_block_mm)
-def _mk_nk_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:
-    (m, k), (n, _) = a_shape, b_shape
-    return 2 * m * k * n

@@ -41,7 +41,7 @@ from minifloat.numerics.compiling import eager_kernels
 log = logging.getLogger("minifloat")
 
 ROOT, LOSS, BACKWARD = "(model)", "<loss>", "<backward>"  # pseudo module paths
-# ATen's GEMMs, and the custom-op GEMM kernels of minifloat.fp8.gemm's emulated backend (minifloat::mm_fp32,
+# ATen's GEMMs, and the custom-op GEMM kernels of minifloat.fp8.emulated_mm (minifloat::mm_fp32,
 # minifloat::addmm_bf16, minifloat::k_block_mm), which a dispatch mode sees as single ops
 _GEMMS = frozenset({"mm", "addmm", "bmm", "baddbmm", "matmul", "_scaled_mm", "_scaled_grouped_mm",
                     "mm_fp32", "addmm_bf16", "k_block_mm"})

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 from typing import Mapping
 
 import torch
@@ -17,6 +16,7 @@ from torch import nn
 from torch.utils._pytree import tree_leaves
 
 from minifloat.core.batch import call_model
+from minifloat.core.cpu import Bf16Support, bf16_support  # noqa: F401 - re-exported (PreflightReport.bf16)
 from minifloat.core.snapshot import restoring_buffers
 from minifloat.core.validate import check_number
 from minifloat.numerics.formats import FP16
@@ -31,13 +31,6 @@ class RangeRecord:
     amax: float
     overflow: int  # finite elements beyond FP16.max
     underflow: float  # fraction of non-zero elements that FP16 flushes to zero
-
-
-@dataclasses.dataclass
-class Bf16Support:
-    native: bool  # the CPU has BF16 arithmetic instructions (AVX512-BF16, AMX-BF16, Arm BF16)
-    mkldnn_bf16: bool | None  # oneDNN's own check (True also where it emulates BF16 with AVX-512)
-    cpu_flags: list[str]  # the BF16 flags found in /proc/cpuinfo (Linux only)
 
 
 @dataclasses.dataclass
@@ -64,24 +57,6 @@ class PreflightReport:
             t.add_row(r.name, r.kind, f"{r.amax:.3g}", str(r.overflow), f"{r.underflow:.2%}",
                       style="red" if bad else None)
         return t
-
-
-_BF16_FLAGS = ("avx512_bf16", "amx_bf16", "bf16")  # x86 flags and the aarch64 feature name
-
-
-def bf16_support(cpuinfo: str = "/proc/cpuinfo") -> Bf16Support:
-    """Whether this CPU computes in BF16 natively (Linux: /proc/cpuinfo flags), and oneDNN's verdict."""
-    flags: set[str] = set()
-    if os.path.exists(cpuinfo):
-        with open(cpuinfo) as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in ("flags", "Features"):
-                    flags.update(value.split())
-    found = [f for f in _BF16_FLAGS if f in flags]
-    check_fn = getattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported", None)
-    mkldnn = bool(check_fn()) if check_fn is not None else None
-    return Bf16Support(native=bool(found), mkldnn_bf16=mkldnn, cpu_flags=found)
 
 
 @torch.no_grad()
