@@ -103,7 +103,7 @@ def quantize_cases(x: torch.Tensor, wide: bool) -> dict[str, torch.Tensor]:
 
 def cast_cases(x: torch.Tensor) -> dict[str, torch.Tensor]:
     """mf.cast, which minifloat runs eagerly, inside a user's torch.compile (a compiled model's own casts)."""
-    cast = torch.compile(mf.cast, dynamic=False, fullgraph=True)
+    cast = torch.compile(mf.cast, dynamic=False, fullgraph=True) if compile_enabled() else mf.cast
     out = {f"cast/{fmt.name}/nearest": cast(x, fmt) for fmt in (mf.E4M3, mf.E5M2, mf.E2M1)}
     u = counter_uniform(torch.tensor(SR_SEED), x.shape)
     out |= {f"cast/{fmt.name}/stochastic": cast(x, fmt, rounding="stochastic", uniform=u) for fmt in (mf.E4M3, mf.E2M1)}
@@ -133,6 +133,22 @@ def layer_cases(name: str, recipe, x: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
+def collect(wide: bool) -> dict[str, torch.Tensor]:
+    """Every case's results by name (detached, contiguous copies), the canary first."""
+    gen = torch.Generator().manual_seed(SEED)
+    x = torch.randn(ROWS, COLS, generator=gen) * 3
+    inputs = torch.randn(TOKENS, D_IN, generator=gen).requires_grad_()
+    canary = veltkamp_canary if not compile_enabled() else torch.compile(veltkamp_canary, dynamic=False)
+    results = {"canary/veltkamp": canary(x)}
+    results |= quantize_cases(x, wide)
+    if wide:
+        results |= cast_cases(x)
+    for name, recipe, default in RECIPES:
+        if default or wide:
+            results |= layer_cases(name, recipe, inputs)
+    return {k: v.detach().contiguous().clone() for k, v in results.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("out")
@@ -142,18 +158,7 @@ def main() -> None:
         raise SystemExit("fma_probe: MINIFLOAT_COMPILE turns compiling off, and this probe is about compiled kernels")
     warnings = _Warnings()
     logging.getLogger("minifloat").addHandler(warnings)
-
-    gen = torch.Generator().manual_seed(SEED)
-    x = torch.randn(ROWS, COLS, generator=gen) * 3
-    inputs = torch.randn(TOKENS, D_IN, generator=gen).requires_grad_()
-    results = {"canary/veltkamp": torch.compile(veltkamp_canary, dynamic=False)(x)}
-    results |= quantize_cases(x, args.wide)
-    if args.wide:
-        results |= cast_cases(x)
-    for name, recipe, default in RECIPES:
-        if default or args.wide:
-            results |= layer_cases(name, recipe, inputs)
-
+    results = collect(args.wide)
     meta = {
         "contract": torch._inductor.config.cpp.enable_floating_point_contract_flag,
         "eager_below": EAGER_BELOW,
@@ -162,7 +167,6 @@ def main() -> None:
         "unique_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"],
         "warnings": warnings.messages,
     }
-    results = {k: v.detach().contiguous().clone() for k, v in results.items()}
     torch.save({"results": results, "meta": meta}, args.out)
 
 

@@ -5,13 +5,15 @@ own. On a GPU inductor's Triton code fuses a multiply and an add into one FMA, w
 (nearly) the identity: GEMM operands carried bfloat16 values instead of FP8 ones, and no CPU test noticed. The CPU
 backend fuses the same way under TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG=fast, so here the workload of
 tests/fma_probe.py (quantize at every granularity, quantize_t, NVFP4 with both roundings, Fp8Linear training steps;
-tensors above compiling.EAGER_BELOW so the compiled kernels run) goes through two fresh processes, contract=fast and
-contract=off, each with its own inductor cache, and every result must agree bitwise. The layers have biases: the
-emulated GEMM's epilogue acc·scale + bias is a multiply-add, which a compiled kernel would contract into one rounding
-where eager code rounds twice; minifloat adds the bias in an op of its own (gemm.scale_then_add).
+tensors above compiling.EAGER_BELOW so the compiled kernels run) goes through a fresh process with contract=fast and
+its own inductor cache, and every result must be bitwise the eager kernels' (run here, in the test's process: the
+bits every compiled kernel must give, tests/test_quantize.py and tests/test_compile.py check that compiled kernels
+without contraction do). The layers have biases: the emulated GEMM's epilogue acc·scale + bias is a multiply-add,
+which a compiled kernel would contract into one rounding where eager code rounds twice; minifloat adds the bias in an
+op of its own (gemm.scale_then_add).
 
-So that the test cannot pass vacuously, each process must have compiled its kernels (no eager fallback, compiled
-libraries in its cache), and a canary, Veltkamp's split compiled on its own, must differ between the two: on a
+So that the test cannot pass vacuously, the process must have compiled its kernels (no eager fallback, compiled
+libraries in its cache), and a canary, Veltkamp's split compiled on its own, must differ from its eager result: on a
 machine or torch where the flag fuses nothing, no bug of this class could show.
 """
 
@@ -25,39 +27,43 @@ import sys
 import pytest
 import torch
 
+from minifloat.numerics.compiling import eager_kernels
+
 PROBE = pathlib.Path(__file__).with_name("fma_probe.py")
 CONTRACT_FLAG = "TORCHINDUCTOR_CPP_ENABLE_FLOATING_POINT_CONTRACT_FLAG"
-CONTRACTS = ("fast", "off")
+CONTRACT = "fast"
 CANARY = "canary/veltkamp"
-# cold compiles, both processes together (2 cores): ~135 CPU-seconds for the default run, ~330 for the wide one. The
-# limit only turns a hung compiler into a failure
+# a cold compile on one core: ~90 s for the default run, ~250 for the wide one. The limit only turns a hung compiler
+# into a failure
 PROBE_TIMEOUT_S = 1200
 SHOWN_MISMATCHES = 50  # the mismatching cases an assertion message lists
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # element size -> integer view
 
 
-def run_probes(root: pathlib.Path, *args: str) -> dict[str, dict]:
-    """The probe's {"results", "meta"} under each contract setting, the processes run side by side."""
-    procs = {}
-    for contract in CONTRACTS:
-        env = dict(os.environ, MINIFLOAT_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(root / f"cache-{contract}"),
-                   OMP_NUM_THREADS="1", **{CONTRACT_FLAG: contract})  # one thread each: the two share the cores
-        log = open(root / f"{contract}.log", "w")
-        cmd = [sys.executable, str(PROBE), str(root / f"{contract}.pt"), *args]
-        procs[contract] = (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
-    try:
-        for proc, _ in procs.values():
+def run_probe(root: pathlib.Path, *args: str) -> dict:
+    """The probe's {"results", "meta"} compiled under contract=fast in a fresh process, with its own cache."""
+    env = dict(os.environ, MINIFLOAT_COMPILE="1", TORCHINDUCTOR_CACHE_DIR=str(root / "cache"), OMP_NUM_THREADS="1",
+               **{CONTRACT_FLAG: CONTRACT})  # one thread: the suite's other worker shares the cores
+    with open(root / "probe.log", "w") as log:
+        proc = subprocess.Popen([sys.executable, str(PROBE), str(root / "probe.pt"), *args], env=env, stdout=log,
+                                stderr=subprocess.STDOUT)
+        try:
             proc.wait(timeout=PROBE_TIMEOUT_S)
-    finally:
-        for proc, log in procs.values():
-            if proc.poll() is None:  # timed out, or the other one did
+        finally:
+            if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-            log.close()
-    for contract, (proc, _) in procs.items():
-        tail = (root / f"{contract}.log").read_text()[-4000:]
-        assert proc.returncode == 0, f"fma_probe.py under contract={contract} exited {proc.returncode}:\n{tail}"
-    return {c: torch.load(root / f"{c}.pt") for c in CONTRACTS}
+    tail = (root / "probe.log").read_text()[-4000:]
+    assert proc.returncode == 0, f"fma_probe.py under contract={CONTRACT} exited {proc.returncode}:\n{tail}"
+    return torch.load(root / "probe.pt")
+
+
+def eager_results(wide: bool) -> dict[str, torch.Tensor]:
+    """The same cases run by the eager kernels in this process: the bits a compiled kernel must give."""
+    import fma_probe
+
+    with eager_kernels():
+        return fma_probe.collect(wide)
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -68,28 +74,27 @@ def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
     return int((a.view(bits) != b.view(bits)).sum())
 
 
-def check_not_vacuous(root: pathlib.Path, probes: dict[str, dict]) -> None:
-    """Both processes compiled their kernels, and the contract flag changed the canary's bits."""
+def check_not_vacuous(root: pathlib.Path, probe: dict, eager: dict[str, torch.Tensor]) -> None:
+    """The process compiled its kernels, and the contract flag changed the canary's bits."""
     __tracebackhide__ = True  # a failure shows the message, not the probes' tensors
-    for contract, probe in probes.items():
-        meta = probe["meta"]
-        assert meta["contract"] == contract, f"inductor did not read {CONTRACT_FLAG}={contract}: {meta['contract']}"
-        # maybe_compile warns when a kernel's compile fails and it falls back to eager
-        assert not meta["warnings"], f"contract={contract}: minifloat warned: {meta['warnings']}"
-        assert meta["smallest"] >= meta["eager_below"], f"a case is small enough to run eagerly: {meta}"
-        assert meta["unique_graphs"] > 1, f"contract={contract}: only the canary was compiled: {meta}"
-        assert any((root / f"cache-{contract}").rglob("*.so")), f"contract={contract}: no compiled kernels in the cache"
-    canary = mismatches(*(probes[c]["results"][CANARY] for c in CONTRACTS))
-    assert canary > 0, (f"{CONTRACT_FLAG}=fast changed no bit of the canary: this machine or torch does not fuse "
+    meta = probe["meta"]
+    assert meta["contract"] == CONTRACT, f"inductor did not read {CONTRACT_FLAG}={CONTRACT}: {meta['contract']}"
+    # maybe_compile warns when a kernel's compile fails and it falls back to eager
+    assert not meta["warnings"], f"contract={CONTRACT}: minifloat warned: {meta['warnings']}"
+    assert meta["smallest"] >= meta["eager_below"], f"a case is small enough to run eagerly: {meta}"
+    assert meta["unique_graphs"] > 1, f"contract={CONTRACT}: only the canary was compiled: {meta}"
+    assert any((root / "cache").rglob("*.so")), f"contract={CONTRACT}: no compiled kernels in the cache"
+    canary = mismatches(probe["results"][CANARY], eager[CANARY])
+    assert canary > 0, (f"{CONTRACT_FLAG}={CONTRACT} changed no bit of the canary: this machine or torch does not fuse "
                         "multiply-adds, so the bitwise comparison could not catch issue 20")
 
 
-def check_bitwise(probes: dict[str, dict]) -> None:
-    """Every case but the canary has the same bits under both contract settings."""
+def check_bitwise(probe: dict, eager: dict[str, torch.Tensor]) -> None:
+    """Every case but the canary has the eager kernels' bits under contraction."""
     __tracebackhide__ = True
-    fast, off = (probes[c]["results"] for c in CONTRACTS)
-    assert fast.keys() == off.keys(), f"the two runs saved different cases: {sorted(fast.keys() ^ off.keys())}"
-    counts = {name: mismatches(fast[name], off[name]) for name in fast if name != CANARY}
+    fast = probe["results"]
+    assert fast.keys() == eager.keys(), f"the two runs saved different cases: {sorted(fast.keys() ^ eager.keys())}"
+    counts = {name: mismatches(fast[name], eager[name]) for name in fast if name != CANARY}
     bad = [(name, n, fast[name].numel()) for name, n in counts.items() if n]
     if bad:
         name, n, total = bad[0]
@@ -101,15 +106,17 @@ def check_bitwise(probes: dict[str, dict]) -> None:
 
 def test_results_are_bitwise_the_same_with_and_without_fma_contraction(tmp_path):
     """One test, not two sharing a fixture: pytest-xdist may hand two tests to two workers, each of which would then
-    run the probes (tests/conftest.py starts this one first, the longest test of the default suite)."""
-    probes = run_probes(tmp_path)
-    check_not_vacuous(tmp_path, probes)
-    check_bitwise(probes)
+    run the probe (tests/conftest.py starts this one first, the longest test of the default suite)."""
+    probe = run_probe(tmp_path)
+    eager = eager_results(wide=False)
+    check_not_vacuous(tmp_path, probe, eager)
+    check_bitwise(probe, eager)
 
 
 @pytest.mark.slow
 def test_wide_sweep_is_bitwise_the_same_with_and_without_fma_contraction(tmp_path):
     """E5M2, quantize_t at every granularity, NVFP4's transposed cast, mf.cast under torch.compile, every recipe."""
-    probes = run_probes(tmp_path, "--wide")
-    check_not_vacuous(tmp_path, probes)
-    check_bitwise(probes)
+    probe = run_probe(tmp_path, "--wide")
+    eager = eager_results(wide=True)
+    check_not_vacuous(tmp_path, probe, eager)
+    check_bitwise(probe, eager)
