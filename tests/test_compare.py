@@ -549,8 +549,10 @@ def test_a_signal_stops_the_comparison_and_reuse_resumes_it(tmp_path, sig, statu
     a finished run and exited 0. Now it stops with the preset (after its checkpoint), writes no summary, exits with
     128 + the signal, and --reuse resumes the stopped preset from its checkpoint."""
     out = tmp_path / "c"
-    flags = ["--presets", "bf16,fp8-current", "--steps", "150", "--batch-size", "2", "--seq-len", "16",
-             "--max-bytes", "100000", "--eval-every", "150", "--eval-batches", "1", "--out", str(out)]
+    # the signal comes after the third logged step: 57 more steps of ~35 ms each (bf16, 2-core AMD EPYC) leave it time
+    # to land mid-run
+    flags = ["--presets", "bf16,fp8-current", "--steps", "60", "--batch-size", "2", "--seq-len", "16",
+             "--max-bytes", "100000", "--eval-every", "60", "--eval-batches", "1", "--out", str(out)]
     proc = subprocess.Popen([sys.executable, "-m", "minifloat.cli", "compare", *flags], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "COLUMNS": "200"})
     deadline = time.monotonic() + 120
@@ -566,7 +568,7 @@ def test_a_signal_stops_the_comparison_and_reuse_resumes_it(tmp_path, sig, statu
     assert not (out / "summary.json").exists() and not (out / "fp8-current").exists()
     assert main(["compare", *flags, "--reuse"]) == 0
     rows = (out / "bf16" / "log.csv").read_text().splitlines()
-    assert len(rows) == 1 + 150  # the header, then every step once: resumed, not trained again
+    assert len(rows) == 1 + 60  # the header, then every step once: resumed, not trained again
     assert json.loads((out / "summary.json").read_text())["presets"]["fp8-current"]["final_val_loss"] > 0
 
 
