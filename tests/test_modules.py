@@ -774,7 +774,8 @@ def test_reuse_weight_casts_casts_an_evaluations_weights_once(gen, monkeypatch):
     casts = []
     real = fp8_caster.LayerCaster.cast
     monkeypatch.setattr(fp8_caster.LayerCaster, "cast",
-                        lambda self, role, *a, **k: (role is Role.WEIGHT and casts.append(1)) or real(self, role, *a, **k))
+                        lambda self, role, *a, **k: (role is Role.WEIGHT and casts.append(1))
+                        or real(self, role, *a, **k))
     with torch.no_grad():
         fresh = [layer(x) for x in xs]
         assert len(casts) == 3

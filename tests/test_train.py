@@ -296,7 +296,8 @@ def test_an_evaluation_casts_each_weight_once_with_the_same_loss(config, monkeyp
     casts = []
     real = fp8_caster.LayerCaster.cast
     monkeypatch.setattr(fp8_caster.LayerCaster, "cast",
-                        lambda self, role, *a, **k: (role is Role.WEIGHT and casts.append(1)) or real(self, role, *a, **k))
+                        lambda self, role, *a, **k: (role is Role.WEIGHT and casts.append(1))
+                        or real(self, role, *a, **k))
     once = training_run.evaluate(built.model, tokens, built.policy, config)
     layers = sum(isinstance(m, Fp8Linear) for m in built.model.modules())
     assert layers > 0 and len(casts) == layers

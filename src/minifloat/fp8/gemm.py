@@ -29,7 +29,8 @@ a ValueError that names the reason.
 Output rounding of the emulated backend (its GEMM kernels: minifloat.fp8.emulated_mm): for a bfloat16 output the
 accumulator is rounded to bfloat16 by the GEMM and the per-tensor/row scales are applied to that (at most one extra
 bfloat16 rounding, 2^-8 relative, against the one a tensor core makes); for float32 (and float16) outputs the GEMM
-runs with fp32 output and no extra rounding. The native backend accumulates in the tensor core's own order and precision (docs/fp8.md gives the measured gap).
+runs with fp32 output and no extra rounding. The native backend accumulates in the tensor core's own order and
+precision (docs/fp8.md gives the measured gap).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from minifloat.core.autocast import compute_dtype
+from minifloat.core.switch import ThreadSwitch
 from minifloat.fp8 import step as fp8_steps
 from minifloat.fp8.autograd import Fp8LinearFunction, recording_linear
 from minifloat.fp8.caster import LayerCaster, WeightCache
@@ -52,11 +53,7 @@ class _PerThread(threading.local):
 _LOCAL = _PerThread()
 
 
-class _Reuse(threading.local):
-    on = False
-
-
-_REUSE = _Reuse()
+_REUSE = ThreadSwitch()  # on inside reuse_weight_casts()
 
 
 @contextlib.contextmanager
@@ -69,11 +66,8 @@ def reuse_weight_casts() -> Iterator[None]:
     way; changes by in-place ops, `load_state_dict` and optimizer steps are still noticed. Eager only (a compiled
     graph casts in the graph). Per thread; nests.
     """
-    previous, _REUSE.on = _REUSE.on, True
-    try:
+    with _REUSE.on():
         yield
-    finally:
-        _REUSE.on = previous
 
 
 @contextlib.contextmanager
@@ -253,7 +247,7 @@ class Fp8Linear(nn.Linear):
         # nor does a forward without autograd (evaluation), unless inside `reuse_weight_casts()`: the cache is for the
         # micro-batches of a training step, and an edit through `.data` between evaluations (an EMA swap, a pruning
         # mask) bumps no version counter
-        weights = (self._weights if self.cache_weight and not compiling and (torch.is_grad_enabled() or _REUSE.on)
+        weights = (self._weights if self.cache_weight and not compiling and (torch.is_grad_enabled() or bool(_REUSE))
                    else None)
         if weights is not None:  # a TP layer's cache hits on every rank or none (WeightCache)
             weights.by_storage = self.amax_reduce is None
