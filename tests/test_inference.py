@@ -386,7 +386,7 @@ def test_load_needs_a_quantized_folder_and_a_model_for_other_architectures(tmp_p
         mf.load_quantized(tmp_path / "mlp")
     x = torch.randn(4, 32)
     assert torch.equal(output(mf.load_quantized(tmp_path / "mlp", model=mlp()), x), output(model, x))
-    with pytest.raises(ValueError, match="no FP8 inference layers; call prepare_inference first"):
+    with pytest.raises(ValueError, match="no FP8 inference layers: call prepare_inference first"):
         mf.save_quantized(mlp(), tmp_path / "plain")
 
 

@@ -457,6 +457,31 @@ def test_from_linear_shares_parameters(bias):
     assert all(t.device.type == "cpu" for t in layer.state_dict().values())  # no meta tensors left
 
 
+@pytest.mark.parametrize("layer", [nn.Conv1d(8, 8, 1), nn.Embedding(8, 8)], ids=["conv1d", "embedding"])
+def test_from_linear_refuses_other_layers(layer):
+    with pytest.raises(TypeError, match=f"takes a torch.nn.Linear, got {type(layer).__name__}"):
+        mf.Fp8Linear.from_linear(layer)
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.NVFP4Scaling()], ids=["fp8", "nvfp4"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float8_e4m3fn, torch.int64], ids=str)
+def test_an_input_the_layer_cannot_compute_in_is_named(recipe, dtype):
+    """A float64 model (model.double()), an FP8 or an integer input: one TypeError naming the layer, the dtype and
+    the fix, rather than a message about a GEMM argument the user never passed; the state records nothing."""
+    model = mf.convert(nn.Sequential(nn.Linear(32, 32), nn.Linear(32, 32)), recipe=recipe, keep_first_last=False)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(4, 32).to(dtype) if dtype.is_floating_point else torch.ones(4, 32, dtype=dtype)
+    if dtype == torch.float64:
+        model.double()
+    with pytest.raises(TypeError, match=rf"FP8 layer '0' got a {dtype} input: .* float32, bfloat16 or float16"):
+        model(x)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value.to(before[key].dtype), before[key]), key
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # under autocast a float64 input computes in bfloat16
+        if dtype == torch.float64:
+            assert model(x).dtype == torch.bfloat16
+
+
 def _mlp() -> nn.Sequential:
     return nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(),
                          nn.Linear(48, 16))

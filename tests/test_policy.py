@@ -159,6 +159,12 @@ def test_state_formats_refuse_a_torch_optimizer():
         policy.optimizer(torch.optim.AdamW, _tiny_model(), lr=1e-3)
 
 
+def test_optimizer_refuses_an_optimizer_instance():
+    model = _tiny_model()
+    with pytest.raises(TypeError, match=r"takes an optimizer class .* got an instance of AdamW"):
+        PrecisionPolicy.preset("fp8-delayed").optimizer(torch.optim.AdamW(model.parameters()), model)
+
+
 @pytest.mark.parametrize("name,kwargs,field", INVALID, ids=[c[0] for c in INVALID])
 def test_invalid_fields(name, kwargs, field):
     with pytest.raises(ValueError, match=field):

@@ -19,6 +19,7 @@ import pytest
 import torch
 from torch import nn
 
+import minifloat as mf
 from minifloat.numerics.formats import E4M3, E5M2
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import ROLES, DelayedScaling, Role
@@ -279,6 +280,49 @@ def test_state_dict_round_trip_is_exact():
         assert torch.equal(fresh.state_dict()[key], value), key
     assert fresh.scale_for(Role.INPUT) is not None  # the mirror was refreshed by the load
     assert torch.equal(fresh.scale_for(Role.INPUT), state.scale_for(Role.INPUT))
+
+
+def _trained(recipe, steps: int = 3) -> nn.Module:
+    torch.manual_seed(0)
+    model = mf.convert(nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 32)), recipe=recipe,
+                       keep_first_last=False)
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    for _ in range(steps):
+        model(torch.randn(16, 32)).square().mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return model
+
+
+def test_a_state_saved_under_another_history_length_loads_and_is_resized_at_the_step_end():
+    """A checkpoint of amax_history_len=4 loads into a layer of the default length (strictly): the history and
+    scales as saved, the next step end resizes the history to the layer's recipe, keeping the newest steps."""
+    saved = _trained(DelayedScaling(amax_history_len=4))
+    model = _trained(DelayedScaling(), steps=0)
+    model.load_state_dict(saved.state_dict())  # strict
+    for a, b in zip(scaling_states(model), scaling_states(saved)):
+        assert torch.equal(a.amax_history, b.amax_history) and torch.equal(a.scale, b.scale)
+    expected = [s.amax_history.clone() for s in scaling_states(model)]
+    model(torch.randn(16, 32)).square().mean().backward()
+    torch.optim.SGD(model.parameters(), lr=1e-2).step()
+    for state, before in zip(scaling_states(model), expected):
+        assert state.history_len == DelayedScaling().history_len
+        # the three completed steps kept, oldest first, then the step just taken (rolled into the last row)
+        assert torch.equal(state.amax_history[-4:-1], before[1:])
+        assert torch.isfinite(state.scale).all()
+
+
+def test_a_state_saved_without_nvfp4_random_streams_loads_into_an_nvfp4_layer(caplog):
+    saved = _trained(DelayedScaling())
+    model = _trained(mf.NVFP4Scaling(), steps=1)
+    streams = {k: v.clone() for k, v in model.state_dict().items() if k.endswith(("rht_signs", "sr_seed"))}
+    assert streams, "an NVFP4 layer has random streams"
+    with caplog.at_level(logging.INFO, logger="minifloat"):
+        model.load_state_dict(saved.state_dict())  # strict: the streams are not missing keys
+    assert "saved without NVFP4's random state" in caplog.text
+    for key, value in streams.items():  # the layer keeps its own
+        assert torch.equal(model.state_dict()[key], value), key
+    model(torch.randn(16, 32)).square().mean().backward()  # and trains on
 
 
 # ---------------------------------------------------------------------------------------------------- reduce_amax

@@ -194,6 +194,10 @@ class PrecisionPolicy:
         """`optimizer_cls` over the model's parameters, behind the `master_weights` mode's wrapper (fp32 masters:
         MasterWeightOptimizer; bf16-sr / bf16-kahan: LowPrecisionWeightOptimizer, `seed` among kwargs)."""
         check_module("PrecisionPolicy.optimizer", model)  # the model, not its parameters: roles decide the states
+        if isinstance(optimizer_cls, torch.optim.Optimizer) or not callable(optimizer_cls):
+            raise TypeError(f"PrecisionPolicy.optimizer takes an optimizer class (e.g. torch.optim.AdamW) and builds "
+                            f"it over the model's parameters, got an instance of {type(optimizer_cls).__name__}: pass "
+                            f"the class and its options, policy.optimizer(torch.optim.AdamW, model, lr=...)")
         if self.state_formats is not None:
             # minifloat.optim's optimizers (BlockwiseOptimizer) name their states in STATES; optim is a layer above
             if not isinstance(getattr(optimizer_cls, "STATES", None), tuple):

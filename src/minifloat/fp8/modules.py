@@ -20,6 +20,7 @@ from minifloat.fp8.autograd import Fp8LinearFunction, recording_linear
 from minifloat.fp8.caster import LayerCaster, WeightCache
 from minifloat.fp8.fourbit.linear import Fp4LinearFunction
 from minifloat.fp8.gemm import BACKENDS
+from minifloat.fp8.native import OUT_DTYPES as COMPUTE_DTYPES  # what the GEMMs write: an FP8 layer computes in them
 from minifloat.fp8.recipes import DelayedScaling, NVFP4Scaling, Recipe, check_recipe
 from minifloat.fp8.scaling import ScalingState
 
@@ -192,6 +193,9 @@ class Fp8Linear(nn.Linear):
     def from_linear(cls, linear: nn.Linear, *, recipe: Recipe | None = None, backend: str | None = None,
                     name: str = "", **options) -> "Fp8Linear":
         """An Fp8Linear sharing `linear`'s parameters (the same Parameter objects, so optimizers keep them)."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"{cls.__name__}.from_linear takes a torch.nn.Linear, got {type(linear).__name__}; "
+                            f"other layers (transformers' Conv1D, convolutions) stay in high precision")
         with torch.device("meta"):
             new = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
                       dtype=linear.weight.dtype, recipe=recipe, backend=backend, **options)
@@ -235,6 +239,11 @@ class Fp8Linear(nn.Linear):
                              f"last dimension is {weight.shape[-1]}, got {got}")
         if not state.enabled or x.numel() == 0:
             return F.linear(x, weight, bias)
+        if compute_dtype(x) not in COMPUTE_DTYPES:
+            who = f"FP8 layer {self.fp8_name!r}" if self.fp8_name else type(self).__name__
+            raise TypeError(f"{who} got a {x.dtype} input: FP8 and FP4 layers "
+                            f"compute in float32, bfloat16 or float16; cast the model and its inputs with .float() "
+                            f"(or run under torch.autocast), or keep this layer in high precision (convert's filter)")
         if self.fp8_state.scale.is_meta and not x.is_meta:  # torch's "Tensor on device meta is not on cpu" otherwise
             raise ValueError(f"{self.fp8_name or type(self).__name__}'s FP8 scaling state is on the meta device (a "
                              f"model built there and loaded with assign=True); call model.to_empty(device=...) "

@@ -65,7 +65,8 @@ class ScalingState(nn.Module):
         # for the step (the weight's) are only valid for the generation they were made in
         self.generation = 0
 
-    def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
         self._seeded = None
         self.generation += 1
         if not any(key.startswith(prefix) for key in state_dict):
@@ -77,7 +78,20 @@ class ScalingState(nn.Module):
         for key in ("rht_signs", "sr_seed", "sr_draws") if not hasattr(self, "rht_signs") else ():
             if prefix + key in state_dict:  # saved by a layer that met NVFP4 under mf.autocast: its stream continues
                 self.register_buffer(key, torch.empty_like(state_dict[prefix + key], device=self.scale.device))
-        super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
+        saved = state_dict.get(prefix + "amax_history")
+        if (isinstance(saved, torch.Tensor) and saved.dim() == 2 and saved.shape[0] >= 1
+                and saved.shape[1] == len(ROLES) and saved.shape[0] != self.history_len):
+            # saved under another amax_history_len: loaded as saved; the next step end resizes it to the recipe's
+            # length, keeping the newest steps (as a recipe switched under mf.autocast does)
+            self.amax_history = torch.zeros(saved.shape, dtype=torch.float32, device=self.amax_history.device)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        fresh = [key for key in ("rht_signs", "sr_seed", "sr_draws") if prefix + key in missing_keys]
+        if fresh:  # saved under a recipe without NVFP4's random streams: this layer keeps its own
+            for key in fresh:
+                missing_keys.remove(prefix + key)
+            log.info("minifloat: %s was saved without NVFP4's random state (another recipe); the layer keeps its "
+                     "own", prefix.rstrip("."))
 
     def _apply(self, fn, recurse: bool = True):
         was_meta = self.scale.is_meta

@@ -67,7 +67,9 @@ def quantized_config(model: nn.Module) -> dict:
     """The JSON config save_quantized writes for `model` (see the module docstring)."""
     layers = inference_layers(model)
     if not layers:
-        raise ValueError(f"the {type(model).__name__} has no FP8 inference layers; call prepare_inference first")
+        raise ValueError(f"the {type(model).__name__} has no FP8 inference layers: call prepare_inference first, "
+                         f"or, if it ran, it converted no layer (its log says why: only torch.nn.Linear layers "
+                         f"convert), and there is nothing quantized to save")
     recipes = [recipe_to_json(layer.recipe) for _, layer in layers]
     llama = isinstance(model, Llama)
     return {
