@@ -341,21 +341,24 @@ def test_static_needs_a_source(tmp_path):
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
 
 
-def test_an_existing_export_is_refused_untouched_and_replaced_only_on_request(tmp_path):
-    """A non-empty folder is refused; with overwrite=True the new export's files replace the earlier export's, an
-    earlier export file the new one does not write goes, and the user's own files stay."""
+def test_an_existing_export_is_refused_untouched_and_replaced_only_on_request(tmp_path, caplog):
+    """A non-empty folder is refused; with overwrite=True the new export's files replace the earlier export's, and
+    every other file stays: the user's own, and a tokenizer the new export does not write (an earlier export's, or
+    one the user copied there), which a warning names."""
     out = tmp_path / "out"
     out.mkdir()
     (out / "mine.txt").write_text("keep me")
     with pytest.raises(FileExistsError, match="overwrite=True"):
         export_hf(tiny(), out)
     assert [p.name for p in out.iterdir()] == ["mine.txt"]
-    (out / hf.TOKENIZER_FILE).write_text("{}")  # an earlier export's tokenizer, for other weights
+    (out / hf.TOKENIZER_FILE).write_text("{}")  # an earlier export's tokenizer, or the user's own
     (out / hf.WEIGHTS_FILE).write_bytes(b"old weights")
-    export_hf(tiny(), out, overwrite=True)
+    with caplog.at_level(logging.WARNING, logger="minifloat"):
+        export_hf(tiny(), out, overwrite=True)
     assert sorted(p.name for p in out.iterdir()) == sorted(["mine.txt", hf.CONFIG_FILE, hf.GENERATION_FILE,
-                                                             hf.WEIGHTS_FILE])
-    assert (out / "mine.txt").read_text() == "keep me"
+                                                             hf.WEIGHTS_FILE, hf.TOKENIZER_FILE])
+    assert (out / "mine.txt").read_text() == "keep me" and (out / hf.TOKENIZER_FILE).read_text() == "{}"
+    assert f"keeps {hf.TOKENIZER_FILE}, which this export does not write" in caplog.text
     assert read_hf_export(out) and (out / hf.WEIGHTS_FILE).read_bytes() != b"old weights"
     assert [p.name for p in tmp_path.iterdir()] == ["out"]  # no temporary folder left behind
     with pytest.raises(ValueError, match="reference Llama"):

@@ -184,6 +184,26 @@ def test_refuses_a_folder_holding_files_and_overwrite_keeps_the_users(tmp_path, 
     assert not [p for p in tmp_path.iterdir() if p.name.startswith(".tok.tmp")]  # the temporary folder is gone
 
 
+@pytest.mark.parametrize("files", [{"meta.json": '{"mine": true}', "tokenizer.json": '{"mine": true}'},
+                                   {"tokenizer.json": "{}"}, "unlisted"], ids=["not-ours", "no-meta", "unlisted"])
+def test_overwrite_replaces_only_what_an_earlier_tokenize_wrote(tmp_path, capsys, text, files):
+    """Files under tokenize's names that no earlier tokenize there wrote (its meta.json lists what it wrote) are the
+    user's: --overwrite refuses, in one line naming them, and changes nothing."""
+    out = tmp_path / "tok"
+    if files == "unlisted":  # an earlier tokenize's folder, plus a shard its meta.json does not list
+        assert tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB))[0] == 0
+        files = {"train_000099.bin": "mine"}
+    out.mkdir(exist_ok=True)
+    for name, content in files.items():
+        (out / name).write_text(content)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    status, _, err = tokenize(tmp_path, capsys, "--vocab-size", str(VOCAB), "--overwrite")
+    lines = err.splitlines()
+    assert status == USER_ERROR and len(lines) == 1, err
+    assert "which no earlier minifloat tokenize there wrote" in lines[0] and sorted(files)[0] in lines[0]
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
 def test_a_killed_tokenizes_temporary_folder_is_removed_by_the_next(tmp_path, capsys, text):
     # SIGKILL (or SIGTERM inside the BPE trainer) left .tok.tmp-PID beside --out for good
     dead = subprocess.Popen([sys.executable, "-c", "pass"])

@@ -262,20 +262,18 @@ def _check_out(out: Path, overwrite: bool) -> None:
                               f"overwrite replaces only an export's files; move them, or choose another folder")
 
 
-def _put_in_place(tmp: Path, out: Path) -> None:
+def _put_in_place(tmp: Path, out: Path) -> list[str]:
     """Move the complete export in `tmp` to `out`: one rename for a new folder; into an existing one (overwrite), file
-    by file (each replaced in one rename), and the export files of an earlier export it does not write again are
-    removed. Other files in `out` stay."""
+    by file (each replaced in one rename). Nothing else in `out` is touched: the export files this export does not
+    write (a tokenizer, which a byte or shard run has none of) stay, whoever wrote them; returned, to be named."""
     if not out.exists():
         move_into_place(tmp, out)
-        return
+        return []
     written = {path.name for path in tmp.iterdir()}
     for name in sorted(written):
         os.replace(tmp / name, out / name)
-    for name in EXPORT_FILES:
-        if name not in written and (out / name).is_file():
-            (out / name).unlink()  # a tokenizer of the earlier export, say, that would not match these weights
     tmp.rmdir()
+    return [name for name in EXPORT_FILES if name not in written and (out / name).is_file()]
 
 
 def _tokenizer(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.PathLike | None,
@@ -362,11 +360,14 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
             apply_umask(path)
             fsync_path(path)
         _check_out(out, overwrite)  # nothing appeared there meanwhile
-        _put_in_place(tmp, out)
+        kept = _put_in_place(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     fsync_path(out.parent)
+    if kept:  # an earlier export's tokenizer, or one the user put there: either way not ours to delete
+        warnings.append(f"minifloat: {out} keeps {', '.join(kept)}, which this export does not write (an earlier "
+                        f"export's, or yours): check that it matches these weights, or delete it")
     for warning in warnings:  # once the export exists: what transformers would load from it without an error
         log.warning("%s", warning)
     log.info("minifloat: exported %s (%s, %d tensors, %d FP8 linears)", out, fmt.name, len(tensors), len(layers))

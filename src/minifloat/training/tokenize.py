@@ -38,7 +38,7 @@ from minifloat.core.validate import check_int
 from minifloat.training.data import DEFAULT_VAL_FRACTION, DataConfig, Split
 from minifloat.training.rundir import run_items
 from minifloat.training.settings import ModelData
-from minifloat.training.shards import META_FILE, META_FORMAT, META_VERSION, STORAGE
+from minifloat.training.shards import META_FILE, META_FORMAT, META_VERSION, STORAGE, read_meta
 from minifloat.training.textfiles import TextFiles
 from minifloat.training.tokenizer import ENCODE_CHARS, encode_batches, load_tokenizer, train_bpe
 from minifloat.training.tokens import is_token_data
@@ -217,6 +217,22 @@ def _check_out(out: pathlib.Path, overwrite: bool) -> None:
     if held and not overwrite:
         raise FileExistsError(f"--out {out} already holds {len(held)} file(s) (e.g. {held[0]}); name a new or empty "
                               f"folder, or pass --overwrite to replace the files a previous minifloat tokenize wrote")
+    ours = [name for name in held if is_output(name)]
+    if not ours:
+        return
+    try:  # --overwrite replaces what an earlier tokenize wrote, as its meta.json lists it, and nothing else
+        meta = read_meta(out)
+    except (OSError, ValueError):
+        meta = None
+    listed = set() if meta is None else {META_FILE, *(s["file"] for s in meta["shards"]),
+                                         *([meta["tokenizer"]["file"]] if meta["tokenizer"] else [])}
+    foreign = [name for name in ours if name not in listed]
+    if foreign:
+        why = (f"its {META_FILE} does not list them" if meta is not None
+               else f"it holds no {META_FILE} of minifloat tokenize")
+        raise FileExistsError(f"--out {out} holds {', '.join(foreign[:3])}{' ...' if len(foreign) > 3 else ''}, "
+                              f"which no earlier minifloat tokenize there wrote ({why}), and --overwrite replaces only "
+                              f"that one's files; move them, or name another folder")
 
 
 def _id_bytes(ids: torch.Tensor, dtype: str) -> bytes:
