@@ -100,6 +100,26 @@ def test_given_tokenizer_is_used_and_copied(tmp_path, capsys, text):
         (tmp_path / "first" / "train_000000.bin").read_bytes()
 
 
+def test_a_tokenizer_that_cannot_encode_the_text_is_one_line(tmp_path, capsys, text):
+    """A WordLevel vocabulary without an unknown token loads but fails on the first word it lacks: tokenize and train
+    say so in one line naming the file the user gave (not tokenize's temporary copy), exit 2, and leave nothing."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    words = Tokenizer(models.WordLevel({"the": 0}, unk_token=None))
+    words.pre_tokenizer = pre_tokenizers.Whitespace()
+    path = tmp_path / "words.json"
+    words.save(str(path))
+    status, _, err = tokenize(tmp_path, capsys, "--tokenizer", str(path))
+    lines = err.splitlines()
+    assert status == 2 and len(lines) == 1, err
+    assert f"tokenizer {str(path)!r} cannot encode this text" in lines[0] and "unknown token" in lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["text", "words.json"]  # no shards, no temporary folder
+    status = main(["train", "--model", "tiny", "--steps", "1", "--data", str(text), "--tokenizer", str(path),
+                   "--out", str(tmp_path / "run")])
+    err = capsys.readouterr().err
+    assert status == 2 and f"tokenizer {str(path)!r} cannot encode this text" in err and "Traceback" not in err
+
+
 def _reference_shards(text: pathlib.Path, tokenizer: pathlib.Path, *, max_bytes: int | None,
                       shard_tokens: int) -> tuple[dict[str, bytes], str]:
     """The shards as tokenize wrote them before it streamed: the whole corpus in memory (ByteCorpus), each split's

@@ -25,6 +25,7 @@ The shards are the same bytes as encoding each split whole and cutting it (teste
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 import pathlib
@@ -126,7 +127,8 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
             train_bpe(texts, vocab_size=vocab_size).save(str(tmp / TOKENIZER_FILE))
         else:
             shutil.copyfile(loaded.path, tmp / TOKENIZER_FILE)
-        loaded = load_tokenizer(tmp / TOKENIZER_FILE)
+        copied = load_tokenizer(tmp / TOKENIZER_FILE)
+        loaded = copied if loaded is None else dataclasses.replace(copied, origin=loaded.path)
         dtype = "uint16" if loaded.vocab_size <= UINT16_VOCAB else "uint32"
         digest, shards, advance = hashlib.sha256(), [], reporter("encoding", files.nbytes())
         for split in Split:  # train, then val: the order the manifest digest hashes them in
