@@ -76,6 +76,34 @@ def test_a_run_without_a_checkpoint_is_not_offered_resume(tmp_path, capsys):
     assert (out / "notes.txt").read_text() == "mine\n"
 
 
+# --- resuming a log -------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("content", [b"foo,bar\n1,2\n", b"step,loss\n0,1.0\n\xff\xfe\n"], ids=["no-step", "not-utf8"])
+def test_resuming_over_a_log_this_run_did_not_write_refuses_and_keeps_it(tmp_path, content):
+    """A log.csv whose rows a rewrite would drop (another header) or cannot read (not UTF-8): one line naming it and
+    the fix; the file and its folder as they were."""
+    path = tmp_path / "log.csv"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=f"{path} .*not the log this run wrote.*move it aside"):
+        CsvLog(path, ("step", "loss"), keep_before=5)
+    assert path.read_bytes() == content and [p.name for p in tmp_path.iterdir()] == ["log.csv"]
+
+
+def test_resuming_keeps_the_rows_before_the_checkpoint_and_leaves_no_temporary_file(tmp_path, monkeypatch):
+    path = tmp_path / "log.csv"
+    path.write_text("step,loss,old_column\n0,1.0,x\n1,0.5,y\n2,0.4,z\n")  # a column this version no longer writes
+    with CsvLog(path, ("step", "loss"), keep_before=2) as log:
+        log.write({"step": 2, "loss": 0.3})
+    assert path.read_text() == "step,loss\n0,1.0\n1,0.5\n2,0.3\n"
+
+    def refuse(*args):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(os, "replace", refuse)  # an immutable log.csv (chattr +i): the rename fails
+    with pytest.raises(PermissionError):
+        CsvLog(path, ("step", "loss"), keep_before=2)
+    assert [p.name for p in tmp_path.iterdir()] == ["log.csv"]
+
+
 # --- permissions ---------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("keep_before", [None, 1], ids=["new log", "log rewritten on resume"])

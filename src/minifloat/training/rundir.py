@@ -93,20 +93,36 @@ class CsvLog:
     """
 
     def __init__(self, path: pathlib.Path, fields: tuple[str, ...], *, keep_before: int | None = None):
-        kept = []
-        if keep_before is not None and path.is_file():
-            with open(path, newline="") as f:
-                kept = [row for row in csv.DictReader(f) if row.get("step", "").isdigit()
-                        and int(row["step"]) < keep_before]
+        kept = self._kept(path, keep_before) if keep_before is not None and path.is_file() else []
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-        apply_umask(tmp)  # mkstemp's 0600 would become the log's: it gets what the umask gives a new file
-        with os.fdopen(fd, "w", newline="") as f:
-            writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
-            writer.writeheader()
-            writer.writerows(kept)
-        os.replace(tmp, path)
+        try:
+            apply_umask(tmp)  # mkstemp's 0600 would become the log's: it gets what the umask gives a new file
+            with os.fdopen(fd, "w", newline="") as f:
+                writer = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
+                writer.writeheader()
+                writer.writerows(kept)
+            os.replace(tmp, path)
+        except BaseException:
+            pathlib.Path(tmp).unlink(missing_ok=True)  # `path` as it was, and no temporary file left beside it
+            raise
         self._file = open(path, "a", newline="")
         self._writer = csv.DictWriter(self._file, fieldnames=fields)
+
+    @staticmethod
+    def _kept(path: pathlib.Path, keep_before: int) -> list[dict]:
+        """The rows of the existing log to keep; ValueError (nothing changed) for a file that is not such a log,
+        whose rows a rewrite would lose."""
+        fix = (f"move it aside (the resumed run then writes a new {path.name}) or put the run's own back, and "
+               f"resume again")
+        try:
+            with open(path, newline="", encoding="utf-8") as f:
+                reader = csv.DictReader(f)
+                if "step" not in (reader.fieldnames or ()):
+                    raise ValueError(f"{path} has no step column (its header: {','.join(reader.fieldnames or [])[:80]}"
+                                     f"), so it is not the log this run wrote, and resuming would drop its rows; {fix}")
+                return [row for row in reader if (row.get("step") or "").isdigit() and int(row["step"]) < keep_before]
+        except UnicodeDecodeError:
+            raise ValueError(f"{path} is not UTF-8 text, so not the log this run wrote; {fix}") from None
 
     def write(self, row: dict) -> None:
         self._writer.writerow(row)
