@@ -515,3 +515,22 @@ def test_checkpoint_holds_no_pickle_and_loads_without_it(saved, monkeypatch):
     load_checkpoint(saved.path, model=run.model, optimizer=run.optimizer, scaler=run.scaler, guard=run.guard,
                     loader=run.loader)
     assert_states_equal(clone_state(run.model), saved.state_at_save)
+
+
+def test_a_killed_checkpoints_temporary_folder_is_removed_by_the_next_save(tmp_path):
+    """A SIGKILL while a checkpoint is written leaves `.ckpt.tmp-PID-*` (gigabytes for a large model): the next save
+    beside it removes it; a live process's stays, and so does a folder the name does not say is ours."""
+    import subprocess
+    import sys
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()  # a process id that no longer runs
+    abandoned = tmp_path / f".ckpt.tmp-{dead.pid}-abc123"
+    live = tmp_path / f".ckpt.tmp-{os.getppid()}-def456"
+    other = tmp_path / ".ckpt.tmp-notapid"
+    for folder in (abandoned, live, other):
+        folder.mkdir()
+        (folder / "tensors.safetensors").write_bytes(b"\0" * 8)
+    save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(4, 4))
+    assert not abandoned.exists() and live.exists() and other.exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "ckpt"])

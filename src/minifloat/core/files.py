@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -69,3 +70,27 @@ def is_within(path: str | os.PathLike, folder: str | os.PathLike | None) -> bool
         return False
     folder = Path(folder).expanduser().resolve()
     return Path(path).expanduser().resolve().is_relative_to(folder)
+
+
+def temp_prefix(path: Path) -> str:
+    """The prefix of a temporary sibling that becomes `path` once complete: `.NAME.tmp-PID-`, so that a later call
+    can tell one a killed process left (`remove_abandoned`)."""
+    return f".{path.name}.tmp-{os.getpid()}-"
+
+
+def remove_abandoned(path: Path) -> None:
+    """Remove the temporary folders beside `path` that a killed process left (SIGKILL, or a signal inside a library
+    that ignores it): `.NAME.tmp-PID` or `.NAME.tmp-PID-*` whose process no longer runs on this machine."""
+    if not path.parent.is_dir():
+        return
+    head = f".{path.name}.tmp-"
+    for tmp in path.parent.glob(f"{head}*"):
+        pid = tmp.name[len(head):].split("-")[0]
+        if not (pid.isdigit() and tmp.is_dir()) or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # gone: its folder was never moved into place
+            shutil.rmtree(tmp, ignore_errors=True)
+        except (PermissionError, OverflowError, OSError):
+            pass  # another user's process, or not a process id: leave it

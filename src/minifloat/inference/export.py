@@ -61,7 +61,7 @@ from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, trai
 from minifloat.inference.runs import LOW_PRECISION_RUN, load_run, run_calibration, run_checkpoint  # noqa: F401
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
-from minifloat.core.files import apply_umask, fsync_path, write_json
+from minifloat.core.files import apply_umask, fsync_path, remove_abandoned, temp_prefix, write_json
 from minifloat.training.checkpoint import MANIFEST_FILE, move_into_place
 from minifloat.training.model import Llama, LlamaConfig
 from minifloat.training.rundir import run_items
@@ -347,7 +347,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
              hf.GENERATION_FILE: hf.generation_config(model.config, eot_id=eot_id)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    remove_abandoned(out)  # the temporary folders of exports a kill interrupted
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
     try:
         save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
         for name, content in files.items():

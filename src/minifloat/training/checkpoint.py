@@ -45,7 +45,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from minifloat.core.files import apply_umask, fsync_path, write_json
+from minifloat.core.files import apply_umask, fsync_path, remove_abandoned, temp_prefix, write_json
 from minifloat.core.rng import rng_state, set_rng_state
 from minifloat.core.version import __version__
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
@@ -153,7 +153,8 @@ def save_checkpoint(directory: str | os.PathLike, *, model: nn.Module, optimizer
         raise FileExistsError(f"{directory} exists and is not a checkpoint; refusing to replace it")
 
     directory.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{directory.name}.tmp-", dir=directory.parent))
+    remove_abandoned(directory)  # the temporary folders of checkpoints a kill interrupted
+    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(directory), dir=directory.parent))
     try:
         apply_umask(tmp)  # mkdtemp's 0700 (and safetensors' 0600 below): the permissions the umask gives new ones
         save_file(table.tensors, str(tmp / TENSORS_FILE), metadata={"format": "pt"})

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from minifloat.core.files import fsync_path, is_within, write_json
+from minifloat.core.files import fsync_path, is_within, remove_abandoned, write_json
 from minifloat.core.validate import check_int
 from minifloat.training.data import DEFAULT_VAL_FRACTION, DataConfig, Split
 from minifloat.training.rundir import run_items
@@ -106,7 +106,7 @@ def tokenize_folder(data: str | None, out: str, *, tokenizer: str | None = None,
     loaded = load_tokenizer(tokenizer) if tokenizer is not None else None  # a bad tokenizer fails before the reading
     files = TextFiles.scan(DataConfig(path=data, max_bytes=max_bytes), fix=TEXT_FIX)
     tmp = out_path.parent / f".{out_path.name}.tmp-{os.getpid()}"
-    _remove_abandoned(out_path)
+    remove_abandoned(out_path)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
 
@@ -242,23 +242,6 @@ def _id_bytes(ids: torch.Tensor, dtype: str) -> bytes:
     bits = STORAGE[dtype].itemsize * 8
     stored = torch.where(ids >= 1 << (bits - 1), ids - (1 << bits), ids).to(STORAGE[dtype])
     return stored.numpy().astype(f"<i{bits // 8}").tobytes()
-
-
-def _remove_abandoned(out: pathlib.Path) -> None:
-    """Remove the temporary folders of earlier tokenize calls into `out` that a kill stopped (SIGKILL, or SIGTERM
-    inside the BPE trainer): `.OUT.tmp-PID` beside `out` whose process no longer runs."""
-    if not out.parent.is_dir():
-        return
-    for tmp in out.parent.glob(f".{out.name}.tmp-*"):
-        pid = tmp.name.rpartition("-")[2]
-        if not (pid.isdigit() and tmp.is_dir()) or int(pid) == os.getpid():
-            continue
-        try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:  # gone: its folder was never moved into place
-            shutil.rmtree(tmp, ignore_errors=True)
-        except (PermissionError, OverflowError, OSError):
-            pass  # another user's process, or not a process id: leave it
 
 
 def _move_into(tmp: pathlib.Path, out: pathlib.Path) -> None:
