@@ -86,3 +86,33 @@ def test_a_failure_keeps_the_steps_done_and_resume_continues_bitwise(tmp_path, m
     assert expected.keys() == got.keys()
     for name in expected:
         assert torch.equal(got[name], expected[name]), name
+
+
+@pytest.mark.parametrize("full", [True, False], ids=["disk-full", "other"])
+def test_a_checkpoint_that_cannot_be_written_names_what_is_kept_and_the_fix(tmp_path, monkeypatch, full):
+    """The disk fills up after the step-2 checkpoint: the step-4 checkpoint and the one written on failure both fail.
+    One line says so (the file system of --out is full: free space), and that the step-2 checkpoint is kept, which
+    still loads; any other write error names the cause and the same checkpoint."""
+    import errno
+
+    from minifloat.training import checkpoint as ckpt_module
+
+    real_save, calls = ckpt_module.save_file, {"n": 0}
+
+    def save_file(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 1:
+            raise (OSError(errno.ENOSPC, "No space left on device") if full
+                   else PermissionError(errno.EACCES, "Permission denied"))
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(ckpt_module, "save_file", save_file)
+    config = _config(tmp_path, "run", checkpoint_every=2)
+    with pytest.raises(TrainingFailed) as info:
+        train(config, progress=False)
+    message = str(info.value)
+    ckpt = pathlib.Path(config.out) / "ckpt"
+    assert "\n" not in message and f"the last checkpoint written, {ckpt}, is kept" in message, message
+    assert ("is full" in message and "free space" in message) == full, message
+    assert checkpoint_extra(ckpt)["step"] == 2
+    assert not [p for p in ckpt.parent.iterdir() if ".tmp-" in p.name]  # the failed writes left nothing

@@ -53,7 +53,7 @@ from minifloat.fp8.convert import fp8_layers
 from minifloat.fp8.step import rescale_gradient_amaxes
 from minifloat.training.parallel import (Discard, any_rank, barrier, join_world, mean_over_ranks, rank_batches,
                                          rank_device)
-from minifloat.training.rundir import (CHECKPOINT_DIR, CHECKPOINT_TOKENIZER, RUN_FILE, CsvLog,
+from minifloat.training.rundir import (CHECKPOINT_DIR, CHECKPOINT_TOKENIZER, RUN_FILE, CsvLog, save_failed,
                                        GracefulStop, prepare_run_dir, tensorboard_writer)
 from minifloat.training.run import Run, build, evaluate, forward_backward  # noqa: F401 - Run, re-exported
 from minifloat.training.schedule import Schedule, resumed_schedule
@@ -404,8 +404,7 @@ def _keep_steps(err: Exception, loop: _Loop, world, out: pathlib.Path) -> Traini
         loop.loader.load_state_dict({"position": position, "seed": loop.loader.seed})
         loop.save(done)
     except Exception as save_err:  # noqa: BLE001 - report both
-        return TrainingFailed(f"training failed at step {done} ({cause}), and its checkpoint could not be written "
-                              f"({type(save_err).__name__}: {save_err})")
+        return TrainingFailed(save_failed(done, cause, save_err, out))
     # the fix before the cause: the command line prints the first MESSAGE_LIMIT characters of a line
     return TrainingFailed(f"training failed at step {done}; the {done} steps done are saved in {out / CHECKPOINT_DIR}: "
                           f"fix the cause and continue with --resume (same --out and flags; a fix that changes the "

@@ -11,6 +11,7 @@ A run writes only RUN_ITEMS in its folder, so `overwrite` removes exactly those 
 from __future__ import annotations
 
 import csv
+import errno
 import logging
 import os
 import pathlib
@@ -175,3 +176,25 @@ def tensorboard_writer(out: pathlib.Path):
         log.info("minifloat: tensorboard is not installed; logging to log.csv only")
         return None
     return SummaryWriter(str(out / TENSORBOARD_DIR))
+
+
+def _disk_full(err: BaseException) -> bool:
+    """Whether `err` says the file system is full (or over quota): OSError's errno, or the text of a library that
+    wraps it (safetensors' "No space left on device (os error 28)")."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(err) or "Disk quota exceeded" in str(err)
+
+
+def save_failed(done: int, cause: str, save_err: BaseException, out: pathlib.Path) -> str:
+    """The one line of a run that failed at step `done` (`cause`) and whose checkpoint then failed too: what is left
+    to resume from, and the fix (free space when the disk is full)."""
+    ckpt = out / CHECKPOINT_DIR
+    kept = (f"the last checkpoint written, {ckpt}, is kept: continue from it with --resume" if ckpt.is_dir()
+            and any(ckpt.iterdir()) else "no checkpoint was written, so the run starts again (--overwrite)")
+    reason = f"{type(save_err).__name__}: {' '.join(str(save_err).split())[:200]}"
+    if _disk_full(save_err):
+        return (f"training stopped at step {done}: the file system holding --out {out} is full ({reason}); free space "
+                f"there (or move the run elsewhere); {kept}")
+    return (f"training failed at step {done} ({cause}), and its checkpoint could not be written ({reason}); fix "
+            f"the cause (permissions of --out {out}?); {kept}")
