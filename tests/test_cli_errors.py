@@ -52,6 +52,15 @@ OPTION_CASES = [
     ("memory --overwrite alone", ["memory", "--model", "tiny", "--overwrite"], ["invalid option", "add --json PATH"]),
     # a corpus too short for one sequence: the fix, not a tensor shape ("tokens must be a 1-D stream ... (9,)")
     ("memory --max-bytes 10", ["memory", "--model", "tiny", "--max-bytes", "10"], ["raise --max-bytes"]),
+    # an empty path wrote into the current folder (compare, tokenize, export) or was ignored (audit --json)
+    ("compare --out ''", ["compare", "--out", "", "--steps", "1"], ["--out", "an empty path"]),
+    ("tokenize --out ''", ["tokenize", "--out", ""], ["--out", "an empty path"]),
+    ("export --out ''", ["export", "--run", "r", "--out", ""], ["--out", "an empty path"]),
+    ("demo --out ''", ["demo", "--out", ""], ["--out", "an empty path"]),
+    ("audit --json ''", ["audit", "--json", ""], ["--json", "an empty path"]),
+    ("memory --json ''", ["memory", "--model", "tiny", "--json", ""], ["--json", "an empty path"]),
+    # an empty list ran every variant, where compare --presets '' is refused
+    ("demo --variants ''", ["demo", "--variants", ""], ["invalid option", "variants", "got ''"]),
 ]
 
 

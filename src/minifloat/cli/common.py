@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import pathlib
 
 from rich.console import Console
@@ -42,13 +43,21 @@ class CliError(Exception):
         self.status = status
 
 
+def path_arg(value: str) -> str:
+    """argparse `type=` of a path option: an empty one (`--out ""`, which would write into the current folder) is
+    refused in one line, as `train` refuses it."""
+    if not value.strip():
+        raise argparse.ArgumentTypeError("an empty path; name a file or folder")
+    return value
+
+
 def json_output(args) -> pathlib.Path | None:
     """The file `--json` writes (`output_file`), or None without --json; --overwrite without --json (it replaces
     only that file) is an invalid option, not silently nothing."""
-    if args.overwrite and not args.json:
+    if args.overwrite and args.json is None:
         raise CliError("invalid option: --overwrite replaces the file --json writes; add --json PATH, or leave "
                        "--overwrite out")
-    return output_file("--json", args.json, overwrite=args.overwrite) if args.json else None
+    return output_file("--json", args.json, overwrite=args.overwrite) if args.json is not None else None
 
 
 def output_file(flag: str, value: str, *, overwrite: bool = False) -> pathlib.Path:
@@ -56,6 +65,8 @@ def output_file(flag: str, value: str, *, overwrite: bool = False) -> pathlib.Pa
     (status 2) when the path is a folder, its folder does not exist or is not a folder, or the file exists and
     `overwrite` (the command's --overwrite) is not given: a run's log or checkpoint is never replaced by a report.
     Nothing is created."""
+    if not value.strip():
+        raise CliError(f"{flag} is an empty path; give the path of a file to write")
     path = pathlib.Path(value)
     if path.is_dir():
         raise CliError(f"{flag} {value} is a folder; give the path of a file to write")

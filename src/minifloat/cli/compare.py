@@ -166,7 +166,7 @@ def add_parser(sub) -> None:
     c.add_argument("--presets", default=",".join(DEFAULT_PRESETS),
                    help=f"comma list of precision presets; bf16 is added as the baseline when missing "
                         f"(default {','.join(DEFAULT_PRESETS)})")
-    c.add_argument("--out", default="runs/compare", help="output folder (default runs/compare)")
+    c.add_argument("--out", default="runs/compare", type=common.path_arg, help="output folder (default runs/compare)")
     c.add_argument("--overwrite", action="store_true",
                    help="replace an earlier comparison in OUT (only the files the comparison and its runs wrote)")
     c.add_argument("--reuse", action="store_true",

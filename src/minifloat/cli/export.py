@@ -76,7 +76,7 @@ def add_parser(sub) -> None:
     e.add_argument("--format", default="hf", metavar="FORMAT",
                    help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8'; transformers loads it wrong) or "
                         "hf-fp8-block (128×128 block FP8, DeepSeek-V3's; transformers reads it) (default hf)")
-    e.add_argument("--out", required=True, metavar="DIR", help="the export folder (new or empty, or --overwrite)")
+    e.add_argument("--out", required=True, metavar="DIR", type=common.path_arg, help="the export folder (new or empty, or --overwrite)")
     e.add_argument("--checkpoint", default="latest", metavar="NAME",
                    help="latest (the run's ckpt/, default), or a checkpoint folder inside the run or elsewhere")
     e.add_argument("--dtype", default="bfloat16", metavar="DTYPE",

@@ -72,7 +72,7 @@ def add_parser(sub) -> None:
     t = sub.add_parser("tokenize", help=HELP, description=cmd_tokenize.__doc__)
     t.add_argument("--data", default=None, metavar="DIR",
                    help="folder of UTF-8 text files (default: the Python standard library's sources)")
-    t.add_argument("--out", required=True, metavar="DIR", help="folder for the shards (new or empty, or --overwrite)")
+    t.add_argument("--out", required=True, metavar="DIR", type=common.path_arg, help="folder for the shards (new or empty, or --overwrite)")
     t.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="a Hugging Face tokenizer.json to encode with (default: train a byte-level BPE)")
     t.add_argument("--vocab-size", type=int, default=None, metavar="N",

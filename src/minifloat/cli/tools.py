@@ -114,10 +114,10 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
     from minifloat.training.demo import FINAL_LOSS_STEPS, VARIANTS, DemoConfig, DemoResult, run_demo
 
-    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants else VARIANTS
+    variants = tuple(v.strip() for v in args.variants.split(",")) if args.variants is not None else VARIANTS
     with _invalid_option():
         config = DemoConfig(steps=args.steps, batch=args.batch, seed=args.seed, variants=variants)
-    out = pathlib.Path(args.out) if args.out else None
+    out = pathlib.Path(args.out) if args.out is not None else None
     if out is not None:
         if (out / DEMO_FILE).exists() and not args.overwrite:  # refused before the work, never overwritten
             raise common.CliError(f"--out {args.out} already holds {DEMO_FILE}; choose another --out, or pass "
@@ -243,8 +243,8 @@ def add_demo(sub) -> None:
     d.add_argument("--steps", type=int, default=300, help="training steps per variant (default 300)")
     d.add_argument("--batch", type=int, default=256, help="sequences per batch (default 256)")
     d.add_argument("--seed", type=int, default=0, help="seed for weights and batch order (default 0)")
-    d.add_argument("--variants", default="", help="comma list of variants (default: all)")
-    d.add_argument("--out", default="", help="folder to write demo.json with results and loss curves (an existing "
+    d.add_argument("--variants", default=None, help="comma list of variants (default: all)")
+    d.add_argument("--out", default=None, type=common.path_arg, help="folder to write demo.json with results and loss curves (an existing "
                                              "demo.json there is refused unless --overwrite)")
     d.add_argument("--overwrite", action="store_true", help="replace demo.json in --out")
     d.set_defaults(func=cmd_demo)
@@ -265,7 +265,7 @@ def add_audit(sub) -> None:
     a.add_argument("--preflight", action="store_true",
                    help="also check FP16 overflow/underflow of weights and activations, and native BF16 support")
     a.add_argument("--full", action="store_true", help="list every recorded op, not only the summary rows")
-    a.add_argument("--json", default="", metavar="PATH",
+    a.add_argument("--json", default=None, metavar="PATH",
                    help="write every recorded op and violation as JSON to PATH (a new file in an existing folder, "
                         "or --overwrite)")
     a.add_argument("--overwrite", action="store_true", help="replace the file --json names if it exists")
