@@ -325,6 +325,21 @@ def test_a_run_exports_in_fp8_exactly_the_layers_it_trained_in_fp8(tmp_path):
     assert set(read_hf_export(tmp_path / "export").quantized) == set(fp8)
 
 
+def test_the_command_line_says_how_to_get_static_scales(tmp_path, capsys):
+    """A bf16 run has no activation scales: `export --activations static` says so in the command line's terms
+    (--calibrate N, --activations dynamic), not the Python argument's."""
+    out = tmp_path / "run"
+    config = TrainConfig(model="tiny", preset="bf16", steps=1, batch_size=2, seq_len=32, warmup=1, eval_every=100,
+                         eval_batches=1, max_bytes=50_000, out=str(out))
+    train(config, progress=False)
+    status = main(["export", "--run", str(out), "--out", str(tmp_path / "export"), "--format", "hf-fp8",
+                   "--activations", "static"])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert "--calibrate N" in lines[0] and "--activations dynamic" in lines[0] and "calibration=" not in lines[0]
+    assert not (tmp_path / "export").exists()
+
+
 def test_static_needs_a_source(tmp_path):
     with pytest.raises(ValueError, match="static activation scales need calibration"):
         export_hf(tiny(), tmp_path / "a", format="hf-fp8", activations="static")

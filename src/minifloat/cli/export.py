@@ -37,7 +37,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     --out that exists and is not empty is refused unless --overwrite, which replaces only an earlier export's files
     there; a folder holding a run or checkpoint is always refused. Exits with status 2 on a bad option, run
     folder or checkpoint."""
-    from minifloat.inference.export import check_activations, export_hf, run_calibration
+    from minifloat.inference.export import NeedsCalibration, check_activations, export_hf, run_calibration
 
     _choice("--format", args.format, FORMATS)
     _choice("--dtype", args.dtype, DTYPES)
@@ -53,9 +53,14 @@ def cmd_export(args: argparse.Namespace) -> int:
         if len(calibration) < args.calibrate:  # the run's validation split is all there is to calibrate on
             common.console.print(f"note: --calibrate {args.calibrate}: the run's validation split holds "
                                  f"{len(calibration)} batch(es) of its shape; calibrating on those", highlight=False)
-    out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
-                    activations=args.activations, calibration=calibration, tokenizer=args.tokenizer,
-                    overwrite=args.overwrite)
+    try:
+        out = export_hf(args.run, args.out, format=args.format, checkpoint=args.checkpoint, dtype=args.dtype,
+                        activations=args.activations, calibration=calibration, tokenizer=args.tokenizer,
+                        overwrite=args.overwrite)
+    except NeedsCalibration:
+        raise common.CliError("--activations static: the run's model carries no activation scales to export; "
+                              "calibrate them with --calibrate N (batches of the run's validation data), or "
+                              "export --activations dynamic") from None
     config = json.loads((pathlib.Path(out) / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config")
     detail = config["architectures"][0]

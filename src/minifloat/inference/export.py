@@ -144,9 +144,9 @@ def _input_scales(model: Llama, fmt: hf.ExportFormat, layers: list[str], activat
                                       static=True)
         scales = {n: static_scale(a, spec.input).float().cpu().reshape(()) for n, a in amaxes.items()}
     if scales is None and activations == "static":
-        raise ValueError("static activation scales need calibration batches (calibration=, or minifloat export "
-                         "--calibrate N) or a model whose FP8 layers carry them (trained in FP8 with minifloat, or "
-                         "prepared with static activations); use dynamic activations otherwise")
+        raise NeedsCalibration("static activation scales need calibration batches (calibration=) or a model whose "
+                               "FP8 layers carry them (trained in FP8 with minifloat, or prepared with static "
+                               "activations); use dynamic activations otherwise")
     return scales
 
 
@@ -236,6 +236,10 @@ def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str],
                      f"does not divide (e.g. {hf.hf_name(ragged[0])}): vLLM reads their partial blocks, transformers' "
                      f"CPU dequantization misplaces their scales without an error (docs/inference.md)")
     return lines
+
+
+class NeedsCalibration(ValueError):
+    """Static activation scales were asked for, and neither calibration batches nor the model's layers give them."""
 
 
 # every file an export writes: what --overwrite may replace in an existing folder (nothing else there is touched)
