@@ -61,6 +61,8 @@ OPTION_CASES = [
     ("memory --json ''", ["memory", "--model", "tiny", "--json", ""], ["--json", "an empty path"]),
     # an empty list ran every variant, where compare --presets '' is refused
     ("demo --variants ''", ["demo", "--variants", ""], ["invalid option", "variants", "got ''"]),
+    # bytes that are not UTF-8 reach Python as surrogates: "'utf-8' codec can't encode characters" named no flag
+    ("generate --prompt not UTF-8", ["generate", "--run", "r", "--prompt", "\udcff\udcfe"], ["--prompt", "not UTF-8"]),
 ]
 
 

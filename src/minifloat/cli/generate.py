@@ -67,6 +67,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
     seed = _parse("--seed", args.seed, int)
     if not args.prompt:
         raise common.CliError("invalid option: --prompt must be non-empty text")
+    try:
+        args.prompt.encode("utf-8")
+    except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (Python keeps them as surrogates)
+        raise common.CliError("invalid option: --prompt is not UTF-8 text (bytes in another encoding); give the "
+                              "prompt as UTF-8") from None
     tokenizer = run_tokenizer(args.run, args.checkpoint, tokenizer=args.tokenizer)  # the run's vocabulary
     try:  # before the model loads; generate() checks them again against the model
         check_sampling(max_new_tokens=1 if max_new_tokens is None else max_new_tokens, temperature=temperature,
