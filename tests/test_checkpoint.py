@@ -534,3 +534,18 @@ def test_a_killed_checkpoints_temporary_folder_is_removed_by_the_next_save(tmp_p
     save_checkpoint(tmp_path / "ckpt", model=torch.nn.Linear(4, 4))
     assert not abandoned.exists() and live.exists() and other.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([live.name, other.name, "ckpt"])
+
+
+def test_a_folder_that_is_not_a_checkpoint_is_named_for_what_it_is(tmp_path):
+    """A run's folder given for its checkpoint says where the checkpoint is; a folder without any checkpoint file
+    says it is none (not "restore the checkpoint from a backup", which fits a damaged one)."""
+    save_checkpoint(tmp_path / "run" / "ckpt", model=torch.nn.Linear(4, 4))
+    with pytest.raises(ckpt.CheckpointError, match=f"{tmp_path / 'run'} is a run folder, not a checkpoint: its "
+                                                   f"checkpoint is {tmp_path / 'run' / 'ckpt'}"):
+        load_checkpoint(tmp_path / "run", model=torch.nn.Linear(4, 4))
+    (tmp_path / "other").mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="is not a checkpoint \\(it holds no manifest.json\\)"):
+        load_checkpoint(tmp_path / "other", model=torch.nn.Linear(4, 4))
+    (tmp_path / "run" / "ckpt" / "manifest.json").unlink()  # a damaged checkpoint: the backup advice
+    with pytest.raises(ckpt.CheckpointError, match="manifest.json is missing; .* restore the checkpoint from a backup"):
+        load_checkpoint(tmp_path / "run" / "ckpt", model=torch.nn.Linear(4, 4))

@@ -165,7 +165,8 @@ DATA_CASES = [
     ("missing folder", _missing, ["does not exist"]),
     ("empty folder", _empty, ["holds no files"]),
     ("only binary files", _only_binary, ["found none", "skipped 3 binary, non-UTF-8 or unreadable"]),
-    ("no file matches", _no_text_pattern, ["none of the 1 file(s)", "'*.txt'"]),
+    ("no file matches", _no_text_pattern, ["none of the 1 file(s)", "'*.txt'",
+                                           "if weights.bin is a token shard, point --data at the file"]),
 ]
 COMMANDS = {"train": TRAIN, "compare": ["compare", "--presets", "bf16", "--model", "tiny", "--steps", "1"]}
 

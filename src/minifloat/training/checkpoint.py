@@ -49,6 +49,7 @@ from minifloat.core.files import apply_umask, fsync_path, remove_abandoned, temp
 from minifloat.core.rng import rng_state, set_rng_state
 from minifloat.core.version import __version__
 from minifloat.training.jsonstate import CheckpointError, TensorTable, decode, encode, view_key
+from minifloat.training.rundir import CHECKPOINT_DIR as RUN_CHECKPOINT
 
 log = logging.getLogger("minifloat")
 
@@ -228,6 +229,12 @@ def _read_manifest(directory: Path) -> dict:
     try:
         manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
     except FileNotFoundError:
+        if (directory / RUN_CHECKPOINT / MANIFEST_FILE).is_file():  # a run's folder named for its checkpoint
+            raise CheckpointError(f"{directory} is a run folder, not a checkpoint: its checkpoint is "
+                                  f"{directory / RUN_CHECKPOINT}") from None
+        if not (directory / TENSORS_FILE).exists():
+            raise CheckpointError(f"{directory} is not a checkpoint (it holds no {MANIFEST_FILE}); name a checkpoint "
+                                  f"folder, a run's {RUN_CHECKPOINT}/") from None
         raise CheckpointError(f"{manifest_path} is missing; {directory} is not a complete checkpoint; "
                               f"{CHECKPOINT_FIX}") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

@@ -278,8 +278,12 @@ def select_files(config: DataConfig, *, keep: bool, fix: str = DATA_FIX) -> tupl
     if not paths and not others:
         raise FileNotFoundError(f"data folder {str(root)!r} holds no files; {fix}")
     if not paths:
+        bins = sorted(root.glob("*.bin")) if fix == DATA_FIX else []  # a reader that takes token shards too
+        # one shard: a folder of shards needs two or more (a train and a validation split)
+        hint = (f" (if {bins[0].name} is a token shard, point --data at the file: --data {bins[0]}; a folder of "
+                f"shards needs two or more .bin files)" if len(bins) == 1 else "")
         raise FileNotFoundError(f"none of the {others} file(s) under data folder {str(root)!r} matches the "
-                                f"patterns {list(patterns)}; {fix}")
+                                f"patterns {list(patterns)}{hint}; {fix}")
     streams, files = _read_splits(root, paths, config, skipped, keep=keep)
     if not streams:  # a split drew only binary, unreadable or empty files: split the non-empty text files alone
         text = [rel for rel in paths if (got := _read_text(root / rel, rel, skipped, keep=False)) and got[1]]
