@@ -13,9 +13,7 @@ import platform
 import pytest
 import torch
 
-import minifloat as mf
 from minifloat.fp8 import emulated_mm
-from recipe_cases import RECIPES
 
 ROUTES = [pytest.param(True, id="bf16-gemm"), pytest.param(False, id="fp32-gemm")]
 M, K, N = 96, 64, 80
@@ -23,7 +21,6 @@ M, K, N = 96, 64, 80
 # either way; measured 25 of 307,200 elements apart (20 seeds, both kernels) on a 2-core AMD EPYC (AVX2)
 MAX_ROUTES_APART = 0.01  # fraction of elements whose bits differ between the routes
 ULP_BF16 = 2.0 ** -7  # bfloat16's spacing relative to a value's power of two
-FOUR_BIT = [("nvfp4", mf.NVFP4Scaling()), ("mxfp4", mf.MXScaling(format="e2m1"))]
 
 
 @pytest.fixture
@@ -87,47 +84,3 @@ def test_the_choice_follows_the_cpus_bf16_units():
             break
     has_units = bool(flags & {"avx512_bf16", "amx_bf16"})
     assert emulated_mm.CPU_BF16_GEMM == has_units
-
-
-def test_the_operand_dtype_follows_the_route(monkeypatch):
-    for route, dtype in ((True, torch.bfloat16), (False, torch.float32)):
-        monkeypatch.setattr(emulated_mm, "CPU_BF16_GEMM", route)
-        assert emulated_mm.operand_dtype(torch.device("cpu")) == dtype
-        assert emulated_mm.operand_dtype(torch.device("cuda")) == torch.bfloat16  # a GPU's bf16 GEMM is its fast one
-
-
-def _layer_bits(recipe, gen) -> list[torch.Tensor]:
-    torch.manual_seed(0)
-    layer = mf.convert(torch.nn.Sequential(torch.nn.Linear(K, N)), recipe=recipe, keep_first_last=False)
-    x = torch.randn(M, K, generator=gen, requires_grad=True)
-    dy = torch.randn(M, N, generator=gen)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        y = layer(x)
-    y.backward(dy.to(y.dtype))
-    return [y.detach(), x.grad, *(p.grad for p in layer.parameters())]
-
-
-@pytest.mark.parametrize("name, recipe", RECIPES + FOUR_BIT, ids=[r[0] for r in RECIPES + FOUR_BIT])
-def test_fp32_operands_give_the_layers_bits(monkeypatch, name, recipe):
-    """On a CPU without bfloat16 units the emulated GEMMs take float32 operands (no bfloat16 copy to widen for each
-    GEMM); an FP8 layer's output and gradients are the bits it has with bfloat16 operands."""
-    from minifloat.fp8 import caster, gemm
-    from minifloat.fp8.fourbit import gemm as fourbit_gemm
-
-    seen: list[tuple[str, torch.dtype]] = []  # (kernel, operand dtype) of each GEMM
-    for kernel in ("addmm_bf16", "mm_bf16", "mm_fp32", "k_block_mm"):
-        def spy(a, *args, _kernel=getattr(gemm, kernel), _name=kernel):
-            seen.append((_name, a.dtype))
-            return _kernel(a, *args)
-        monkeypatch.setattr(gemm, kernel, spy)
-    monkeypatch.setattr(emulated_mm, "CPU_BF16_GEMM", False)
-    fp32 = _layer_bits(recipe, torch.Generator().manual_seed(3))
-    assert len(seen) == 3 and {d for _, d in seen} == {torch.float32}, seen  # fprop, dgrad, wgrad
-    for module in (caster, gemm, fourbit_gemm):
-        monkeypatch.setattr(module, "operand_dtype", lambda device: torch.bfloat16)
-    seen.clear()
-    bf16 = _layer_bits(recipe, torch.Generator().manual_seed(3))
-    # (per-K-block scales sum each block in fp32 and take fp32 operands on every route)
-    assert {d for k, d in seen if k != "k_block_mm"} <= {torch.bfloat16}, seen
-    for k, (a, b) in enumerate(zip(fp32, bf16)):
-        assert a.dtype == b.dtype and torch.equal(a, b), f"{name}: tensor {k} (y, dx, dW, db) differs"

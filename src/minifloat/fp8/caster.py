@@ -26,7 +26,6 @@ from typing import Callable
 import torch
 
 from minifloat.fp8 import telemetry
-from minifloat.fp8.emulated_mm import operand_dtype
 from minifloat.fp8.fourbit.cast import cast_nvfp4
 from minifloat.fp8.gemm import native_granularity, operand
 from minifloat.fp8.native import native_nvfp4
@@ -37,6 +36,7 @@ from minifloat.numerics.granularity import Granularity, granularity_info
 from minifloat.numerics.other_axis import quantize_both, quantize_t, requantize_t
 from minifloat.numerics.quantize import Quantized, abs_max, quantize
 
+_OPERAND = torch.bfloat16  # FP8 values are exact bfloat16 values: the emulated GEMM's operand dtype
 _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
@@ -136,16 +136,16 @@ class LayerCaster:
             # (minifloat.fp8.fourbit.gemm) the elements and the scales
             native = native_nvfp4(t.device, self.backend)
             q = cast_nvfp4(spec, t, seed=seed, transposed=transposed, rht_signs=rht_signs,
-                           operand_dtype=None if native else operand_dtype(t.device),
+                           operand_dtype=None if native else _OPERAND,
                            keep_data=native or (record and self.recording and telemetry.enabled()))
             if record:
                 self._observe(role, t, q)
-            return q if native else q.gemm_operand(operand_dtype(t.device))
+            return q if native else q.gemm_operand(_OPERAND)
         # FP8 data for the native backend, a bfloat16 operand for the emulated one (gemm decides, once); 4-bit
         # elements under MX scaling (MXFP4) have no native kernel here
         native = spec.fmt.torch_dtype in _FP8 and native_granularity(
             t.device, Granularity.TENSOR if scale is not None else spec.granularity, self.backend)
-        out = dict(operand_dtype=None if native else operand_dtype(t.device), keep_data=keep_data or native)
+        out = dict(operand_dtype=None if native else _OPERAND, keep_data=keep_data or native)
         if with_t and native and not transposed and granularity_info(spec.granularity).transposes_exactly:
             out["with_t"] = True
         if transposed:
@@ -216,7 +216,7 @@ class LayerCaster:
                                                                                   self.backend):
             # the emulated GEMM's operand: what the cast below makes, its passes reading the FP8 bytes (torch path)
             return requantize_t(q, margin=spec.margin, power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
-                                operand_dtype=operand_dtype(q.data.device), keep_data=False)
+                                operand_dtype=_OPERAND, keep_data=False)
         source = operand(q) if q.scale_folded else q.dequantize()
         return self.cast(role, source, record=False, transposed=True)
 

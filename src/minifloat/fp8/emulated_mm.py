@@ -9,8 +9,7 @@ A bfloat16 output is the fp32 sum rounded once to bfloat16. On a CPU with BF16 i
 or AMX, Arm with BF16) torch's bfloat16 GEMM computes it. On a CPU without them that GEMM is 30-60x slower than the
 fp32 one (a 2-core AMD EPYC with AVX2 only: 1024×64×256 in 19.9 ms against 0.64 ms), so there an fp32 GEMM of the
 same values and one rounding to bfloat16 compute it: the same products and fp32 sum, added in the fp32 kernel's
-order (`CPU_BF16_GEMM`, from minifloat.core.cpu). There the operands themselves are made in float32
-(`operand_dtype`): the same values, without a bfloat16 copy that each GEMM would widen again.
+order (`CPU_BF16_GEMM`, from minifloat.core.cpu).
 """
 
 from __future__ import annotations
@@ -29,13 +28,6 @@ CPU_BF16_GEMM = bf16_units()  # decided once per process from the CPU's flags: t
 
 def _bf16_gemm_here(device: torch.device) -> bool:
     return device.type != "cpu" or CPU_BF16_GEMM
-
-
-def operand_dtype(device: torch.device) -> torch.dtype:
-    """The dtype the emulated GEMMs take their operands in on `device`: bfloat16 where its bfloat16 GEMM is fast,
-    float32 on a CPU without bfloat16 instructions. Every operand value (an FP8 or E2M1 value times power-of-two
-    and E4M3 block scales) is exact in both, so the GEMM's result is the same either way."""
-    return torch.bfloat16 if _bf16_gemm_here(device) else torch.float32
 
 
 @contextlib.contextmanager

@@ -40,7 +40,7 @@ import logging
 
 import torch
 
-from minifloat.fp8.emulated_mm import addmm_bf16, k_block_mm, mm_bf16, mm_fp32, operand_dtype
+from minifloat.fp8.emulated_mm import addmm_bf16, k_block_mm, mm_bf16, mm_fp32
 from minifloat.numerics import compiling
 from minifloat.numerics.compiling import maybe_compile
 from minifloat.fp8.native import (  # noqa: F401 - native_fp8_available, native_granularity: re-exported
@@ -293,8 +293,7 @@ def _k_block_scales(q: Quantized) -> tuple[torch.Tensor | None, int]:
 
 def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
                        bias: torch.Tensor | None) -> torch.Tensor:
-    dtype = operand_dtype((a.data if a.data is not None else a.operand).device)  # the operands' own, no copy
-    A, B = compiling.graph_operand(operand(a, dtype)), compiling.graph_operand(operand(b, dtype))
+    A, B = compiling.graph_operand(operand(a)), compiling.graph_operand(operand(b))
     sa, sb = _outer_scale(a, "a"), _outer_scale(b, "b")
     if out_dtype == torch.bfloat16:
         scalar = (sa is None or sa.dim() == 0) and (sb is None or sb.dim() == 0)

@@ -29,7 +29,6 @@ from torch import nn
 
 from minifloat.core.autocast import compute_dtype
 from minifloat.core.validate import check_bool, check_choice, check_int
-from minifloat.fp8.emulated_mm import operand_dtype
 from minifloat.fp8.fourbit.gemm import fp4_mm
 from minifloat.fp8.gemm import BACKENDS, native_granularity, scaled_mm
 from minifloat.fp8.native import native_nvfp4
@@ -39,6 +38,8 @@ from minifloat.numerics.formats import E4M3, NumberFormat, get_format
 from minifloat.numerics.fp4 import NVFP4Quantized
 from minifloat.numerics.granularity import Granularity, granularity_info, scale_shape
 from minifloat.numerics.quantize import MX_RULES, Quantized, quantize
+
+_OPERAND = torch.bfloat16  # the emulated GEMM's operand dtype: FP8 values (times powers of two) are bfloat16 values
 
 
 class Activations(str, enum.Enum):
@@ -307,7 +308,7 @@ class Fp8InferenceLinear(nn.Module):
             return nvfp4.quantize_input(x2, self.input_scale if static else None,
                                         keep_data=static and native_nvfp4(x2.device, self.backend))
         native = native_granularity(x2.device, spec.granularity, self.backend)
-        out = dict(operand_dtype=None if native else operand_dtype(x2.device), keep_data=native)
+        out = dict(operand_dtype=None if native else _OPERAND, keep_data=native)
         if static:
             return quantize(x2, spec.fmt, granularity=Granularity.TENSOR, scale=self.input_scale, **out)
         return quantize(x2, spec.fmt, granularity=spec.granularity, margin=spec.margin,

@@ -18,14 +18,13 @@ its global scale, which only places the block scales within E4M3's range, is
               saturates its block scales at 448.
 
 The product runs through minifloat.fp8.fourbit.gemm.fp4_mm: on FP4 tensor cores where `native_nvfp4` allows (static
-activations: both operands are NVFP4 casts), else the exact emulation (one GEMM of exact products, fp32 accumulation).
+activations: both operands are NVFP4 casts), else the exact emulation (one bfloat16 GEMM, fp32 accumulation).
 """
 
 from __future__ import annotations
 
 import torch
 
-from minifloat.fp8.emulated_mm import operand_dtype
 from minifloat.fp8.recipes import NVFP4Spec
 from minifloat.inference import storage
 from minifloat.numerics.formats import E2M1
@@ -67,12 +66,12 @@ def quantize_input(x2: torch.Tensor, input_scale: torch.Tensor | None, *, keep_d
     """The (tokens, in) input cast to NVFP4 (module docstring): with a static `input_scale` an NVFP4Quantized
     (`keep_data` keeps its E2M1 elements for the native GEMM); dynamic, a per-row scaled operand of scaled_mm."""
     if input_scale is not None:
-        return quantize_nvfp4(x2, global_amax=input_scale.float() * GLOBAL_RANGE, operand_dtype=operand_dtype(x2.device),
+        return quantize_nvfp4(x2, global_amax=input_scale.float() * GLOBAL_RANGE, operand_dtype=torch.bfloat16,
                               keep_data=keep_data)
     amax = abs_max(x2, -1)  # (tokens, 1)
     _, e = torch.frexp(amax)  # amax = m · 2^e, m in [0.5, 1)
     e = torch.where(torch.isfinite(amax) & (amax > 0), e, torch.zeros_like(e)).clamp(*TOKEN_EXPONENT_RANGE)
-    q = quantize_nvfp4(torch.ldexp(x2.float(), -e), global_amax=amax.new_ones(()), operand_dtype=operand_dtype(x2.device),
+    q = quantize_nvfp4(torch.ldexp(x2.float(), -e), global_amax=amax.new_ones(()), operand_dtype=torch.bfloat16,
                        keep_data=False)
     # x̂ = operand · (g · 2^e) per row: g · 2^e is exact
     return Quantized(None, torch.ldexp(torch.ones_like(amax), e) * q.global_scale, E2M1, Granularity.ROW, None,

@@ -210,8 +210,8 @@ class NVFP4Quantized:
         bfloat16: an E2M1 value times an E4M3 one has at most 6 significant bits and lies in [2^-10, 2688]) under
         the per-tensor scale g, which factors out of the K-sum as on NVFP4 tensor cores:
         scaled_mm(a, b) = g_a · g_b · Σ_k (a_k · s_a)(b_k · s_b), accumulated in fp32."""
-        if self.operand is not None and (self.operand.dtype == dtype or self.data is None):
-            operand = self.operand.to(dtype)  # exact in any of bfloat16, float32
+        if self.operand is not None and self.operand.dtype == dtype:
+            operand = self.operand
         else:
             operand = (self.data * self.expanded_scale()).to(dtype)
         return Quantized(None, self.global_scale, E2M1, Granularity.TENSOR, self.amax, operand)

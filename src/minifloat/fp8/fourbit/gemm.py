@@ -14,7 +14,6 @@ import logging
 
 import torch
 
-from minifloat.fp8.emulated_mm import operand_dtype
 from minifloat.fp8.gemm import epilogue, scaled_mm
 from minifloat.fp8.native import NVFP4_PAIR, backend_from_env, nvfp4_mm, nvfp4_support
 from minifloat.numerics.fp4 import NVFP4Quantized
@@ -25,11 +24,8 @@ _REFUSED: set[tuple] = set()  # shapes torch._scaled_mm refused in this process:
 
 
 def as_operand(q: NVFP4Quantized | Quantized) -> Quantized:
-    """`q` as an operand of `scaled_mm`: an NVFP4 cast's exact values (in the emulated GEMM's operand dtype) under
-    its per-tensor scale."""
-    if not isinstance(q, NVFP4Quantized):
-        return q
-    return q.gemm_operand(operand_dtype((q.data if q.data is not None else q.operand).device))
+    """`q` as an operand of `scaled_mm`: an NVFP4 cast's exact bfloat16 values under its per-tensor scale."""
+    return q.gemm_operand(torch.bfloat16) if isinstance(q, NVFP4Quantized) else q
 
 
 def fp4_mm(a: NVFP4Quantized | Quantized, b: NVFP4Quantized | Quantized, *, out_dtype: torch.dtype,
