@@ -337,3 +337,16 @@ def test_cli_errors_are_one_line(run_dir, tmp_path, capsys, name, argv, words):
     assert status == USER_ERROR and len(lines) == 1 and lines[0].startswith("minifloat: error: "), captured.err
     assert "Traceback" not in captured.err and all(w in lines[0] for w in words), lines[0]
     assert captured.out == ""
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+def test_non_finite_logits_are_an_error_not_token_zero(value):
+    """A model whose logits are NaN (a NaN weight; an inf weight gives inf - inf) "generated" token 0 at every step,
+    the argmax of NaN, without a word: one ValueError saying how many steps and why."""
+    model = _model(CONFIGS["tiny"])
+    with torch.no_grad():
+        model.blocks[0].mlp.down_proj.weight[0, 0] = value
+    with pytest.raises(ValueError, match=r"logits were NaN or infinite at 3 of the 3 steps.*non-finite values"):
+        generate(model, _tokens(batch=1, length=PROMPT_LEN), max_new_tokens=3)
+    healthy = _model(CONFIGS["tiny"])  # and a finite model is untouched by the check
+    assert generate(healthy, _tokens(batch=1, length=PROMPT_LEN), max_new_tokens=3).tokens.shape == (1, 3)

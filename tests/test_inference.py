@@ -441,3 +441,24 @@ def test_preparing_a_prepared_model_under_another_recipe_is_refused(caplog):
     with pytest.raises(ValueError, match="prepared for FP8 inference already, under another recipe .* prepare the "
                                          "unprepared model"):
         mf.prepare_inference(model, recipe=mf.MXScaling(), keep_first_last=False)
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["nan", "inf"])
+@pytest.mark.parametrize("recipe", [mf.CurrentScaling(), mf.CurrentScaling(granularity="row"), mf.BlockScaling()],
+                         ids=["tensor", "row", "block"])
+def test_prepare_refuses_weights_fp8_cannot_store(recipe, value):
+    """A NaN weight was stored as a NaN code (every logit NaN), an inf one saturated at 448 under scale 1 (a model
+    that computes something else), both without a word: one ValueError naming the layer, and the model unchanged."""
+    model = tiny_llama()
+    with torch.no_grad():
+        model.blocks[0].mlp.down_proj.weight[0, 0] = value
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"hold NaN or infinity, which FP8 cannot store: blocks\.0\.mlp\.down_proj "
+                                         r"\(1 non-finite\).*keep="):
+        mf.prepare_inference(model, recipe=recipe)
+    assert not any(isinstance(m, Fp8InferenceLinear) for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k].nan_to_num(), v.nan_to_num()) for k, v in before.items())
+    # kept in high precision, the layer is no obstacle
+    mf.prepare_inference(model, recipe=recipe, keep=["blocks.0.mlp.down_proj"])

@@ -224,16 +224,23 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, temperature: floa
     try:
         t0 = _clock(device)
         logits, _ = model(prompt, cache=cache)  # (B, T, vocab)
+        # steps whose logits held NaN or inf (their argmax is token 0): counted on the device, read once at the end
+        nonfinite = (~torch.isfinite(logits[:, -1])).any().int()
         token = sample(logits[:, -1], **options)  # (B, 1)
         new = [token]
         t1 = _clock(device)
         for _ in range(max_new_tokens - 1):
             logits, _ = model(token, cache=cache)  # (B, 1, vocab)
+            nonfinite += (~torch.isfinite(logits[:, -1])).any().int()
             token = sample(logits[:, -1], **options)
             new.append(token)
         t2 = _clock(device)
     finally:
         model.train(was_training)
+    if bad := int(nonfinite):
+        raise ValueError(f"the model's logits were NaN or infinite at {bad} of the {max_new_tokens} steps, so its "
+                         f"tokens mean nothing: its weights (or their FP8 scales) hold non-finite values; repair or "
+                         f"reload them (a diverged run? resume from an earlier checkpoint)")
     rss_after = _peak_rss_bytes()
     if device.type == "cuda":
         peak, source = torch.cuda.max_memory_allocated(device), CUDA_PEAK

@@ -96,11 +96,29 @@ def sensitivity(model: nn.Module, calibration: Iterable, *, recipe: Recipe, keep
     recipe = check_recipe(recipe)
     batches = check_batches(calibration)
     names = inference_plan(model, keep=keep, keep_first_last=keep_first_last)
+    check_finite_weights(model, names)
     spec = LayerSpec.from_recipe(recipe, Activations.DYNAMIC)
     twins = {n: Fp8InferenceLinear.from_linear(model.get_submodule(n), spec, backend=backend, recipe=recipe).eval()
              for n in names}
     sqnrs = layer_sensitivities(model, batches, twins)
     return dict(sorted(sqnrs.items(), key=lambda item: item[1]))
+
+
+def check_finite_weights(model: nn.Module, names: list[str]) -> None:
+    """ValueError naming the layers whose weight holds NaN or infinity: FP8 would store a NaN code (every output
+    NaN) or saturate an infinity at the format's largest value under a scale its other values never chose, a model
+    that computes something else without an error. Before anything is replaced: the model stays as it was."""
+    bad = {}
+    for n in names:
+        weight = model.get_submodule(n).weight.detach()
+        if not weight.is_meta and not bool(torch.isfinite(weight).all()):
+            bad[n] = int((~torch.isfinite(weight)).sum())
+    if bad:
+        listed = ", ".join(f"{n} ({k} non-finite)" for n, k in list(bad.items())[:3])
+        listed += ", ..." if len(bad) > 3 else ""
+        raise ValueError(f"the weights of {len(bad)} layer(s) hold NaN or infinity, which FP8 cannot store: {listed}; "
+                         f"repair or reload the weights (a diverged run's checkpoint?), or keep those layers in high "
+                         f"precision (keep=...)")
 
 
 def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable | None = None,
@@ -160,6 +178,7 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
     batches = check_batches(calibration) if calibration is not None else None
 
     names = inference_plan(model, keep=keep, keep_first_last=keep_first_last)
+    check_finite_weights(model, names)
     if keep_sensitive is not None and names:
         sqnrs = sensitivity(model, batches, recipe=recipe, keep=keep, keep_first_last=keep_first_last,
                             backend=backend)
