@@ -239,3 +239,29 @@ def test_demo_on_a_terminal_draws_a_bar_and_keeps_the_result_lines(monkeypatch):
     assert "━" in text  # the progress bar
     assert "fp32: final loss" in text and "bf16: final loss" in text
     assert "training 2 steps" not in text  # the bar names the variant instead
+
+
+@pytest.mark.parametrize("rank, error, peer", [
+    (1, RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:21931"), True),
+    (0, RuntimeError("[../gloo/transport/tcp/pair.cc:553] Connection closed by peer [127.0.0.1]:21931"), False),
+    (1, RuntimeError("an internal error of this rank's own"), False),
+], ids=["other-rank-peer-gone", "rank-0", "other-rank-own-error"])
+def test_a_rank_whose_peer_stopped_says_so_in_one_line(capsys, monkeypatch, rank, error, peer):
+    """Under torchrun every rank prints its own error: a rank that rank 0's one-line refusal left in a broken
+    collective printed gloo's raw "Connection closed by peer" message. It now says another rank stopped first;
+    rank 0, and any rank's own error, keep their message."""
+    import torch.distributed as dist
+
+    from minifloat.cli import tools
+
+    def fail(args):
+        raise error
+
+    monkeypatch.setattr(tools, "cmd_formats", fail)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: rank)
+    status, line = run(capsys, ["formats"])
+    assert status == 1
+    assert ("rank 1 stopped: another rank of the run stopped first" in line) == peer, line
+    assert ("Connection closed by peer" in line) == (not peer and "peer" in str(error)), line

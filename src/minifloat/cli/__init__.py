@@ -167,6 +167,21 @@ def os_error_line(err: OSError, args: argparse.Namespace, flags: dict[str, str])
     return one_line(f"{path}: {err.strerror}")
 
 
+# what gloo and NCCL raise in a rank whose peer process went away (torchrun's ranks each print their own error)
+_PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "communicator was aborted")
+
+
+def peer_failed(err: Exception) -> int | None:
+    """This rank's number when `err` is the process group breaking because another rank stopped (a rank that
+    reported its own error, a bad option say, and left): else None. Rank 0 always reports its error in full."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2 or dist.get_rank() == 0:
+        return None
+    lost = isinstance(err, getattr(dist, "DistError", ())) or any(text in str(err) for text in _PEER_GONE)
+    return dist.get_rank() if lost else None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run one command. A user error (bad option, input file, data folder or checkpoint; argparse's own included)
     prints one line naming it and exits with status 2; any other error prints one line and exits with 1; --debug
@@ -211,6 +226,10 @@ def _main(argv: list[str]) -> int:
         except Exception as err:  # a bug, not the user's: one line and the way to the traceback
             if args.debug:
                 raise
+            if (rank := peer_failed(err)) is not None:  # a rank whose peer stopped first, and said why
+                common.error(f"rank {rank} stopped: another rank of the run stopped first (its error is above); "
+                             f"rerun with --debug for this rank's traceback")
+                return 1
             common.error(f"{type(err).__name__}: {one_line(err)} (rerun with --debug for the traceback)")
             return 1
 
