@@ -121,8 +121,8 @@ def test_ddp_loss_equals_one_process_of_same_global_batch(ddp_run, one_process):
 
 
 def _trains_as_one_process(tmp_path, one_process, **fields) -> None:
-    """NPROC ranks under `fields` train as one process does on the same global batch (step 0 to FIRST_LOSS_RTOL, all to LOSS_RTOL), and
-    identical FP8 scaling state."""
+    """NPROC ranks under `fields` train as one process does on the same global batch (step 0 to FIRST_LOSS_RTOL,
+    every step to LOSS_RTOL), and end with identical FP8 scaling state."""
     config = TrainConfig(**SMALL, steps=3, out=str(tmp_path / "run"), nproc=NPROC, **fields)
     _spawn(_train_rank, config, str(tmp_path))
     losses = json.loads((tmp_path / "losses.json").read_text())
