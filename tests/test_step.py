@@ -395,3 +395,58 @@ def test_a_frozen_layer_trained_through_says_that_no_optimizer_ends_its_step(cap
     before = fp8_buffers(model)
     assert mf.fp8_step(model) > 0
     assert not all(torch.equal(before[k], v) for k, v in fp8_buffers(model).items())  # the step did end
+
+
+def _adapter_tuned(seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """A frozen FP8 base and a trainable high-precision adapter beside it (LoRA's shape of the problem)."""
+    base = make_model(mf.DelayedScaling(), seed)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    torch.manual_seed(seed + 1)
+    return base, nn.Linear(DIM, DIM, bias=False)
+
+
+def test_any_optimizer_step_ends_the_step_of_the_frozen_layers_trained_through():
+    """An optimizer over the adapters only (what transformers' Trainer builds under PEFT) ends the frozen base layers'
+    FP8 steps too: their state is bitwise what an explicit mf.fp8_step(base) after each step gives; before, their
+    delayed scales never moved (a 3-layer base: 1 history row recorded after 6 Trainer steps)."""
+    runs = []
+    for explicit in (False, True):
+        base, adapter = _adapter_tuned()
+        opt = torch.optim.SGD(adapter.parameters(), lr=1e-2)
+        for x in batches(STEPS):
+            loss_of(base(adapter(x))).backward()
+            opt.step()
+            opt.zero_grad()
+            if explicit:
+                assert mf.fp8_step(base) > 0  # a no-op where the optimizer's step already ended it
+        runs.append(fp8_buffers(base))
+    assert_bitwise(runs[0], runs[1])
+    seeded = [v for k, v in runs[0].items() if k.endswith("amax_history")]
+    assert seeded and all(int((h != 0).any(dim=1).sum()) >= STEPS for h in seeded), "the history did not roll"
+
+
+def test_a_frozen_layer_is_not_stepped_by_a_skipped_step_or_when_not_trained_through():
+    from minifloat.optim import SGD
+
+    base, adapter = _adapter_tuned()
+    opt = SGD(adapter.parameters(), lr=1e-2)  # skips a step whose gradients are not finite
+    x = batches(1)[0]
+    loss_of(base(adapter(x))).backward()
+    opt.step()  # the first step seeds and rolls the base's histories
+    before = fp8_buffers(base)
+    base.eval()  # evaluation forwards record nothing and end no step
+    with torch.no_grad():
+        base(adapter(x))
+    opt.step()
+    assert_bitwise(before, fp8_buffers(base))
+    base.train()
+    loss_of(base(adapter(x * 4))).backward()
+    adapter.weight.grad[0, 0] = float("inf")
+    recorded = fp8_buffers(base)  # the forward's amaxes in row 0 of the histories, not yet in the scales
+    opt.step()  # skipped: the FP8 step goes on into the next optimizer step, for the frozen layers too
+    assert opt.skipped_steps == 1
+    assert_bitwise(recorded, fp8_buffers(base))
+    adapter.weight.grad.zero_()
+    opt.step()  # the amaxes the skipped step's forward recorded enter the scales now
+    assert not all(torch.equal(recorded[k], v) for k, v in fp8_buffers(base).items() if k.endswith(".scale"))

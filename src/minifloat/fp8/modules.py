@@ -125,7 +125,7 @@ def _local(t: torch.Tensor | None) -> torch.Tensor | None:
 
 _FROZEN_WARNED = False  # once per process: an adapter-tuned model has a frozen FP8 layer in every block
 # training forwards of a frozen layer without an end of its FP8 step before that is said (more than any gradient
-# accumulation takes: a frozen layer an optimizer holds has its step ended at every optimizer step)
+# accumulation takes: any torch.optim optimizer's step ends a frozen layer's step, minifloat.fp8.step)
 FROZEN_WARN_AFTER = 1024
 
 
@@ -133,9 +133,9 @@ def _warn_frozen(name: str, forwards: int) -> None:
     global _FROZEN_WARNED
     _FROZEN_WARNED = True
     log.warning("minifloat: %s is frozen (no parameter requires grad) and %d training forwards went through it "
-                "without an end of its FP8 step (no optimizer holds its parameters), so its delayed scales and amax "
-                "history stay where they are (said once, for every such layer); call mf.fp8_step(model) after each "
-                "optimizer step (a no-op for the layers an optimizer already stepped)", name or "an Fp8Linear",
+                "without an end of its FP8 step (no torch.optim optimizer stepped since), so its delayed scales and "
+                "amax history stay where they are (said once, for every such layer); call mf.fp8_step(model) after "
+                "each update (a no-op for the layers an optimizer already stepped)", name or "an Fp8Linear",
                 forwards)
 
 
@@ -266,9 +266,10 @@ class Fp8Linear(nn.Linear):
         caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, self.fp8_state, name,
                              state.backend if state.backend is not None else self.backend, recording, weights,
                              self.amax_reduce)
-        if not compiling and not _FROZEN_WARNED and self._frozen_in_training():
-            self._unstepped += 1  # an optimizer holding the frozen parameters ends the step anyway (and resets it)
-            if self._unstepped >= FROZEN_WARN_AFTER:
+        if not compiling and self._frozen_in_training():
+            # the next optimizer step of any optimizer ends this layer's step (and resets the count)
+            self._unstepped += 1
+            if self._unstepped >= FROZEN_WARN_AFTER and not _FROZEN_WARNED:
                 _warn_frozen(self.fp8_name, self._unstepped)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)

@@ -11,8 +11,12 @@ When the step ends:
     or StepGuard not calling `optimizer.step()`) does not end it;
   * an fp32 master weight (minifloat.amp.master) stands for its low-precision parameter (`alias`), so the
     optimizer that steps the masters ends the step of the layers owning the parameters;
-  * explicitly, `fp8_step(model)`, for layers no optimizer steps (frozen weights, custom update rules) or layers
-    built with `step_on="manual"`.
+  * a frozen layer (no parameter of its own requires grad: the base layers under LoRA adapters) that training
+    forwards went through in eager mode ends its step after the next `optimizer.step()` of any torch.optim optimizer
+    (the one stepping the adapters, in a loop or in transformers' Trainer); under torch.compile its forwards count
+    nothing, so there, as for layers no optimizer steps at all, `fp8_step(model)` ends it;
+  * explicitly, `fp8_step(model)`, for layers no optimizer steps (custom update rules, frozen layers compiled) or
+    layers built with `step_on="manual"`.
 
 Across ranks: when torch.distributed is initialised, the end of the step first MAX-all-reduces the step's amaxes
 (row 0 of every stepped layer's history, all roles) in one collective over the amax group: the default group unless
@@ -45,6 +49,7 @@ STEP_ON = ("optimizer", "manual")
 _LAYERS: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 _ALIASES: dict[int, tuple[weakref.ref, weakref.ref]] = {}  # id(stand-in) -> (stand-in, the parameter it stands for)
 _HOOK = None
+_BUILT = 0  # layers tracked so far: each layer's `_built` is its place in that order
 _SUPPRESSED = ThreadSwitch()
 _DEFAULT_GROUP = object()  # "the default process group", resolved when a step ends
 _AMAX_GROUP = _DEFAULT_GROUP
@@ -53,7 +58,9 @@ _AMAX_GROUP = _DEFAULT_GROUP
 def track(layer: nn.Module) -> None:
     """Let optimizer steps over `layer`'s own parameters end its FP8 step (see module docstring). Fp8Linear calls it
     when built and when unpickled or deep-copied."""
-    global _HOOK
+    global _HOOK, _BUILT
+    _BUILT += 1  # (a deep copy or an unpickled layer gets its own place, after its original's)
+    layer._built = _BUILT
     _LAYERS.add(layer)
     if _HOOK is None:
         _HOOK = (register_optimizer_step_pre_hook(_before_optimizer_step),
@@ -76,7 +83,7 @@ def suppressed() -> Iterator[None]:
 def step_skipped(optimizer: torch.optim.Optimizer) -> None:
     """Called from inside `optimizer.step()` that skips its update (non-finite gradients): the step's post-hook then
     ends no FP8 step, as when LossScaler or StepGuard skip `optimizer.step()` altogether."""
-    _STEPPING[id(optimizer)] = []
+    _STEPPING[id(optimizer)] = _SKIPPED
 
 
 def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
@@ -91,11 +98,23 @@ def _before_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> No
 
 def _after_optimizer_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     layers = _STEPPING.pop(id(optimizer), None)
-    if not _SUPPRESSED:
-        _end_step(layers if layers is not None else
-                  _owners(p for group in optimizer.param_groups for p in group["params"]))
+    if not _SUPPRESSED and layers is not _SKIPPED:
+        if layers is None:
+            layers = _owners(p for group in optimizer.param_groups for p in group["params"])
+        _end_step(layers + _frozen_trained(layers))
 
 
+def _frozen_trained(stepped: list[nn.Module]) -> list[nn.Module]:
+    """The frozen layers trained through since their step last ended (Fp8Linear counts those forwards, eagerly) and
+    not among `stepped`, in the order they were built: the same on every rank of one model, so their amaxes are
+    reduced in one order everywhere."""
+    seen = {id(layer) for layer in stepped}
+    frozen = [layer for layer in list(_LAYERS) if getattr(layer, "_unstepped", 0) and id(layer) not in seen
+              and layer.step_on == "optimizer"]
+    return sorted(frozen, key=lambda layer: layer._built)
+
+
+_SKIPPED: list[nn.Module] = []  # what a skipped step ends: nothing, frozen layers included
 _STEPPING: dict[int, list[nn.Module]] = {}  # optimizer id -> the layers its running step updates (pre- to post-hook)
 
 
