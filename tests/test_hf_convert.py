@@ -99,3 +99,23 @@ def test_convert_llama_trains_and_matches_high_precision():
     out.loss.backward()
     grads = [p.grad for p in model.parameters() if p.requires_grad]
     assert all(g is not None and torch.isfinite(g).all() for g in grads)
+
+
+def test_a_prepared_model_refuses_save_pretrained_and_save_quantized_round_trips(tmp_path):
+    """save_pretrained of a model prepared for FP8 inference wrote its E4M3 codes as plain weights, which
+    from_pretrained loaded without an error as another model (-3 dB against the original): it is refused in one
+    line naming save_quantized, which round-trips bitwise; the unprepared model still saves."""
+    model = tiny_llama()
+    model.save_pretrained(tmp_path / "plain")  # before prepare_inference: transformers' own save
+    prepared = mf.prepare_inference(model, recipe=mf.CurrentScaling())
+    with pytest.raises(ValueError, match=r"prepared for FP8 inference: save_pretrained .* mf\.save_quantized") as info:
+        prepared.save_pretrained(tmp_path / "fp8")
+    assert "\n" not in str(info.value) and "LlamaForCausalLM(config)" in str(info.value)
+    assert not (tmp_path / "fp8").exists()
+    mf.save_quantized(prepared, tmp_path / "q")
+    loaded = mf.load_quantized(tmp_path / "q", model=transformers.LlamaForCausalLM(llama_config()))
+    ids = torch.randint(VOCAB, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, prepared(ids).logits)
+    with pytest.raises(ValueError, match="prepared for FP8 inference"):
+        loaded.save_pretrained(tmp_path / "fp8")

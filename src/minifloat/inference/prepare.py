@@ -225,4 +225,27 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
         replace_module(model, old, layer.train(old.training))  # under every name it has, with its hooks
     log.info("minifloat.prepare_inference: %d layer(s) in FP8 (%s, %s activations)", len(names),
              type(recipe).__name__, activations.value)
+    refuse_save_pretrained(model)
     return model
+
+
+class _SavePretrainedRefused:
+    """A prepared Hugging Face model's `save_pretrained`: its state dict holds FP8 codes and scales under names
+    transformers reads as plain weights, so a save would load back as a different model without a word."""
+
+    def __init__(self, name: str):
+        self.name = name
+
+    def __call__(self, *args, **kwargs):
+        raise ValueError(f"this {self.name} is prepared for FP8 inference: save_pretrained would write its FP8 codes "
+                         f"as plain weights, which from_pretrained loads as another model; save it with "
+                         f"mf.save_quantized(model, path) and load it with mf.load_quantized(path, "
+                         f"model={self.name}(config)), or save_pretrained the model before prepare_inference")
+
+
+def refuse_save_pretrained(model: nn.Module) -> None:
+    """Make a Hugging Face model's `save_pretrained` (and `push_to_hub`, which calls it) raise one clear error once
+    its linear layers hold FP8 weights (prepare_inference, load_quantized)."""
+    if callable(getattr(model, "save_pretrained", None)) and not isinstance(model.save_pretrained,
+                                                                              _SavePretrainedRefused):
+        model.save_pretrained = _SavePretrainedRefused(type(model).__name__)

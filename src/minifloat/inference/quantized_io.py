@@ -30,6 +30,7 @@ from torch import nn
 from minifloat.core.version import __version__
 from minifloat.fp8.recipes import RECIPE_TYPES, Recipe
 from minifloat.inference.layers import Fp8InferenceLinear, LayerSpec, inference_layers
+from minifloat.inference.prepare import refuse_save_pretrained
 from minifloat.training.checkpoint import (CHECKPOINT_FIX, MANIFEST_FILE, checkpoint_extra, load_checkpoint,
                                            save_checkpoint)
 from minifloat.core.validate import check_module
@@ -249,4 +250,5 @@ def _load_quantized(directory: Path, model: nn.Module | None) -> nn.Module:
         for parent, child, old in undo:
             setattr(parent, child, old)
         raise
+    refuse_save_pretrained(model)
     return model.eval()
