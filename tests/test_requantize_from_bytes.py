@@ -120,6 +120,16 @@ def test_rows_of_any_count_and_strided_data(taken):
     assert taken == [True, False]  # column-major data is left to the old route
 
 
+@pytest.mark.parametrize("granularity", ["tensor", "block"])
+def test_scales_that_transpose_exactly_take_the_dequantized_route(taken, granularity):
+    """A per-tensor (or 128×128-block) Quantized re-quantized along its other axis: quantize_t of its values, as for
+    every other granularity (per tensor it raised a reshape error, its one scale read as one per row)."""
+    q = quantize(delicate(256, 128, seed=4), mf.E4M3, granularity=granularity)
+    for options in (dict(), dict(operand_dtype=torch.bfloat16, keep_data=False)):
+        assert_same(requantize_t(q, **options), reference(q, **options))
+    assert taken == [False, False]  # each call went the dequantized route
+
+
 @pytest.mark.parametrize("recipe", [mf.CurrentScaling(granularity="row"), mf.BlockScaling(power_of_two=False)],
                          ids=["row", "block-f32"])
 def test_layer_backward_reads_the_saved_bytes(monkeypatch, taken, recipe):

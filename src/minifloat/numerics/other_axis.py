@@ -153,7 +153,8 @@ def _decoded_columns(q: Quantized, margin: int, power_of_two: bool, mx_rule: str
     stay on that route: their bfloat16 values are half the bytes to read back, and a compiled kernel must be told to
     keep their rounding (inductor's `emulate_precision_casts`), which made it slower than the two passes it saves."""
     info = granularity_info(q.granularity)
-    if q.scale_folded or (info.block is not None and info.block[0] != 1) or torch.compiler.is_compiling():
+    if info.per_tensor or q.scale_folded or (info.block is not None and info.block[0] != 1) \
+            or torch.compiler.is_compiling():
         return None
     if q.data.dim() != 2 or (not keep_data and operand_dtype is None):  # the latter: quantize_t refuses it
         return None

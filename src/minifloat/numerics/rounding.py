@@ -39,8 +39,11 @@ The rule takes its randomness as an argument — a uniform u in [0, 1) per eleme
     SR(y) = sign(y) · (lo + ulp · [u >= 1 - f])                 P(up) = P(u >= 1 - f) = f
 Every step is exact in float32 (|y| / ulp is a power-of-two scaling and has at most mbits + 1 integer bits), and
 e is read from float32's exponent field, which is exact where log2 is not. With u = k / 2^24 (torch.rand's float32
-grid) P(up) is exactly f whenever f is a multiple of 2^-24, which holds for every float32 y and every format of at
-most 23 mantissa bits.
+grid) P(up) is exactly f whenever f is a multiple of 2^-24. That holds for every float32 y in the format's normal
+range and in its subnormal range down to 2^(emin - mbits - 1), for every format of at most 23 mantissa bits; below
+that (|y| far under the format's smallest subnormal) f has more fractional bits than 1 - f keeps in float32, and
+P(up) is f rounded to a multiple of 2^-24: a bias of at most 2^-25 of an ulp (E2M1: 3·2^-27 goes up with
+probability 1 where f = 0.75·2^-24).
 Comparing u with 1 - f (not f) makes bfloat16 SR bitwise the classic integer form: add floor(u·2^16) to the float32
 bit pattern and truncate the low 16 bits (checked in tests/test_rounding.py).
 
