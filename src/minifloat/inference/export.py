@@ -340,7 +340,9 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     _check_out(out, overwrite)
     model = model_or_run if isinstance(model_or_run, nn.Module) else load_run(model_or_run, checkpoint=checkpoint)
     if not isinstance(model, Llama):
-        raise ValueError(f"export_hf exports minifloat's reference Llama, got a {type(model).__name__}")
+        raise ValueError(f"export_hf exports minifloat's reference Llama, got a {type(model).__name__}; save another "
+                         f"model with its own save_pretrained (high precision) or, prepared for FP8 inference, with "
+                         f"mf.save_quantized(model, path)")
     layers = quantized_layers(model) if fmt.granularity is not None else []
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
