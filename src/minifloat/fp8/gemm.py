@@ -295,23 +295,18 @@ def _emulated_factored(a: Quantized, b: Quantized, out_dtype: torch.dtype,
                        bias: torch.Tensor | None) -> torch.Tensor:
     A, B = compiling.graph_operand(operand(a)), compiling.graph_operand(operand(b))
     sa, sb = _outer_scale(a, "a"), _outer_scale(b, "b")
-    unscaled = sa is None and sb is None
-    if out_dtype == torch.bfloat16:
-        scalar = (sa is None or sa.dim() == 0) and (sb is None or sb.dim() == 0)
-        if scalar and A.device.type == "cpu":
-            # one GEMM: alpha scales the fp32 accumulator, the bias is added before its one rounding
-            one = torch.ones((), dtype=torch.float32, device=A.device)
-            alpha = (one if sa is None else sa) * (one if sb is None else sb)
-            return addmm_bf16(A, B.t(), alpha, bias)
-        if unscaled and bias is None:
-            return mm_bf16(A, B.t())  # the fp32 sum rounded once
+    scalar = (sa is None or sa.dim() == 0) and (sb is None or sb.dim() == 0)
+    if out_dtype == torch.bfloat16 and scalar and A.device.type == "cpu":
+        # one GEMM: alpha scales the fp32 accumulator, the bias is added before its one rounding
+        one = torch.ones((), dtype=torch.float32, device=A.device)
+        alpha = (one if sa is None else sa) * (one if sb is None else sb)
+        return addmm_bf16(A, B.t(), alpha, bias)
+    if sa is None and sb is None and bias is None:  # the fp32 sum rounded once
+        return mm_bf16(A, B.t()) if out_dtype == torch.bfloat16 else mm_fp32(A, B.t()).to(out_dtype)
     # scales (per row, per column) and the bias apply to the fp32 accumulator, rounded once after them, as the
     # tensor cores' epilogue does: a bfloat16 product rounded before them would be rounded twice, and a bias that
     # cancels most of the product would leave only that first rounding's error
-    acc = mm_fp32(A, B.t())
-    if unscaled and bias is None:
-        return acc.to(out_dtype)
-    return _epilogue(acc, sa, sb, bias, out_dtype)
+    return _epilogue(mm_fp32(A, B.t()), sa, sb, bias, out_dtype)
 
 
 def _emulated_k_blocks(a: Quantized, b: Quantized, out_dtype: torch.dtype, bias: torch.Tensor | None):
