@@ -24,6 +24,12 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
   4-bit training keeps the first and last few blocks of each stack in high precision: the decoder's last block
   feeds the head, the encoder's last every cross-attention.
 
+* wrapped layers and adapters (PEFT's convention: LoRA, DoRA, AdaLoRA): a layer wrapped as `<name>.base_layer` (or
+  `<name>.original_module` / `<name>.modules_to_save.<adapter>`) has the role of `<name>` (`role_name`), so the
+  first block's k/v projections under LoRA are still input projections and a wrapped `lm_head` is still the head.
+  The other linear layers of a module holding a `base_layer` are its adapters (`adapter_linears`): low-rank and
+  trained, never input projections or the head, and `mf.convert` keeps them in high precision.
+
 * stacked matmul weights (`stacked_weights`): modules other than convolutions that hold a parameter of 3 or more
   dimensions directly, such as a mixture of experts' weights stacked as (experts, out, in) and multiplied by the
   module's own forward (transformers 5's MixtralExperts, Qwen3-MoE, DeepSeek-V3, GPT-OSS). FP8 conversion takes
@@ -83,9 +89,41 @@ def named_linears(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
 
 
+# a wrapper's name for the layer it wraps: PEFT's tuner layers (`base_layer`) and ModulesToSaveWrapper
+# (`original_module`, and the trained copies in `modules_to_save`), nested wrappers included
+_WRAPPED = re.compile(r"(?:\.(?:base_layer|original_module)|\.modules_to_save\.[^.]+)+$")
+
+
+def role_name(name: str) -> str:
+    """The name whose role the module called `name` has: a wrapped layer's wrapper's (see the module docstring)."""
+    return _WRAPPED.sub("", name)
+
+
+def own_name(name: str) -> str:
+    """The last part of `role_name(name)`: "q_proj" for "...self_attn.q_proj.base_layer"."""
+    return role_name(name).rpartition(".")[2]
+
+
+def adapter_linears(model: nn.Module) -> set[str]:
+    """Names of the adapters' nn.Linear layers: those inside a module that holds a `base_layer` (PEFT's tuner
+    layers: LoRA's lora_A and lora_B), outside that base layer."""
+    found = set()
+    for name, m in model.named_modules():
+        base = m._modules.get("base_layer")
+        if not isinstance(base, nn.Module):
+            continue
+        prefix = f"{name}." if name else ""
+        for child_name, child in m.named_children():
+            if child_name != "base_layer":
+                found |= {f"{prefix}{child_name}{'.' + n if n else ''}" for n, c in child.named_modules()
+                          if isinstance(c, nn.Linear)}
+    return found
+
+
 def is_attention_input(name: str) -> bool:
-    """Whether the module called `name` is, by its own name, a projection reading an attention block's input."""
-    return name.rpartition(".")[2].lower() in ATTENTION_INPUT_NAMES
+    """Whether the module called `name` is, by its own name (its wrapper's, when wrapped), a projection reading an
+    attention block's input."""
+    return own_name(name).lower() in ATTENTION_INPUT_NAMES
 
 
 def in_pooler(name: str) -> bool:
@@ -99,12 +137,13 @@ def output_head(model: nn.Module, *, names: tuple[str, ...] = HEAD_NAMES) -> str
         model: any nn.Module.
         names: own names that mark the head, in priority order.
     """
-    linears = named_linears(model)
+    adapters = adapter_linears(model)
+    linears = [(n, m) for n, m in named_linears(model) if n not in adapters]
     # a head is never inside a repeated block: a block's own `output` projection (an attention's out-projection
     # named so) does not mark the model's head
     blocks = tuple(f"{b}." for b in transformer_blocks(model))
     for marker in names:
-        marked = [n for n, _ in linears if n.rpartition(".")[2] == marker and not n.startswith(blocks)]
+        marked = [n for n, _ in linears if own_name(n) == marker and not n.startswith(blocks)]
         if marked:
             return marked[-1]
     embeddings = embedding_param_ids(model)
@@ -118,21 +157,23 @@ def output_head(model: nn.Module, *, names: tuple[str, ...] = HEAD_NAMES) -> str
 def input_projections(model: nn.Module) -> list[str]:
     """The nn.Linear layers nearest the data, by name (see the module docstring): e.g. the first block's q_proj,
     k_proj and v_proj in a transformer, the first layer of an MLP."""
-    head = output_head(model)
-    candidates = [n for n, _ in named_linears(model) if n != head and not in_pooler(n)]
+    head, adapters = output_head(model), adapter_linears(model)
+    candidates = [n for n, _ in named_linears(model) if n != head and not in_pooler(n) and n not in adapters]
     if not candidates:
         return []
     first = candidates[0]
     if not is_attention_input(first):
         return [first]
-    parent = first.rpartition(".")[0]
-    return [n for n in candidates if n.rpartition(".")[0] == parent and is_attention_input(n)]
+    parent = role_name(first).rpartition(".")[0]
+    return [n for n in candidates if role_name(n).rpartition(".")[0] == parent and is_attention_input(n)]
 
 
 def first_and_last(model: nn.Module) -> set[str]:
-    """The nn.Linear layers `keep_first_last` keeps in high precision: the input projections and the output head."""
+    """The nn.Linear layers `keep_first_last` keeps in high precision: the input projections and the output head
+    (with every copy a wrapper holds of it: PEFT's original_module beside its modules_to_save)."""
     head = output_head(model)
-    return set(input_projections(model)) | ({head} if head is not None else set())
+    heads = set() if head is None else {n for n, _ in named_linears(model) if role_name(n) == role_name(head)}
+    return set(input_projections(model)) | heads
 
 
 def stacked_weights(model: nn.Module) -> dict[str, tuple[tuple[str, tuple[int, ...]], ...]]:

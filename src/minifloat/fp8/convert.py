@@ -45,6 +45,9 @@ class Fp8Plan:
         unsupported: (name, reason) of the layers an Fp8Linear cannot stand in for, left as they are
             (`unsupported_reason`): a weight computed by a parametrization, weight norm or pruning; a float64
             weight; state of an nn.Linear subclass's own; nn.MultiheadAttention's out_proj.
+        adapters: adapter layers (PEFT's LoRA lora_A / lora_B beside a `base_layer`, minifloat.core.roles.
+            adapter_linears), kept in high precision whatever `filter` says: low-rank GEMMs FP8 cannot speed up,
+            whose weights are the ones being trained.
     """
 
     convert: tuple[str, ...]
@@ -53,6 +56,7 @@ class Fp8Plan:
     own_forward: tuple[str, ...] = ()
     stacked: tuple[str, ...] = ()
     unsupported: tuple[tuple[str, str], ...] = ()
+    adapters: tuple[str, ...] = ()
 
 
 Filter = Callable[[str, nn.Linear], bool]  # filter(name, linear) -> bool: convert the layer?
@@ -89,12 +93,14 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
     """
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
-    convert_, kept, misshapen, own, unsupported = [], [], [], [], []
-    read_directly = _read_directly(model)
+    convert_, kept, misshapen, own, unsupported, adapters = [], [], [], [], [], []
+    read_directly, adapter_names = _read_directly(model), roles.adapter_linears(model)
     for name, lin in roles.named_linears(model):
         if isinstance(lin, Fp8Linear):
             continue
-        if type(lin).forward is not nn.Linear.forward:
+        if name in adapter_names:
+            adapters.append(name)
+        elif type(lin).forward is not nn.Linear.forward:
             own.append(name)
         elif name in first_last:
             kept.append(name)
@@ -105,7 +111,7 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
             else:
                 (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
     return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own), tuple(roles.stacked_weights(model)),
-                   tuple(unsupported))
+                   tuple(unsupported), tuple(adapters))
 
 
 _LINEAR_STATE = {"weight", "bias"}
@@ -216,6 +222,9 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
                     "Fp8Linear would replace it): %s", len(plan.own_forward), _listed(model, plan.own_forward))
     if plan.stacked:
         log.warning("minifloat.convert: %s", stacked_note(model, plan.stacked))
+    if plan.adapters:
+        log.info("minifloat.convert: kept %d adapter layer(s) in high precision (low-rank and trained): %s",
+                 len(plan.adapters), _listed(model, plan.adapters))
     if plan.unsupported:
         log.warning("minifloat.convert: %s", unsupported_note(plan.unsupported))
     fused = [f"{n}." for n, m in model.named_modules() if isinstance(m, nn.TransformerEncoderLayer)]
