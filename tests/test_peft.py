@@ -160,3 +160,68 @@ def test_peft_modules_to_save_head_stays_high_precision():
     assert len(heads) == 2  # original_module and modules_to_save.default
     assert not any(isinstance(model.get_submodule(n), mf.Fp8Linear) for n in heads)
     assert isinstance(model.base_model.model.model.layers[1].self_attn.q_proj.base_layer, mf.Fp8Linear)
+
+
+# ------------------------------------------------------------------------------ adapters over prepared FP8 weights
+
+def prepared_lora(**overrides):
+    from minifloat.inference.adapters import lora_config
+
+    prepared = mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling())
+    config = dict(r=RANK, lora_alpha=32, lora_dropout=0.0, target_modules=["q_proj", "v_proj", "down_proj"])
+    config.update(overrides)
+    return peft.get_peft_model(prepared, lora_config(peft.LoraConfig(**config)))
+
+
+def quantized_buffers(model) -> dict[str, torch.Tensor]:
+    return {n: b.detach().clone() for n, b in model.named_buffers() if n.endswith(("weight", "weight_scale"))}
+
+
+def test_lora_trains_over_prepared_fp8_weights_and_leaves_them_untouched():
+    from minifloat.inference.layers import Fp8InferenceLinear
+
+    model = prepared_lora()
+    wrapped = model.base_model.model.model.layers[1].self_attn.q_proj
+    assert isinstance(wrapped.base_layer, Fp8InferenceLinear)
+    before = quantized_buffers(model)
+    assert before, "no quantized weights found"
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(2))
+    losses = []
+    for _ in range(8):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    assert losses[-1] < losses[0] - 0.05, losses  # the adapters learn through the frozen FP8 layers
+    after = quantized_buffers(model)
+    assert all(torch.equal(before[n], after[n]) for n in before)
+
+
+def test_a_saved_adapter_loads_back_onto_a_prepared_model_bitwise(tmp_path):
+    from minifloat.inference.adapters import lora_config
+
+    model = prepared_lora(init_lora_weights=False)  # random B: the adapter changes the logits
+    model.save_pretrained(tmp_path)
+    again = mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling())
+    again = peft.PeftModel.from_pretrained(again, tmp_path, config=lora_config(peft.LoraConfig.from_pretrained(tmp_path)))
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, again(input_ids=ids).logits)
+
+
+def test_merging_into_quantized_weights_is_refused_with_one_line():
+    from minifloat.inference.adapters import MERGE_REFUSED
+
+    model = prepared_lora()
+    with pytest.raises(ValueError, match="cannot be merged") as info:
+        model.merge_and_unload()
+    assert str(info.value) == MERGE_REFUSED and "\n" not in MERGE_REFUSED
+
+
+def test_lora_config_names_what_it_takes():
+    from minifloat.inference.adapters import lora_config
+
+    with pytest.raises(TypeError, match="peft.LoraConfig"):
+        lora_config({"r": 16})

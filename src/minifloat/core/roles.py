@@ -24,7 +24,7 @@ here, so they agree about every model: the reference Llama, plain MLPs and Huggi
   4-bit training keeps the first and last few blocks of each stack in high precision: the decoder's last block
   feeds the head, the encoder's last every cross-attention.
 
-* wrapped layers and adapters (PEFT's convention: LoRA, DoRA, AdaLoRA): a layer wrapped as `<name>.base_layer` (or
+* wrapped layers and adapters (PEFT's convention, LoRA's among others): a layer wrapped as `<name>.base_layer` (or
   `<name>.original_module` / `<name>.modules_to_save.<adapter>`) has the role of `<name>` (`role_name`), so the
   first block's k/v projections under LoRA are still input projections and a wrapped `lm_head` is still the head.
   The other linear layers of a module holding a `base_layer` are its adapters (`adapter_linears`): low-rank and
