@@ -340,6 +340,19 @@ def test_the_command_line_says_how_to_get_static_scales(tmp_path, capsys):
     assert not (tmp_path / "export").exists()
 
 
+@pytest.mark.parametrize("command", ["export", "generate"])
+def test_an_hf_checkpoint_given_as_a_run_is_named_as_one(tmp_path, capsys, command):
+    """`--run` of a Hugging Face checkpoint folder (an export, a downloaded model) said the folder had no checkpoint
+    and to train the run first."""
+    export_hf(tiny(), tmp_path / "exp")
+    args = ["--out", str(tmp_path / "out")] if command == "export" else ["--prompt", "hi"]
+    status = main([command, "--run", str(tmp_path / "exp"), *args])
+    lines = capsys.readouterr().err.splitlines()
+    assert status == 2 and len(lines) == 1, lines
+    assert "is a Hugging Face checkpoint (config.json), not a run folder" in lines[0]
+    assert "from_pretrained" in lines[0] and "load_hf_export" in lines[0]
+
+
 def test_static_needs_a_source(tmp_path):
     with pytest.raises(ValueError, match="static activation scales need calibration"):
         export_hf(tiny(), tmp_path / "a", format="hf-fp8", activations="static")

@@ -39,6 +39,10 @@ def run_checkpoint(run: str | os.PathLike, checkpoint: str = "latest") -> Path:
                                  f"a checkpoint folder the run wrote, or read the export with "
                                  f"minifloat.inference.load_hf_export")
             return ckpt
+    if (run / "config.json").is_file() and not (run / MANIFEST_FILE).exists():
+        raise ValueError(f"{run} is a Hugging Face checkpoint (config.json), not a run folder of minifloat train; "
+                         f"load it with transformers' from_pretrained, or an export of minifloat's with "
+                         f"minifloat.inference.load_hf_export")
     raise FileNotFoundError(f"{run} has no checkpoint {checkpoint!r} (no folder {inside}); train the run first "
                             f"or name a checkpoint folder")
 
