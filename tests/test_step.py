@@ -450,3 +450,31 @@ def test_a_frozen_layer_is_not_stepped_by_a_skipped_step_or_when_not_trained_thr
     adapter.weight.grad.zero_()
     opt.step()  # the amaxes the skipped step's forward recorded enter the scales now
     assert not all(torch.equal(recorded[k], v) for k, v in fp8_buffers(base).items() if k.endswith(".scale"))
+
+
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling()], ids=["delayed", "current"])
+def test_training_in_eval_mode_says_that_delayed_scales_never_move(caplog, monkeypatch, recipe):
+    """eval() forwards record no amax, so a model trained in eval mode (dropout off the wrong way) never seeded its
+    delayed scales, without a word; later, prepare_inference(activations="static") found no training scales."""
+    from minifloat.fp8 import autograd
+
+    monkeypatch.setattr(autograd, "_EVAL_TRAINING_WARNED", False)
+    model = make_model(recipe).eval()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    with caplog.at_level("WARNING", logger="minifloat"):
+        for x in batches(2):
+            loss_of(model(x)).backward()
+            opt.step()
+            opt.zero_grad()
+    history = [v for k, v in fp8_buffers(model).items() if k.endswith("amax_history")]
+    assert history and all(not h.any() for h in history)  # nothing recorded, under either recipe
+    said = caplog.text.count("was trained through in eval() mode")
+    assert said == (1 if recipe.spec(mf.fp8.recipes.Role.INPUT).delayed else 0), caplog.text
+    if said:
+        assert "call model.train()" in caplog.text
+    caplog.clear()
+    model.train()  # training mode: no warning, and the histories fill
+    with caplog.at_level("WARNING", logger="minifloat"):
+        loss_of(model(batches(1)[0])).backward()
+    assert "eval() mode" not in caplog.text
+    assert any(v[0].any() for k, v in fp8_buffers(model).items() if k.endswith("amax_history"))

@@ -24,6 +24,8 @@ gradient is rounded once where the emulated one is rounded twice, a difference b
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from minifloat.fp8.caster import LayerCaster
@@ -36,6 +38,25 @@ from minifloat.numerics.quantize import Quantized
 # The GEMMs a native tensor-wise or row-wise kernel runs with fast accumulation: Transformer Engine's choice, fprop
 # fast, dgrad and wgrad (sums over the token axis, long and with gradients of mixed size) with fp32 promotion.
 FAST_ACCUM = frozenset({"fprop"})
+
+log = logging.getLogger("minifloat")
+_EVAL_TRAINING_WARNED = False  # once per process
+
+
+def warn_if_trained_in_eval(caster: LayerCaster) -> None:
+    """One warning (per process) when a backward runs through a layer whose forward was an evaluation one (`eval()`
+    mode, grad enabled: training in eval mode, say to switch dropout off) under a recipe with delayed roles: such
+    forwards record no amax, so the delayed scales never seed or move (each cast falls back to its own amax)."""
+    global _EVAL_TRAINING_WARNED
+    if caster.recording or _EVAL_TRAINING_WARNED or torch.compiler.is_compiling():
+        return
+    if not any(getattr(caster.recipe.spec(role), "delayed", False) for role in Role):
+        return
+    _EVAL_TRAINING_WARNED = True
+    log.warning("minifloat: %s was trained through in eval() mode: FP8 layers record amaxes only in training mode, "
+                "so its delayed scales never seed or move (each cast takes its tensor's own amax instead, and "
+                "prepare_inference finds no training scales; said once); call model.train() before training (turn "
+                "dropout off in the model, not with eval())", caster.name or "an FP8 layer")
 
 
 def _weight_along_n(caster: LayerCaster, weight: torch.Tensor, granularity: Granularity,
@@ -122,6 +143,7 @@ class Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy):
         refuse_double_backward(ctx.caster)
+        warn_if_trained_in_eval(ctx.caster)
         xd, xs, weight, ws = ctx.saved_tensors
         xf, xg, xfold, wg, transposed = ctx.meta
         caster, out_dtype = ctx.caster, ctx.compute_dtype
