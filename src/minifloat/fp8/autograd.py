@@ -48,7 +48,7 @@ def warn_if_trained_in_eval(caster: LayerCaster) -> None:
     mode, grad enabled: training in eval mode, say to switch dropout off) under a recipe with delayed roles: such
     forwards record no amax, so the delayed scales never seed or move (each cast falls back to its own amax)."""
     global _EVAL_TRAINING_WARNED
-    if caster.recording or _EVAL_TRAINING_WARNED or torch.compiler.is_compiling():
+    if torch.compiler.is_compiling() or caster.recording or _EVAL_TRAINING_WARNED:  # no guard on the flag
         return
     if not any(getattr(caster.recipe.spec(role), "delayed", False) for role in Role):
         return
