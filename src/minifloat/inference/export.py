@@ -54,7 +54,7 @@ from torch import nn
 
 from minifloat.core.validate import check_choice
 from minifloat.fp8.modules import Fp8Linear
-from minifloat.inference import hf
+from minifloat.inference import hf, hf_models
 from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
@@ -222,18 +222,18 @@ def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers:
     return config
 
 
-def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str],
-                           tensors: dict[str, torch.Tensor]) -> list[str]:
+def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str], tensors: dict[str, torch.Tensor],
+                           name=hf.hf_name) -> list[str]:
     """One line for each way transformers' from_pretrained would load the export wrong without raising (measured
     with transformers 5.24 on a CPU, tests/test_export.py): partial 128×128 blocks, which its CPU dequantization
     places at size // blocks (vLLM reads them as written). (hf-fp8, which it read unscaled, it now refuses:
     hf.TRANSFORMERS_REFUSAL.)"""
     lines = []
     ragged = [n for n in layers if fmt.granularity == Granularity.BLOCK
-              and any(d > TILE and d % TILE for d in tensors[hf.hf_name(f"{n}.weight")].shape)]
+              and any(d > TILE and d % TILE for d in tensors[name(f"{n}.weight")].shape)]
     if ragged:
         lines.append(f"minifloat: {out} ({fmt.name}): {len(ragged)} layer(s) have a size over {TILE} that {TILE} "
-                     f"does not divide (e.g. {hf.hf_name(ragged[0])}): vLLM reads their partial blocks, transformers' "
+                     f"does not divide (e.g. {name(ragged[0])}): vLLM reads their partial blocks, transformers' "
                      f"CPU dequantization misplaces their scales without an error (docs/inference.md)")
     return lines
 
@@ -309,10 +309,12 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
               dtype: str | torch.dtype = "bfloat16", checkpoint: str = "latest", activations: str = "auto",
               calibration: Iterable | None = None, clip: str = "max", percentile: float = DEFAULT_PERCENTILE,
               tokenizer: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
-    """Write a Hugging Face checkpoint of the reference Llama (see the module docstring for the layouts).
+    """Write a Hugging Face checkpoint of the reference Llama or of a transformers model (see the module docstring
+    for the layouts, and minifloat.inference.hf_models for a transformers model's names and config).
 
     Args:
-        model_or_run: a minifloat Llama (under any precision policy, or prepared for FP8 inference) or a run folder.
+        model_or_run: a minifloat Llama (under any precision policy, or prepared for FP8 inference), a transformers
+            model (trained with minifloat, prepared for FP8 inference, or neither), or a run folder.
         out_dir: the export folder: written in a temporary sibling, then renamed into place.
         format: "hf" (plain `dtype` tensors), "hf-fp8" (vLLM's per-tensor FP8, which transformers loads wrong: a
             warning is logged) or "hf-fp8-block" (128×128 block FP8).
@@ -339,18 +341,28 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     out = Path(out_dir)
     _check_out(out, overwrite)
     model = model_or_run if isinstance(model_or_run, nn.Module) else load_run(model_or_run, checkpoint=checkpoint)
-    if not isinstance(model, Llama):
-        raise ValueError(f"export_hf exports minifloat's reference Llama, got a {type(model).__name__}; save another "
-                         f"model with its own save_pretrained (high precision) or, prepared for FP8 inference, with "
-                         f"mf.save_quantized(model, path)")
+    theirs = hf_models.is_transformers_model(model)  # a transformers model: its own names and config
+    if not theirs and not isinstance(model, Llama):
+        raise ValueError(f"export_hf exports minifloat's reference Llama or a transformers model, got a "
+                         f"{type(model).__name__}; save another model with its own save_pretrained (high precision) "
+                         f"or, prepared for FP8 inference, with mf.save_quantized(model, path) (under PEFT adapters: "
+                         f"merge_and_unload the high-precision model first)")
     layers = quantized_layers(model) if fmt.granularity is not None else []
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
-    tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
-    warnings = _transformers_warnings(out, fmt, layers, tensors)
+    if theirs:
+        tensors = hf_models.model_tensors(model, fmt, dtype, layers, input_scales, _quantized_weight, _weight)
+    else:
+        tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
+    warnings = _transformers_warnings(out, fmt, layers, tensors, name=(lambda n: n) if theirs else hf.hf_name)
     loaded = _tokenizer(model_or_run, model, checkpoint, tokenizer, warnings)
     eot_id = loaded.eot_id if loaded is not None else None  # bos / eos: hf.special_ids
-    files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None, eot_id),
-             hf.GENERATION_FILE: hf.generation_config(model.config, eot_id=eot_id)}
+    if theirs:
+        files = {hf.CONFIG_FILE: hf_models.model_config(model, fmt, dtype, layers, input_scales is not None)}
+        if (generation := hf_models.generation_config(model)) is not None:
+            files[hf.GENERATION_FILE] = generation
+    else:
+        files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None, eot_id),
+                 hf.GENERATION_FILE: hf.generation_config(model.config, eot_id=eot_id)}
 
     out.parent.mkdir(parents=True, exist_ok=True)
     remove_abandoned(out)  # the temporary folders of exports a kill interrupted

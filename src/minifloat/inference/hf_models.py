@@ -1,0 +1,113 @@
+"""export_hf for Hugging Face transformers models: any architecture, trained with minifloat or prepared for FP8
+inference, written in the layouts of minifloat.inference.export under the model's own tensor names and config.
+
+    model = mf.prepare_inference(AutoModelForCausalLM.from_pretrained(...), recipe=mf.BlockScaling())
+    export_hf(model, "out/fp8-block", format="hf-fp8-block")     # transformers' from_pretrained and vLLM read it
+    export_hf(model, "out/fp8", format="hf-fp8")                  # vLLM's per-tensor FP8
+
+What differs from the reference Llama's export (the layouts, the atomic write, the activation scales and the
+tokenizer are export_hf's own):
+
+* tensors: the model's state_dict under its own keys. A quantized linear's weight is written in the layout (its
+  stored FP8 weight as it is where the layout matches, else re-quantized through minifloat.numerics.quantize) with
+  the layout's scale names; its bias in `dtype`. An Fp8InferenceLinear's own buffers (weight_scale, input_scale,
+  smooth_scale) and an Fp8Linear's scaling state (`fp8_state.*`) are not written as such. Other floating tensors are
+  written in `dtype`, integer buffers as they are. A tensor that shares its storage with an earlier one (a head tied
+  to the embedding) is written once, as save_pretrained does.
+* config.json: `model.config.to_dict()` with `dtype`, `architectures` (the model's class when the config has none),
+  `tie_word_embeddings` false where the head no longer shares the embedding's weight (prepare_inference quantized
+  it), and the layout's quantization_config (the layers kept in high precision under "ignored_layers" and
+  "modules_to_not_convert", as for the reference Llama).
+* generation_config.json: the model's generation config, as save_pretrained writes it (none if it has none).
+
+A model under PEFT adapters is not a transformers model here: merge them first (`merge_and_unload` on the
+high-precision model), or save the adapters with PEFT.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+from torch import nn
+
+from minifloat.inference import hf
+from minifloat.inference.layers import Fp8InferenceLinear
+
+
+def is_transformers_model(model: object) -> bool:
+    """Whether `model` is a transformers PreTrainedModel (checked by class name: transformers stays optional)."""
+    return isinstance(model, nn.Module) and any(c.__name__ == "PreTrainedModel" for c in type(model).__mro__)
+
+
+def _is_scaling_state(key: str) -> bool:
+    return "fp8_state" in key.split(".")
+
+
+def _head_still_tied(model: nn.Module) -> bool:
+    """Whether the output head still shares the input embedding's weight (prepare_inference may have quantized it)."""
+    head, embedding = model.get_output_embeddings(), model.get_input_embeddings()
+    weight = getattr(head, "weight", None)
+    return isinstance(weight, nn.Parameter) and embedding is not None and weight is embedding.weight
+
+
+def model_tensors(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str],
+                  input_scales: dict[str, torch.Tensor] | None, quantized_weight, weight) -> dict[str, torch.Tensor]:
+    """model.safetensors' tensors (see the module docstring). `quantized_weight(module, fmt)` and `weight(module)`
+    are export's: a layer's weight on the layout's grid, and in high precision."""
+    quantized = set(layers) if fmt.granularity is not None else set()
+    modules = dict(model.named_modules())
+    out, seen = {}, set()
+    for key, tensor in model.state_dict().items():
+        if _is_scaling_state(key):
+            continue
+        layer, _, leaf = key.rpartition(".")
+        module = modules.get(layer)
+        if layer in quantized:
+            if leaf == "weight":
+                q = quantized_weight(module, fmt)
+                out[key] = q.data.cpu().contiguous()
+                out[f"{layer}.{fmt.scale_name}"] = q.scale.float().cpu().contiguous()
+                if input_scales is not None:
+                    out[f"{layer}.input_scale"] = input_scales[layer].float().reshape(())
+            elif leaf == "bias":
+                out[key] = tensor.detach().to(device="cpu", dtype=dtype).contiguous()
+            continue  # an Fp8InferenceLinear's own scales: written above under the layout's names
+        if isinstance(module, Fp8InferenceLinear):  # a plain export of a prepared layer: its dequantized weight
+            if leaf in ("weight", "bias"):
+                value = weight(module) if leaf == "weight" else tensor.detach()
+                out[key] = value.to(device="cpu", dtype=dtype).contiguous()
+            continue
+        where = (tensor.data_ptr(), tuple(tensor.shape), tensor.dtype)
+        if tensor.numel() and where in seen:  # tied to an earlier tensor (the head to the embedding)
+            continue
+        seen.add(where)
+        tensor = tensor.detach().to("cpu")
+        out[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
+    return out
+
+
+def model_config(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str],
+                 static: bool) -> dict:
+    """config.json (see the module docstring)."""
+    config = model.config.to_dict()
+    config["dtype"] = str(dtype).removeprefix("torch.")
+    config.pop("torch_dtype", None)
+    if not config.get("architectures"):
+        config["architectures"] = [type(model).__name__]
+    if config.get("tie_word_embeddings") and not _head_still_tied(model):
+        config["tie_word_embeddings"] = False
+    config.pop("quantization_config", None)
+    if fmt.granularity is not None:
+        kept = [name for name, m in model.named_modules()
+                if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers]
+        config["quantization_config"] = {**dict(fmt.config), "activation_scheme": "static" if static else "dynamic",
+                                         "ignored_layers": kept, "modules_to_not_convert": kept}
+    return config
+
+
+def generation_config(model: nn.Module) -> dict | None:
+    """generation_config.json as save_pretrained writes it (the fields that differ from the defaults), or None."""
+    config = getattr(model, "generation_config", None)
+    return None if config is None else json.loads(config.to_json_string(use_diff=True))
+
