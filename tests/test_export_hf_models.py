@@ -117,3 +117,31 @@ def test_a_peft_model_is_told_to_merge_first(tmp_path):
     with pytest.raises(ValueError, match="merge_and_unload"):
         export_hf(model, tmp_path / "e", format="hf-fp8-block")
     assert not (tmp_path / "e").exists()
+
+
+ARCHITECTURES = {  # fused projections (Phi-3's qkv_proj and gate_up_proj), biases (Qwen2's q/k/v), an encoder (BERT)
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0)),
+    "bert": ("BertConfig", "BertForMaskedLM", {}),
+}
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
+def test_other_architectures_export_block_fp8_that_transformers_reads(tmp_path, arch):
+    config_name, class_name, extra = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(vocab_size=128, hidden_size=128, intermediate_size=256,
+                                                 num_hidden_layers=2, num_attention_heads=4,
+                                                 max_position_embeddings=64, **extra)
+    torch.manual_seed(0)
+    model_class = getattr(transformers, class_name)
+    original = model_class(config).eval()
+    prepared = mf.prepare_inference(copy.deepcopy(original), recipe=mf.BlockScaling())
+    layers = fp8_layers(prepared)
+    assert layers
+    theirs = model_class.from_pretrained(export_hf(prepared, tmp_path / arch, format="hf-fp8-block")).eval()
+    for name, layer in layers.items():
+        assert torch.equal(theirs.get_submodule(name).weight, layer.dequantized_weight().to(torch.bfloat16)), name
+    batch = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference, loaded = original(input_ids=batch).logits, theirs(input_ids=batch).logits.float()
+    assert sqnr_db(reference, loaded) >= WEIGHT_ONLY_LOGITS_SQNR_FLOOR_DB
