@@ -145,3 +145,53 @@ def test_other_architectures_export_block_fp8_that_transformers_reads(tmp_path, 
     with torch.no_grad():
         reference, loaded = original(input_ids=batch).logits, theirs(input_ids=batch).logits.float()
     assert sqnr_db(reference, loaded) >= WEIGHT_ONLY_LOGITS_SQNR_FLOOR_DB
+
+
+# ---- minifloat export --hf DIR ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def model_folder(tmp_path):
+    """A Hugging Face model folder as save_pretrained writes it, with a tokenizer.json beside it."""
+    tokenizers = pytest.importorskip("tokenizers")
+    folder = tmp_path / "model"
+    tiny(tied=False).save_pretrained(folder)
+    tokenizers.Tokenizer(tokenizers.models.BPE()).save(str(folder / hf.TOKENIZER_FILE))
+    return folder
+
+
+def test_cli_exports_a_model_folder_in_block_fp8(model_folder, tmp_path, capsys):
+    from minifloat.cli import main
+
+    assert main(["export", "--hf", str(model_folder), "--format", "hf-fp8-block", "--out", str(tmp_path / "o")]) == 0
+    assert "wrote" in capsys.readouterr().out
+    out = tmp_path / "o"
+    assert (out / hf.TOKENIZER_FILE).read_bytes() == (model_folder / hf.TOKENIZER_FILE).read_bytes()
+    # what the Python API gives for the same folder: the model prepared with BlockScaling, exported
+    prepared = mf.prepare_inference(transformers.AutoModelForCausalLM.from_pretrained(model_folder).eval(),
+                                    recipe=mf.BlockScaling())
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(out)
+    layers = fp8_layers(prepared)
+    assert len(layers) == 11  # 14 linears less the first block's q/k/v (the head, untied, is kept too: 15 - 4)
+    for name, layer in layers.items():
+        assert torch.equal(theirs.get_submodule(name).weight, layer.dequantized_weight().to(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("case", ["both", "neither", "not-a-model", "quantized", "calibrate", "static"])
+def test_cli_refuses_a_bad_model_folder_in_one_line(model_folder, tmp_path, capsys, case):
+    from minifloat.cli import main
+
+    if case == "quantized":
+        assert main(["export", "--hf", str(model_folder), "--format", "hf-fp8-block", "--out",
+                     str(tmp_path / "q")]) == 0
+        capsys.readouterr()
+    args = {"both": ["--hf", str(model_folder), "--run", str(tmp_path)], "neither": [],
+            "not-a-model": ["--hf", str(tmp_path / "nothing")], "quantized": ["--hf", str(tmp_path / "q")],
+            "calibrate": ["--hf", str(model_folder), "--calibrate", "4"],
+            "static": ["--hf", str(model_folder), "--format", "hf-fp8", "--activations", "static"]}[case]
+    expected = {"both": "name one source", "neither": "name one source", "not-a-model": "not a Hugging Face model",
+                "quantized": "already quantized", "calibrate": "--calibrate is for --run",
+                "static": "--activations static needs a run"}[case]
+    assert main(["export", *args, "--out", str(tmp_path / "o")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "o").exists()

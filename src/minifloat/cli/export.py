@@ -35,13 +35,20 @@ def cmd_export(args: argparse.Namespace) -> int:
     tokenizer_config.json, which AutoTokenizer reads (a warning line when a token run's tokenizer is not found),
     and its end-of-text id as eos_token_id and bos_token_id in both configs (null for a byte run). An
     --out that exists and is not empty is refused unless --overwrite, which replaces only an earlier export's files
-    there; a folder holding a run or checkpoint is always refused. Exits with status 2 on a bad option, run
+    there; a folder holding a run or checkpoint is always refused. --hf DIR instead exports a Hugging Face model
+    folder (any architecture transformers reads): its linears quantized with the format's recipe, under its own
+    tensor names and config, its tokenizer files copied. Exits with status 2 on a bad option, run folder, model
     folder or checkpoint."""
     from minifloat.inference.export import NeedsCalibration, check_activations, export_hf, run_calibration
 
     _choice("--format", args.format, FORMATS)
     _choice("--dtype", args.dtype, DTYPES)
     _choice("--activations", args.activations, ACTIVATIONS)
+    if (args.run is None) == (args.hf is None):
+        raise common.CliError("invalid option: name one source, --run DIR (a run of minifloat train) or --hf DIR "
+                              "(a Hugging Face model folder)")
+    if args.hf is not None:
+        return _export_pretrained(args)
     calibration = None
     if args.calibrate is not None:
         if args.calibrate < 1:
@@ -61,6 +68,36 @@ def cmd_export(args: argparse.Namespace) -> int:
         raise common.CliError("--activations static: the run's model carries no activation scales to export; "
                               "calibrate them with --calibrate N (batches of the run's validation data), or "
                               "export --activations dynamic") from None
+    _report(out, args)
+    return 0
+
+
+def _export_pretrained(args: argparse.Namespace) -> int:
+    """--hf DIR: the folder's model prepared for FP8 inference with the layout's recipe, exported beside its
+    tokenizer files (minifloat.inference.hf_models)."""
+    from minifloat.inference import hf_models
+    from minifloat.inference.export import export_hf
+    from minifloat.inference.prepare import prepare_inference
+
+    refused = [flag for flag, given in (("--calibrate", args.calibrate is not None), ("--tokenizer", args.tokenizer),
+                                        ("--checkpoint", args.checkpoint != "latest")) if given]
+    if refused:
+        raise common.CliError(f"invalid option: {refused[0]} is for --run; with --hf the folder's own tokenizer is "
+                              f"copied, and its activations are scaled dynamically")
+    if args.activations == "static":
+        raise common.CliError("invalid option: --activations static needs a run's scales (--run); a Hugging Face "
+                              "model folder exports dynamic activations")
+    model = hf_models.load_pretrained(args.hf)
+    recipe = hf_models.FORMAT_RECIPES[args.format]
+    if recipe is not None:
+        model = prepare_inference(model, recipe=recipe)
+    out = export_hf(model, args.out, format=args.format, dtype=args.dtype, activations="dynamic",
+                    overwrite=args.overwrite, copy_files=hf_models.tokenizer_files(args.hf))
+    _report(out, args)
+    return 0
+
+
+def _report(out, args: argparse.Namespace) -> None:
     config = json.loads((pathlib.Path(out) / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization_config")
     detail = config["architectures"][0]
@@ -69,7 +106,6 @@ def cmd_export(args: argparse.Namespace) -> int:
         detail += (f", {quant['activation_scheme']} activations, kept in {args.dtype}: "
                    f"{', '.join(kept) if kept else 'none'}")
     common.console.print(f"wrote {out} ({args.format}: {detail})", highlight=False, soft_wrap=True)
-    return 0
 
 
 HELP = "write a run's model as a Hugging Face checkpoint (bf16 or FP8)"  # its line in `minifloat --help`
@@ -77,7 +113,12 @@ HELP = "write a run's model as a Hugging Face checkpoint (bf16 or FP8)"  # its l
 
 def add_parser(sub) -> None:
     e = sub.add_parser("export", help=HELP, description=cmd_export.__doc__)
-    e.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
+    source = e.add_argument_group("source (one of)")
+    source.add_argument("--run", default=None, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
+    source.add_argument("--hf", default=None, metavar="DIR", type=common.path_arg,
+                        help="a Hugging Face model folder (config.json and weights, read with transformers): its "
+                             "linears are quantized with the --format's recipe (hf-fp8: per tensor; hf-fp8-block: "
+                             "128×128 blocks; first block's q/k/v and the head kept), its tokenizer files copied")
     e.add_argument("--format", default="hf", metavar="FORMAT",
                    help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8'; transformers loads it wrong) or "
                         "hf-fp8-block (128×128 block FP8, DeepSeek-V3's; transformers reads it) (default hf)")

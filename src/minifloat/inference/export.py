@@ -243,7 +243,7 @@ class NeedsCalibration(ValueError):
 
 
 # every file an export writes: what --overwrite may replace in an existing folder (nothing else there is touched)
-EXPORT_FILES = (hf.CONFIG_FILE, hf.GENERATION_FILE, hf.WEIGHTS_FILE, hf.TOKENIZER_FILE, hf.TOKENIZER_CONFIG_FILE)
+EXPORT_FILES = (hf.CONFIG_FILE, hf.GENERATION_FILE, hf.WEIGHTS_FILE, *hf_models.TOKENIZER_FILES)
 
 
 def _check_out(out: Path, overwrite: bool) -> None:
@@ -308,7 +308,8 @@ def _tokenizer(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.
 def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "hf",
               dtype: str | torch.dtype = "bfloat16", checkpoint: str = "latest", activations: str = "auto",
               calibration: Iterable | None = None, clip: str = "max", percentile: float = DEFAULT_PERCENTILE,
-              tokenizer: str | os.PathLike | None = None, overwrite: bool = False) -> Path:
+              tokenizer: str | os.PathLike | None = None, overwrite: bool = False,
+              copy_files: Iterable[str | os.PathLike] = ()) -> Path:
     """Write a Hugging Face checkpoint of the reference Llama or of a transformers model (see the module docstring
     for the layouts, and minifloat.inference.hf_models for a transformers model's names and config).
 
@@ -329,6 +330,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
             run's own (found as minifloat generate finds it; a warning when a token run's cannot be found).
         overwrite: write into a non-empty `out_dir`, replacing an earlier export's files there once the new
             export is complete (other files stay; a folder holding a run or checkpoint is refused anyway).
+        copy_files: files copied into the export as they are, each named like one of EXPORT_FILES (a Hugging Face
+            model folder's tokenizer files: minifloat.inference.hf_models.tokenizer_files).
     Returns:
         The export folder.
     Raises:
@@ -371,6 +374,10 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
         for name, content in files.items():
             write_json(tmp / name, content, indent=2)
+        for path in map(Path, copy_files):
+            if path.name not in EXPORT_FILES or (tmp / path.name).exists():
+                raise ValueError(f"copy_files: {path.name} is not a file an export holds, or written already")
+            shutil.copyfile(path, tmp / path.name)
         if loaded is not None:
             shutil.copyfile(loaded.path, tmp / hf.TOKENIZER_FILE)
             eot = loaded.tokenizer.id_to_token(eot_id) if eot_id is not None else None

@@ -22,17 +22,28 @@ tokenizer are export_hf's own):
 
 A model under PEFT adapters is not a transformers model here: merge them first (`merge_and_unload` on the
 high-precision model), or save the adapters with PEFT.
+
+`minifloat export --hf DIR` does it all for a Hugging Face model folder: `load_pretrained` (transformers, float32),
+`prepare_inference` with the layout's recipe (`FORMAT_RECIPES`: per-tensor current scaling for hf-fp8, BlockScaling
+for hf-fp8-block), export_hf, and the folder's tokenizer files (`TOKENIZER_FILES`) copied beside it.
 """
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import torch
 from torch import nn
 
+from minifloat.fp8.recipes import BlockScaling, CurrentScaling
 from minifloat.inference import hf
 from minifloat.inference.layers import Fp8InferenceLinear
+
+# the recipe whose stored weights each layout holds as they are (minifloat.inference.export's _quantized_weight)
+FORMAT_RECIPES = {"hf": None, "hf-fp8": CurrentScaling(), "hf-fp8-block": BlockScaling()}
+# a model folder's tokenizer, as AutoTokenizer reads it (fast tokenizer, its config, special tokens, SentencePiece)
+TOKENIZER_FILES = (hf.TOKENIZER_FILE, hf.TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "tokenizer.model")
 
 
 def is_transformers_model(model: object) -> bool:
@@ -111,3 +122,41 @@ def generation_config(model: nn.Module) -> dict | None:
     config = getattr(model, "generation_config", None)
     return None if config is None else json.loads(config.to_json_string(use_diff=True))
 
+
+
+def load_pretrained(folder: str | Path) -> nn.Module:
+    """The transformers model in a local Hugging Face model folder, in float32 and eval mode (a causal LM where its
+    config names one, else the base model). One-line errors: not a model folder, transformers missing, a model it
+    cannot build or load, or a folder already quantized (export from the high-precision model instead)."""
+    folder = Path(folder)
+    if not (folder / hf.CONFIG_FILE).is_file():
+        raise FileNotFoundError(f"{folder} holds no {hf.CONFIG_FILE}: not a Hugging Face model folder")
+    try:
+        import transformers
+    except ImportError:
+        raise ImportError("reading a Hugging Face model folder needs transformers: pip install transformers") from None
+    try:
+        config = transformers.AutoConfig.from_pretrained(folder)
+    except (OSError, ValueError, KeyError) as err:
+        raise ValueError(f"{folder / hf.CONFIG_FILE}: transformers cannot read it ({_first_line(err)})") from None
+    if getattr(config, "quantization_config", None) is not None:
+        raise ValueError(f"{folder} is already quantized (its config has a quantization_config); export from the "
+                         f"high-precision model")
+    auto = (transformers.AutoModelForCausalLM if type(config) in transformers.AutoModelForCausalLM._model_mapping
+            else transformers.AutoModel)
+    try:
+        model = auto.from_pretrained(folder, dtype=torch.float32)
+    except Exception as err:  # noqa: BLE001 - a damaged weights file raises safetensors' own error type, among others
+        raise ValueError(f"{folder}: transformers cannot load the model ({type(err).__name__}: "
+                         f"{_first_line(err)}); check or save again the folder's weights") from None
+    return model.eval()
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__
+
+
+def tokenizer_files(folder: str | Path) -> list[Path]:
+    """The tokenizer files (TOKENIZER_FILES) a model folder holds, to copy into its export."""
+    return [Path(folder) / name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
