@@ -23,7 +23,7 @@ tokenizer are export_hf's own):
 A model under PEFT adapters is not a transformers model here: merge them first (`merge_and_unload` on the
 high-precision model), or save the adapters with PEFT.
 
-`minifloat export --hf DIR` does it all for a Hugging Face model folder: `load_pretrained` (transformers, float32),
+`minifloat export --hf DIR` does it all for a Hugging Face model folder: `load_pretrained` (transformers, the folder's dtype),
 `prepare_inference` with the layout's recipe (`FORMAT_RECIPES`: per-tensor current scaling for hf-fp8, BlockScaling
 for hf-fp8-block), export_hf, and the folder's tokenizer files (`TOKENIZER_FILES`) copied beside it.
 """
@@ -125,9 +125,9 @@ def generation_config(model: nn.Module) -> dict | None:
 
 
 def load_pretrained(folder: str | Path) -> nn.Module:
-    """The transformers model in a local Hugging Face model folder, in float32 and eval mode (a causal LM where its
-    config names one, else the base model). One-line errors: not a model folder, transformers missing, a model it
-    cannot build or load, or a folder already quantized (export from the high-precision model instead)."""
+    """The transformers model in a local Hugging Face model folder, in its own dtype and eval mode (a causal LM
+    where its config names one, else the base model). One-line errors: not a model folder, transformers missing, a
+    model it cannot build or load, or a folder already quantized (export from the high-precision model instead)."""
     folder = Path(folder)
     if not (folder / hf.CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{folder} holds no {hf.CONFIG_FILE}: not a Hugging Face model folder")
@@ -145,7 +145,7 @@ def load_pretrained(folder: str | Path) -> nn.Module:
     auto = (transformers.AutoModelForCausalLM if type(config) in transformers.AutoModelForCausalLM._model_mapping
             else transformers.AutoModel)
     try:
-        model = auto.from_pretrained(folder, dtype=torch.float32)
+        model = auto.from_pretrained(folder, dtype="auto")  # the folder's dtype: a bf16 model needs no fp32 copy
     except Exception as err:  # noqa: BLE001 - a damaged weights file raises safetensors' own error type, among others
         raise ValueError(f"{folder}: transformers cannot load the model ({type(err).__name__}: "
                          f"{_first_line(err)}); check or save again the folder's weights") from None
