@@ -189,8 +189,74 @@ def test_cli_refuses_a_bad_model_folder_in_one_line(model_folder, tmp_path, caps
             "calibrate": ["--hf", str(model_folder), "--calibrate", "4"],
             "static": ["--hf", str(model_folder), "--format", "hf-fp8", "--activations", "static"]}[case]
     expected = {"both": "name one source", "neither": "name one source", "not-a-model": "not a Hugging Face model",
-                "quantized": "already quantized", "calibrate": "--calibrate is for --run",
-                "static": "--activations static needs a run"}[case]
+                "quantized": "already quantized", "calibrate": "--calibrate N and --data DIR go together",
+                "static": "--activations static needs scales"}[case]
+    assert main(["export", *args, "--out", str(tmp_path / "o")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], lines
+    assert not (tmp_path / "o").exists()
+
+
+@pytest.fixture
+def calibration_folder(tmp_path):
+    """A model folder whose tokenizer.json is a byte-level BPE trained on the standard library's json package, and
+    that package's sources as the calibration text."""
+    import glob
+    import os
+    import shutil
+
+    tokenizers = pytest.importorskip("tokenizers")
+    text = tmp_path / "text"
+    text.mkdir()
+    for path in sorted(glob.glob(os.path.join(os.path.dirname(json.__file__), "*.py"))):
+        shutil.copy(path, text)
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    folder = tmp_path / "model"
+    transformers.LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer = tokenizers.Tokenizer(tokenizers.models.BPE())
+    tokenizer.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = tokenizers.trainers.BpeTrainer(vocab_size=300,
+                                             initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet())
+    tokenizer.train([str(p) for p in sorted(text.iterdir())], trainer)
+    tokenizer.save(str(folder / hf.TOKENIZER_FILE))
+    return folder, text
+
+
+def test_cli_calibrates_a_model_folder_on_text(calibration_folder, tmp_path):
+    from minifloat.cli import main
+    from minifloat.inference import hf_models
+
+    folder, text = calibration_folder
+    assert main(["export", "--hf", str(folder), "--format", "hf-fp8", "--calibrate", "2", "--data", str(text),
+                 "--out", str(tmp_path / "o")]) == 0
+    config = json.loads((tmp_path / "o" / hf.CONFIG_FILE).read_text())
+    assert config["quantization_config"]["activation_scheme"] == "static"
+    tensors = load_file(tmp_path / "o" / hf.WEIGHTS_FILE)
+    # the Python API on the same folder and text: the scales prepare_inference calibrates
+    model = hf_models.load_pretrained(folder)
+    batches = hf_models.folder_calibration(folder, text, 2, model)
+    assert len(batches) == 2 and tuple(batches[0].shape) == (hf_models.CALIBRATION_BATCH, 256)
+    prepared = mf.prepare_inference(model, recipe=mf.CurrentScaling(), calibration=batches, activations="static")
+    layers = fp8_layers(prepared)
+    assert layers
+    for name, layer in layers.items():
+        assert torch.equal(tensors[f"{name}.input_scale"], layer.input_scale.float().reshape(())), name
+        assert torch.equal(tensors[f"{name}.weight"].view(torch.uint8), layer.weight.view(torch.uint8)), name
+
+
+@pytest.mark.parametrize("case", ["no-data", "data-without-calibrate", "data-with-run", "block"])
+def test_cli_calibration_options_are_checked_in_one_line(calibration_folder, tmp_path, capsys, case):
+    from minifloat.cli import main
+
+    folder, text = calibration_folder
+    args = {"no-data": ["--hf", str(folder), "--format", "hf-fp8", "--calibrate", "2"],
+            "data-without-calibrate": ["--hf", str(folder), "--format", "hf-fp8", "--data", str(text)],
+            "data-with-run": ["--run", str(tmp_path), "--data", str(text)],
+            "block": ["--hf", str(folder), "--format", "hf-fp8-block", "--calibrate", "2", "--data", str(text)]}[case]
+    expected = {"no-data": "go together", "data-without-calibrate": "go together", "data-with-run": "--data is for --hf",
+                "block": "does not store"}[case]
     assert main(["export", *args, "--out", str(tmp_path / "o")]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], lines

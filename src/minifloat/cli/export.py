@@ -49,6 +49,9 @@ def cmd_export(args: argparse.Namespace) -> int:
                               "(a Hugging Face model folder)")
     if args.hf is not None:
         return _export_pretrained(args)
+    if args.data is not None:
+        raise common.CliError("invalid option: --data is for --hf; a run calibrates on its own validation data "
+                              "(--calibrate N)")
     calibration = None
     if args.calibrate is not None:
         if args.calibrate < 1:
@@ -76,23 +79,33 @@ def _export_pretrained(args: argparse.Namespace) -> int:
     """--hf DIR: the folder's model prepared for FP8 inference with the layout's recipe, exported beside its
     tokenizer files (minifloat.inference.hf_models)."""
     from minifloat.inference import hf_models
-    from minifloat.inference.export import export_hf
+    from minifloat.inference.export import check_activations, export_hf
     from minifloat.inference.prepare import prepare_inference
 
-    refused = [flag for flag, given in (("--calibrate", args.calibrate is not None), ("--tokenizer", args.tokenizer),
-                                        ("--checkpoint", args.checkpoint != "latest")) if given]
+    refused = [flag for flag, given in (("--tokenizer", args.tokenizer), ("--checkpoint", args.checkpoint != "latest"))
+               if given]
     if refused:
         raise common.CliError(f"invalid option: {refused[0]} is for --run; with --hf the folder's own tokenizer is "
-                              f"copied, and its activations are scaled dynamically")
-    if args.activations == "static":
-        raise common.CliError("invalid option: --activations static needs a run's scales (--run); a Hugging Face "
-                              "model folder exports dynamic activations")
+                              f"copied")
+    calibrate = args.calibrate is not None
+    if calibrate and args.calibrate < 1:
+        raise common.CliError(f"invalid option: --calibrate must be a number of batches >= 1, got {args.calibrate}")
+    if calibrate != (args.data is not None):
+        raise common.CliError("invalid option: with --hf, --calibrate N and --data DIR go together (N batches of "
+                              "DIR's text, encoded with the folder's tokenizer.json)")
+    check_activations(args.format, args.activations, calibrated=calibrate)
+    if args.activations == "static" and not calibrate:
+        raise common.CliError("invalid option: --activations static needs scales: with --hf, calibrate them "
+                              "(--calibrate N --data DIR), or export --activations dynamic")
     model = hf_models.load_pretrained(args.hf)
     recipe = hf_models.FORMAT_RECIPES[args.format]
     if recipe is not None:
-        model = prepare_inference(model, recipe=recipe)
-    out = export_hf(model, args.out, format=args.format, dtype=args.dtype, activations="dynamic",
-                    overwrite=args.overwrite, copy_files=hf_models.tokenizer_files(args.hf))
+        batches = hf_models.folder_calibration(args.hf, args.data, args.calibrate, model) if calibrate else None
+        model = prepare_inference(model, recipe=recipe, calibration=batches,
+                                  activations="static" if calibrate else "dynamic")
+    out = export_hf(model, args.out, format=args.format, dtype=args.dtype,
+                    activations="static" if calibrate else "dynamic", overwrite=args.overwrite,
+                    copy_files=hf_models.tokenizer_files(args.hf))
     _report(out, args)
     return 0
 
@@ -132,7 +145,12 @@ def add_parser(sub) -> None:
                         "them), dynamic, or auto (static when the run has them; default)")
     e.add_argument("--calibrate", type=int, default=None, metavar="N",
                    help="hf-fp8: static input scales from the run's first N validation batches (amax / 448 per "
-                        "layer), for a run without delayed scales of its own; refused with --activations dynamic")
+                        "layer), for a run without delayed scales of its own (--hf: N batches of --data); refused "
+                        "with --activations dynamic")
+    e.add_argument("--data", default=None, metavar="DIR", type=common.path_arg,
+                   help="--hf with --calibrate N: text (a folder of files, or token shards) to calibrate static "
+                        "input scales on, encoded with the model folder's tokenizer.json (batches of 4 × 512 "
+                        "tokens)")
     e.add_argument("--tokenizer", default=None, metavar="FILE",
                    help="the tokenizer.json to copy into --out, for a run that records none (.bin shards without "
                         "meta.json) or whose file moved; refused unless its vocabulary size is the run's")

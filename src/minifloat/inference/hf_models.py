@@ -25,7 +25,9 @@ high-precision model), or save the adapters with PEFT.
 
 `minifloat export --hf DIR` does it all for a Hugging Face model folder: `load_pretrained` (transformers, the folder's dtype),
 `prepare_inference` with the layout's recipe (`FORMAT_RECIPES`: per-tensor current scaling for hf-fp8, BlockScaling
-for hf-fp8-block), export_hf, and the folder's tokenizer files (`TOKENIZER_FILES`) copied beside it.
+for hf-fp8-block), export_hf, and the folder's tokenizer files (`TOKENIZER_FILES`) copied beside it. With
+`--calibrate N --data TEXT` (hf-fp8) the layers get static input scales from N batches of TEXT encoded by the
+folder's tokenizer.json (`folder_calibration`).
 """
 
 from __future__ import annotations
@@ -160,3 +162,32 @@ def _first_line(err: BaseException) -> str:
 def tokenizer_files(folder: str | Path) -> list[Path]:
     """The tokenizer files (TOKENIZER_FILES) a model folder holds, to copy into its export."""
     return [Path(folder) / name for name in TOKENIZER_FILES if (Path(folder) / name).is_file()]
+
+
+# calibration batches for a model folder: (B, T) token windows, T capped by the model's positions
+CALIBRATION_BATCH, CALIBRATION_SEQ_LEN = 4, 512
+
+
+def folder_calibration(folder: str | Path, data: str | Path, batches: int, model: nn.Module) -> list[torch.Tensor]:
+    """`batches` (B, T) token batches of `data` (a folder of text files, or token shards) encoded by the model
+    folder's tokenizer.json, for prepare_inference's calibration. ValueError for a folder without a tokenizer.json
+    or data whose ids the model's vocabulary does not hold."""
+    # imported here: minifloat.training pulls in the trainer, which an export without calibration never needs
+    from minifloat.training.batches import val_batches
+    from minifloat.training.data import load_corpus
+
+    tokenizer = Path(folder) / hf.TOKENIZER_FILE
+    if not tokenizer.is_file():
+        raise ValueError(f"{folder} has no {hf.TOKENIZER_FILE} to encode the calibration text with; export with "
+                         f"dynamic activations (no --calibrate), or add the model's tokenizer.json to the folder")
+    corpus = load_corpus(str(data), tokenizer=str(tokenizer))
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab is not None and corpus.vocab_size > vocab:
+        raise ValueError(f"the tokenizer {tokenizer} has {corpus.vocab_size} ids, more than the model's vocabulary of "
+                         f"{vocab}: not this model's tokenizer")
+    positions = getattr(model.config, "max_position_embeddings", None) or CALIBRATION_SEQ_LEN
+    out = [x for x, _ in val_batches(corpus.train, batch_size=CALIBRATION_BATCH,
+                                     seq_len=min(CALIBRATION_SEQ_LEN, positions), max_batches=batches)]
+    if not out:
+        raise ValueError(f"{data} holds too little text for one calibration batch of {CALIBRATION_SEQ_LEN} tokens")
+    return out
