@@ -225,3 +225,22 @@ def test_lora_config_names_what_it_takes():
 
     with pytest.raises(TypeError, match="peft.LoraConfig"):
         lora_config({"r": 16})
+
+
+def test_transformers_trainer_with_lora_ends_the_fp8_steps_of_the_frozen_base(tmp_path):
+    """docs/fp8.md's claim, under transformers' own Trainer: its optimizer holds only the adapters, and each of its
+    steps still ends the FP8 step of the frozen base layers the forwards went through."""
+    model = mf.convert(lora(tiny_llama().train(), target_modules=["q_proj", "v_proj"]))
+    base = model.base_model.model.model.layers[1].self_attn.q_proj.base_layer
+    assert isinstance(base, mf.Fp8Linear) and not base.weight.requires_grad
+    adapter = model.base_model.model.model.layers[1].self_attn.q_proj.lora_B["default"].weight
+    before = adapter.detach().clone()
+    generator = torch.Generator().manual_seed(4)
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, 128, (8, 16), generator=generator)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                          learning_rate=1e-3, report_to=[], save_strategy="no", use_cpu=True,
+                                          logging_strategy="no", disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    history = base.fp8_state.amax_history
+    assert int((history != 0).any(dim=1).sum()) == 3, "the Trainer's steps did not end the frozen base's FP8 steps"
+    assert not torch.equal(adapter.detach(), before)
