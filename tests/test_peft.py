@@ -244,3 +244,26 @@ def test_transformers_trainer_with_lora_ends_the_fp8_steps_of_the_frozen_base(tm
     history = base.fp8_state.amax_history
     assert int((history != 0).any(dim=1).sum()) == 3, "the Trainer's steps did not end the frozen base's FP8 steps"
     assert not torch.equal(adapter.detach(), before)
+
+
+def test_preparing_after_get_peft_model_is_the_lora_config_order_bitwise():
+    """prepare_inference of a model PEFT already wrapped quantizes the base layers only (the adapters stay nn.Linear);
+    with the same adapter weights it computes bitwise what lora_config's order (prepare, then get_peft_model) does."""
+    from minifloat.inference.adapters import lora_config
+    from minifloat.inference.layers import Fp8InferenceLinear
+
+    config = dict(r=RANK, lora_alpha=32, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    after = mf.prepare_inference(peft.get_peft_model(tiny_llama(), peft.LoraConfig(**config)),
+                                 recipe=mf.CurrentScaling())
+    before = peft.get_peft_model(mf.prepare_inference(tiny_llama(), recipe=mf.CurrentScaling()),
+                                 lora_config(peft.LoraConfig(**config)))
+    wrapped = after.base_model.model.model.layers[1].self_attn.q_proj
+    assert isinstance(wrapped.base_layer, Fp8InferenceLinear) and type(wrapped.lora_A["default"]) is nn.Linear
+    adapters = {k: v for k, v in after.state_dict().items() if ".lora_" in k}
+    assert adapters and not before.load_state_dict(adapters, strict=False).unexpected_keys
+    with torch.no_grad():
+        assert torch.equal(after(input_ids=ids_batch()).logits, before(input_ids=ids_batch()).logits)
+
+
+def ids_batch() -> torch.Tensor:
+    return torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(5))
