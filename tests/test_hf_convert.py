@@ -119,3 +119,19 @@ def test_a_prepared_model_refuses_save_pretrained_and_save_quantized_round_trips
         assert torch.equal(loaded(ids).logits, prepared(ids).logits)
     with pytest.raises(ValueError, match="prepared for FP8 inference"):
         loaded.save_pretrained(tmp_path / "fp8")
+
+
+def test_transformers_trainer_ends_one_fp8_step_per_optimizer_step(tmp_path):
+    """Under transformers' Trainer (accelerate wraps the optimizer) with 2 micro-batches per step: each of its 3
+    optimizer steps ends exactly one FP8 step of every converted layer (3 history rows rolled, not 6)."""
+    model = mf.convert(tiny_llama().train())
+    layers = [m for m in model.modules() if isinstance(m, mf.Fp8Linear)]
+    assert layers
+    generator = torch.Generator().manual_seed(4)
+    data = [{"input_ids": row, "labels": row} for row in torch.randint(0, VOCAB, (12, 16), generator=generator)]
+    args = transformers.TrainingArguments(output_dir=str(tmp_path), max_steps=3, per_device_train_batch_size=2,
+                                          gradient_accumulation_steps=2, learning_rate=1e-3, report_to=[],
+                                          save_strategy="no", use_cpu=True, logging_strategy="no", disable_tqdm=True)
+    transformers.Trainer(model=model, args=args, train_dataset=data).train()
+    for layer in layers:
+        assert int((layer.fp8_state.amax_history != 0).any(dim=1).sum()) == 3, layer.fp8_name
