@@ -119,19 +119,26 @@ def test_a_peft_model_is_told_to_merge_first(tmp_path):
     assert not (tmp_path / "e").exists()
 
 
-ARCHITECTURES = {  # fused projections (Phi-3's qkv_proj and gate_up_proj), biases (Qwen2's q/k/v), an encoder (BERT)
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2)),
-    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(num_key_value_heads=2, pad_token_id=0)),
-    "bert": ("BertConfig", "BertForMaskedLM", {}),
+_SIZES = dict(vocab_size=128, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              max_position_embeddings=64)
+# fused projections (Phi-3's qkv_proj and gate_up_proj), biases (Qwen2's q/k/v, OPT's), an encoder (BERT), an
+# encoder-decoder whose embedding three modules share (T5: written once, tied again on load)
+ARCHITECTURES = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(_SIZES, num_key_value_heads=2)),
+    "phi3": ("Phi3Config", "Phi3ForCausalLM", dict(_SIZES, num_key_value_heads=2, pad_token_id=0)),
+    "bert": ("BertConfig", "BertForMaskedLM", _SIZES),
+    "opt": ("OPTConfig", "OPTForCausalLM", dict(vocab_size=128, hidden_size=128, ffn_dim=256, num_hidden_layers=2,
+                                                num_attention_heads=4, max_position_embeddings=64,
+                                                word_embed_proj_dim=128)),
+    "t5": ("T5Config", "T5ForConditionalGeneration", dict(vocab_size=128, d_model=128, d_kv=32, d_ff=256,
+                                                          num_layers=2, num_heads=4)),
 }
 
 
 @pytest.mark.parametrize("arch", sorted(ARCHITECTURES))
 def test_other_architectures_export_block_fp8_that_transformers_reads(tmp_path, arch):
-    config_name, class_name, extra = ARCHITECTURES[arch]
-    config = getattr(transformers, config_name)(vocab_size=128, hidden_size=128, intermediate_size=256,
-                                                 num_hidden_layers=2, num_attention_heads=4,
-                                                 max_position_embeddings=64, **extra)
+    config_name, class_name, fields = ARCHITECTURES[arch]
+    config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(0)
     model_class = getattr(transformers, class_name)
     original = model_class(config).eval()
@@ -142,8 +149,9 @@ def test_other_architectures_export_block_fp8_that_transformers_reads(tmp_path, 
     for name, layer in layers.items():
         assert torch.equal(theirs.get_submodule(name).weight, layer.dequantized_weight().to(torch.bfloat16)), name
     batch = torch.randint(3, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    inputs = dict(input_ids=batch, **({"decoder_input_ids": batch} if arch == "t5" else {}))
     with torch.no_grad():
-        reference, loaded = original(input_ids=batch).logits, theirs(input_ids=batch).logits.float()
+        reference, loaded = original(**inputs).logits, theirs(**inputs).logits.float()
     assert sqnr_db(reference, loaded) >= WEIGHT_ONLY_LOGITS_SQNR_FLOOR_DB
 
 
