@@ -269,3 +269,15 @@ def test_cli_calibration_options_are_checked_in_one_line(calibration_folder, tmp
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], lines
     assert not (tmp_path / "o").exists()
+
+
+def test_cli_never_exports_over_the_model_folder_it_reads(model_folder, capsys):
+    """--out DIR --overwrite on the --hf folder itself would have replaced the user's model by the export."""
+    from minifloat.cli import main
+
+    before = {p.name: p.read_bytes() for p in model_folder.iterdir()}
+    assert main(["export", "--hf", str(model_folder), "--format", "hf-fp8-block", "--out", str(model_folder),
+                 "--overwrite"]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "is the model folder --hf reads" in lines[0], lines
+    assert {p.name: p.read_bytes() for p in model_folder.iterdir()} == before

@@ -44,6 +44,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     _choice("--format", args.format, FORMATS)
     _choice("--dtype", args.dtype, DTYPES)
     _choice("--activations", args.activations, ACTIVATIONS)
+    if args.calibrate is not None and args.calibrate < 1:
+        raise common.CliError(f"invalid option: --calibrate must be a number of batches >= 1, got {args.calibrate}")
     if (args.run is None) == (args.hf is None):
         raise common.CliError("invalid option: name one source, --run DIR (a run of minifloat train) or --hf DIR "
                               "(a Hugging Face model folder)")
@@ -54,9 +56,6 @@ def cmd_export(args: argparse.Namespace) -> int:
                               "(--calibrate N)")
     calibration = None
     if args.calibrate is not None:
-        if args.calibrate < 1:
-            raise common.CliError(f"invalid option: --calibrate must be a number of batches >= 1, "
-                                  f"got {args.calibrate}")
         # the library's rules, before the batches are read: --calibrate needs hf-fp8 and static or auto scales
         check_activations(args.format, args.activations, calibrated=True)
         calibration = run_calibration(args.run, args.calibrate, checkpoint=args.checkpoint)
@@ -88,8 +87,6 @@ def _export_pretrained(args: argparse.Namespace) -> int:
         raise common.CliError(f"invalid option: {refused[0]} is for --run; with --hf the folder's own tokenizer is "
                               f"copied")
     calibrate = args.calibrate is not None
-    if calibrate and args.calibrate < 1:
-        raise common.CliError(f"invalid option: --calibrate must be a number of batches >= 1, got {args.calibrate}")
     if calibrate != (args.data is not None):
         raise common.CliError("invalid option: with --hf, --calibrate N and --data DIR go together (N batches of "
                               "DIR's text, encoded with the folder's tokenizer.json)")
@@ -97,6 +94,9 @@ def _export_pretrained(args: argparse.Namespace) -> int:
     if args.activations == "static" and not calibrate:
         raise common.CliError("invalid option: --activations static needs scales: with --hf, calibrate them "
                               "(--calibrate N --data DIR), or export --activations dynamic")
+    if pathlib.Path(args.out).resolve() == pathlib.Path(args.hf).resolve():  # --overwrite would replace the model
+        raise common.CliError(f"invalid option: --out {args.out} is the model folder --hf reads; choose another folder "
+                              f"for the export")
     model = hf_models.load_pretrained(args.hf)
     recipe = hf_models.FORMAT_RECIPES[args.format]
     if recipe is not None:
