@@ -97,17 +97,39 @@ def _export_pretrained(args: argparse.Namespace) -> int:
     if pathlib.Path(args.out).resolve() == pathlib.Path(args.hf).resolve():  # --overwrite would replace the model
         raise common.CliError(f"invalid option: --out {args.out} is the model folder --hf reads; choose another folder "
                               f"for the export")
+    if not calibrate:  # shard by shard where it can be (minifloat.inference.hf_stream), else the whole model
+        _report(_export_streamed(args), args)
+        return 0
     model = hf_models.load_pretrained(args.hf)
-    recipe = hf_models.FORMAT_RECIPES[args.format]
-    if recipe is not None:
-        batches = hf_models.folder_calibration(args.hf, args.data, args.calibrate, model) if calibrate else None
-        model = prepare_inference(model, recipe=recipe, calibration=batches,
-                                  activations="static" if calibrate else "dynamic")
-    out = export_hf(model, args.out, format=args.format, dtype=args.dtype,
-                    activations="static" if calibrate else "dynamic", overwrite=args.overwrite,
-                    copy_files=hf_models.tokenizer_files(args.hf))
+    batches = hf_models.folder_calibration(args.hf, args.data, args.calibrate, model)
+    model = prepare_inference(model, recipe=hf_models.FORMAT_RECIPES[args.format], calibration=batches,
+                              activations="static")
+    out = export_hf(model, args.out, format=args.format, dtype=args.dtype, activations="static",
+                    overwrite=args.overwrite, copy_files=hf_models.tokenizer_files(args.hf))
     _report(out, args)
     return 0
+
+
+def _export_streamed(args: argparse.Namespace) -> pathlib.Path:
+    """hf_stream.export_folder with a progress bar on a terminal (stderr), drawn from the first tensor on."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from minifloat.inference.hf_stream import export_folder
+
+    bar = Progress(TextColumn("[bold]exporting tensors"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                   console=common.ERR, transient=True, disable=not common.ERR.is_terminal)
+    task = bar.add_task("export", total=None)
+
+    def progress(done: int, total: int) -> None:
+        if not bar.live.is_started:
+            bar.start()
+        bar.update(task, completed=done, total=total)
+
+    try:
+        return export_folder(args.hf, args.out, format=args.format, dtype=args.dtype, overwrite=args.overwrite,
+                             progress=progress)
+    finally:
+        bar.stop()
 
 
 def _report(out, args: argparse.Namespace) -> None:

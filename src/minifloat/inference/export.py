@@ -44,7 +44,6 @@ import dataclasses
 import logging
 import os
 import shutil
-import tempfile
 from collections.abc import Iterable
 from pathlib import Path
 
@@ -56,16 +55,14 @@ from minifloat.core.validate import check_choice
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.inference import hf, hf_models
 from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
+from minifloat.inference.export_files import check_out, copy_into, write_export
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
 from minifloat.inference.runs import LOW_PRECISION_RUN, load_run, run_calibration, run_checkpoint  # noqa: F401
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
-from minifloat.core.files import apply_umask, fsync_path, remove_abandoned, temp_prefix, write_json
-from minifloat.training.checkpoint import MANIFEST_FILE, move_into_place
+from minifloat.core.files import write_json
 from minifloat.training.model import Llama, LlamaConfig
-from minifloat.training.rundir import run_items
-from minifloat.training.sharded import is_sharded
 from minifloat.training.tokenizer import LoadedTokenizer, load_tokenizer
 
 log = logging.getLogger("minifloat")
@@ -242,44 +239,6 @@ class NeedsCalibration(ValueError):
     """Static activation scales were asked for, and neither calibration batches nor the model's layers give them."""
 
 
-# every file an export writes: what --overwrite may replace in an existing folder (nothing else there is touched)
-EXPORT_FILES = (hf.CONFIG_FILE, hf.GENERATION_FILE, hf.WEIGHTS_FILE, *hf_models.TOKENIZER_FILES)
-
-
-def _check_out(out: Path, overwrite: bool) -> None:
-    """Refuse an `out` the export must not write into: a file, a training run or checkpoint (never replaced), or a
-    non-empty folder without `overwrite`."""
-    if out.exists() and not out.is_dir():
-        raise FileExistsError(f"{out} is a file; choose a folder for the export")
-    if not out.is_dir() or not any(out.iterdir()):
-        return
-    run = run_items(out) + ([MANIFEST_FILE] if (out / MANIFEST_FILE).exists() else [])
-    if run or is_sharded(out):
-        raise FileExistsError(f"{out} holds a training run or checkpoint ({', '.join(run) or 'sharded'}), which an "
-                              f"export never replaces; choose another folder for the export")
-    if not overwrite:
-        raise FileExistsError(f"{out} exists and is not empty; choose a new path, or pass overwrite=True to replace "
-                              f"the export there (other files in it stay)")
-    mine = [name for name in EXPORT_FILES if (out / name).exists()]
-    if mine and not (out / hf.WEIGHTS_FILE).is_file():  # no earlier export: the files under those names are yours
-        raise FileExistsError(f"{out} holds {', '.join(mine)} but no {hf.WEIGHTS_FILE}, so not an earlier export, and "
-                              f"overwrite replaces only an export's files; move them, or choose another folder")
-
-
-def _put_in_place(tmp: Path, out: Path) -> list[str]:
-    """Move the complete export in `tmp` to `out`: one rename for a new folder; into an existing one (overwrite), file
-    by file (each replaced in one rename). Nothing else in `out` is touched: the export files this export does not
-    write (a tokenizer, which a byte or shard run has none of) stay, whoever wrote them; returned, to be named."""
-    if not out.exists():
-        move_into_place(tmp, out)
-        return []
-    written = {path.name for path in tmp.iterdir()}
-    for name in sorted(written):
-        os.replace(tmp / name, out / name)
-    tmp.rmdir()
-    return [name for name in EXPORT_FILES if name not in written and (out / name).is_file()]
-
-
 def _tokenizer(model_or_run, model: Llama, checkpoint: str, tokenizer: str | os.PathLike | None,
                warnings: list[str]) -> LoadedTokenizer | None:
     """The tokenizer.json an export copies: `tokenizer` (checked against the model's vocabulary), else a run's own;
@@ -342,7 +301,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     check_activations(format, activations, calibrated=calibration is not None, clip=clip)  # the format's too
     fmt, dtype = hf.FORMATS[format], _dtype(dtype)
     out = Path(out_dir)
-    _check_out(out, overwrite)
+    check_out(out, overwrite)
     model = model_or_run if isinstance(model_or_run, nn.Module) else load_run(model_or_run, checkpoint=checkpoint)
     theirs = hf_models.is_transformers_model(model)  # a transformers model: its own names and config
     if not theirs and not isinstance(model, Llama):
@@ -367,30 +326,17 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         files = {hf.CONFIG_FILE: _config_json(model, fmt, dtype, layers, input_scales is not None, eot_id),
                  hf.GENERATION_FILE: hf.generation_config(model.config, eot_id=eot_id)}
 
-    out.parent.mkdir(parents=True, exist_ok=True)
-    remove_abandoned(out)  # the temporary folders of exports a kill interrupted
-    tmp = Path(tempfile.mkdtemp(prefix=temp_prefix(out), dir=out.parent))
-    try:
+    def fill(tmp: Path) -> None:
         save_file(tensors, str(tmp / hf.WEIGHTS_FILE), metadata={"format": "pt"})
         for name, content in files.items():
             write_json(tmp / name, content, indent=2)
-        for path in map(Path, copy_files):
-            if path.name not in EXPORT_FILES or (tmp / path.name).exists():
-                raise ValueError(f"copy_files: {path.name} is not a file an export holds, or written already")
-            shutil.copyfile(path, tmp / path.name)
+        copy_into(tmp, copy_files)
         if loaded is not None:
             shutil.copyfile(loaded.path, tmp / hf.TOKENIZER_FILE)
             eot = loaded.tokenizer.id_to_token(eot_id) if eot_id is not None else None
             write_json(tmp / hf.TOKENIZER_CONFIG_FILE, hf.tokenizer_config(eot), indent=2)
-        for path in (*tmp.iterdir(), tmp):  # mkdtemp's 0700, safetensors' 0600: the umask's modes, as `open` gives
-            apply_umask(path)
-            fsync_path(path)
-        _check_out(out, overwrite)  # nothing appeared there meanwhile
-        kept = _put_in_place(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    fsync_path(out.parent)
+
+    kept = write_export(out, overwrite, fill)
     if kept:  # an earlier export's tokenizer, or one the user put there: either way not ours to delete
         warnings.append(f"minifloat: {out} keeps {', '.join(kept)}, which this export does not write (an earlier "
                         f"export's, or yours): check that it matches these weights, or delete it")

@@ -125,11 +125,11 @@ def generation_config(model: nn.Module) -> dict | None:
     return None if config is None else json.loads(config.to_json_string(use_diff=True))
 
 
-
-def load_pretrained(folder: str | Path) -> nn.Module:
-    """The transformers model in a local Hugging Face model folder, in its own dtype and eval mode (a causal LM
-    where its config names one, else the base model). One-line errors: not a model folder, transformers missing, a
-    model it cannot build or load, or a folder already quantized (export from the high-precision model instead)."""
+def read_config(folder: str | Path):
+    """The transformers config of a local Hugging Face model folder, and the class that builds its model: the one
+    its config's `architectures` names (what saved it), else a causal LM where the config has one, else the base
+    model. One-line errors: not a model folder, transformers
+    missing, a config it cannot read, or a folder already quantized (export from the high-precision model)."""
     folder = Path(folder)
     if not (folder / hf.CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{folder} holds no {hf.CONFIG_FILE}: not a Hugging Face model folder")
@@ -144,8 +144,18 @@ def load_pretrained(folder: str | Path) -> nn.Module:
     if getattr(config, "quantization_config", None) is not None:
         raise ValueError(f"{folder} is already quantized (its config has a quantization_config); export from the "
                          f"high-precision model")
+    named = [getattr(transformers, name, None) for name in (getattr(config, "architectures", None) or [])[:1]]
+    if named and isinstance(named[0], type) and issubclass(named[0], transformers.PreTrainedModel):
+        return config, named[0]  # the class that saved it: its heads are the folder's (AutoModel would drop them)
     auto = (transformers.AutoModelForCausalLM if type(config) in transformers.AutoModelForCausalLM._model_mapping
             else transformers.AutoModel)
+    return config, auto
+
+
+def load_pretrained(folder: str | Path) -> nn.Module:
+    """The transformers model in a local Hugging Face model folder, in its own dtype and eval mode (`read_config`'s
+    class). One-line errors: those of read_config, and a model transformers cannot build or load."""
+    _, auto = read_config(folder)
     try:
         model = auto.from_pretrained(folder, dtype="auto")  # the folder's dtype: a bf16 model needs no fp32 copy
     except Exception as err:  # noqa: BLE001 - a damaged weights file raises safetensors' own error type, among others

@@ -114,11 +114,16 @@ def check_finite_weights(model: nn.Module, names: list[str]) -> None:
         if not weight.is_meta and not bool(torch.isfinite(weight).all()):
             bad[n] = int((~torch.isfinite(weight)).sum())
     if bad:
-        listed = ", ".join(f"{n} ({k} non-finite)" for n, k in list(bad.items())[:3])
-        listed += ", ..." if len(bad) > 3 else ""
-        raise ValueError(f"the weights of {len(bad)} layer(s) hold NaN or infinity, which FP8 cannot store: {listed}; "
-                         f"repair or reload the weights (a diverged run's checkpoint?), or keep those layers in high "
-                         f"precision (keep=...)")
+        raise nonfinite_weights(bad)
+
+
+def nonfinite_weights(bad: dict[str, int]) -> ValueError:
+    """The error for layers whose weights hold NaN or infinity ({layer: how many elements}): check_finite_weights'."""
+    listed = ", ".join(f"{n} ({k} non-finite)" for n, k in list(bad.items())[:3])
+    listed += ", ..." if len(bad) > 3 else ""
+    return ValueError(f"the weights of {len(bad)} layer(s) hold NaN or infinity, which FP8 cannot store: {listed}; "
+                      f"repair or reload the weights (a diverged run's checkpoint?), or keep those layers in high "
+                      f"precision (keep=...)")
 
 
 def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable | None = None,
