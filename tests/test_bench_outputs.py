@@ -13,7 +13,7 @@ import textwrap
 BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 # script: the output flags it takes. gpu.py refuses on its own (tests/test_bench_gpu.py).
 OUTPUTS = {"cast_routes": ("--json",), "column_amax": ("--json",), "convergence": ("--json", "--markdown"),
-           "distributed": ("--json",), "fp4_convergence": ("--json",), "generate": ("--json",),
+           "distributed": ("--json",), "export_memory": ("--json",), "fp4_convergence": ("--json",), "generate": ("--json",),
            "minilm_inference": ("--json",), "optimizer_states": ("--json",), "peak_memory": ("--json",),
            "requantize": ("--json",), "step_time": ("--json", "--markdown"), "tokenize_memory": ("--json",)}
 

@@ -37,7 +37,9 @@ def cmd_export(args: argparse.Namespace) -> int:
     --out that exists and is not empty is refused unless --overwrite, which replaces only an earlier export's files
     there; a folder holding a run or checkpoint is always refused. --hf DIR instead exports a Hugging Face model
     folder (any architecture transformers reads): its linears quantized with the format's recipe, under its own
-    tensor names and config, its tokenizer files copied. Exits with status 2 on a bad option, run folder, model
+    tensor names and config, its tokenizer files copied; without --calibrate it is read and written one
+    safetensors file at a time (one output shard per input file, and the index), never loaded whole, where its
+    stored tensors are what transformers would load (else it is loaded whole; -v says why). Exits with status 2 on a bad option, run folder, model
     folder or checkpoint."""
     from minifloat.inference.export import NeedsCalibration, check_activations, export_hf, run_calibration
 
@@ -153,7 +155,8 @@ def add_parser(sub) -> None:
     source.add_argument("--hf", default=None, metavar="DIR", type=common.path_arg,
                         help="a Hugging Face model folder (config.json and weights, read with transformers): its "
                              "linears are quantized with the --format's recipe (hf-fp8: per tensor; hf-fp8-block: "
-                             "128×128 blocks; first block's q/k/v and the head kept), its tokenizer files copied")
+                             "128×128 blocks; first block's q/k/v and the head kept), its tokenizer files copied; "
+                             "streamed one safetensors file at a time")
     e.add_argument("--format", default="hf", metavar="FORMAT",
                    help="hf (plain tensors), hf-fp8 (per-tensor FP8, vLLM's 'fp8'; transformers loads it wrong) or "
                         "hf-fp8-block (128×128 block FP8, DeepSeek-V3's; transformers reads it) (default hf)")

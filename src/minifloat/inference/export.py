@@ -24,7 +24,7 @@ hf-fp8 is vLLM's / AutoFP8's per-tensor "fp8" checkpoint; hf-fp8-block is DeepSe
 is, despite its name, the dequantization multiplier (transformers' finegrained_fp8 multiplies by it). transformers
 reads hf, and hf-fp8-block whose sizes are multiples of 128 (or at most 128), right; it refuses hf-fp8 in one line
 (hf.TRANSFORMERS_REFUSAL: it would load its weights unscaled, its per-tensor names not being vLLM's), and the export
-logs one warning line for a block file it would load wrong (`_transformers_warnings`; docs/inference.md, "What
+logs one warning line for a block file it would load wrong (`transformers_warnings`; docs/inference.md, "What
 transformers loads").
 
 Embeddings, norms and lm_head stay in `dtype`; the linears kept in high precision are listed under both
@@ -71,7 +71,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 ACTIVATIONS = ("auto", "static", "dynamic")
 
 
-def _dtype(dtype: str | torch.dtype) -> torch.dtype:
+def export_dtype(dtype: str | torch.dtype) -> torch.dtype:
     if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
         return dtype
     check_choice("dtype", dtype, list(DTYPES))
@@ -157,7 +157,7 @@ def _weight(module: nn.Module) -> torch.Tensor:
     return module.weight.detach()
 
 
-def _quantized_weight(module: nn.Module, fmt: hf.ExportFormat) -> Quantized:
+def quantized_weight(module: nn.Module, fmt: hf.ExportFormat) -> Quantized:
     """The layer's weight on the layout's grid: an Fp8InferenceLinear's stored weight and scales as they are when
     they are E4M3 at the layout's granularity (any fp32 scales: a margin or power-of-two scales change nothing
     the layout records), else the weight quantized through minifloat.numerics.quantize."""
@@ -199,7 +199,7 @@ def hf_tensors(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers: l
             tensor = _weight(module) if leaf == "weight" else getattr(module, leaf).detach()
             out[name] = tensor.to(device="cpu", dtype=dtype).contiguous()
             continue
-        q = _quantized_weight(modules[layer], fmt)
+        q = quantized_weight(modules[layer], fmt)
         prefix = name.removesuffix(".weight")
         out[name] = q.data.cpu().contiguous()
         out[f"{prefix}.{fmt.scale_name}"] = q.scale.float().cpu().contiguous()
@@ -219,7 +219,7 @@ def _config_json(model: Llama, fmt: hf.ExportFormat, dtype: torch.dtype, layers:
     return config
 
 
-def _transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str], tensors: dict[str, torch.Tensor],
+def transformers_warnings(out: Path, fmt: hf.ExportFormat, layers: list[str], tensors: dict[str, torch.Tensor],
                            name=hf.hf_name) -> list[str]:
     """One line for each way transformers' from_pretrained would load the export wrong without raising (measured
     with transformers 5.24 on a CPU, tests/test_export.py): partial 128×128 blocks, which its CPU dequantization
@@ -299,7 +299,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
         ValueError: an unknown format / dtype / activations, static scales that cannot be had, another model.
     """
     check_activations(format, activations, calibrated=calibration is not None, clip=clip)  # the format's too
-    fmt, dtype = hf.FORMATS[format], _dtype(dtype)
+    fmt, dtype = hf.FORMATS[format], export_dtype(dtype)
     out = Path(out_dir)
     check_out(out, overwrite)
     model = model_or_run if isinstance(model_or_run, nn.Module) else load_run(model_or_run, checkpoint=checkpoint)
@@ -312,10 +312,10 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     layers = quantized_layers(model) if fmt.granularity is not None else []
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     if theirs:
-        tensors = hf_models.model_tensors(model, fmt, dtype, layers, input_scales, _quantized_weight, _weight)
+        tensors = hf_models.model_tensors(model, fmt, dtype, layers, input_scales, quantized_weight, _weight)
     else:
         tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
-    warnings = _transformers_warnings(out, fmt, layers, tensors, name=(lambda n: n) if theirs else hf.hf_name)
+    warnings = transformers_warnings(out, fmt, layers, tensors, name=(lambda n: n) if theirs else hf.hf_name)
     loaded = _tokenizer(model_or_run, model, checkpoint, tokenizer, warnings)
     eot_id = loaded.eot_id if loaded is not None else None  # bos / eos: hf.special_ids
     if theirs:

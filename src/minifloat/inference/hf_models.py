@@ -42,7 +42,7 @@ from minifloat.fp8.recipes import BlockScaling, CurrentScaling
 from minifloat.inference import hf
 from minifloat.inference.layers import Fp8InferenceLinear
 
-# the recipe whose stored weights each layout holds as they are (minifloat.inference.export's _quantized_weight)
+# the recipe whose stored weights each layout holds as they are (minifloat.inference.export's quantized_weight)
 FORMAT_RECIPES = {"hf": None, "hf-fp8": CurrentScaling(), "hf-fp8-block": BlockScaling()}
 # a model folder's tokenizer, as AutoTokenizer reads it (fast tokenizer, its config, special tokens, SentencePiece)
 TOKENIZER_FILES = (hf.TOKENIZER_FILE, hf.TOKENIZER_CONFIG_FILE, "special_tokens_map.json", "tokenizer.model")

@@ -6,7 +6,7 @@ The model is built on the meta device from its config (no memory), which gives i
 tied weights and linear layers, and so the layers `prepare_inference` would quantize (`inference_plan`). Then each
 safetensors file of the folder is read a tensor at a time: a quantized layer's weight goes through the very calls
 the whole-model path makes (`Fp8InferenceLinear.from_linear` with the layout's recipe, then export's
-`_quantized_weight`), every other tensor is cast to `dtype`, and the results are written as one output shard per
+`quantized_weight`), every other tensor is cast to `dtype`, and the results are written as one output shard per
 input file (`model.safetensors` for one, `model-0000i-of-0000N.safetensors` with `model.safetensors.index.json` for
 more) before the next file is read. The tensors, config.json and generation_config.json are bitwise those of
 `export_hf(prepare_inference(load_pretrained(DIR), recipe), ...)` (tests/test_hf_stream.py); only their split into
@@ -36,7 +36,7 @@ from torch import nn
 
 from minifloat.core.files import write_json
 from minifloat.inference import hf, hf_models
-from minifloat.inference.export import _dtype, _quantized_weight, _transformers_warnings, check_activations
+from minifloat.inference.export import check_activations, export_dtype, quantized_weight, transformers_warnings
 from minifloat.inference.export_files import INDEX_FILE, check_out, copy_into, shard_name, write_export
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 from minifloat.inference.prepare import inference_plan, nonfinite_weights
@@ -170,7 +170,7 @@ def _write_shards(plan: StreamPlan, fmt: hf.ExportFormat, dtype: torch.dtype, tm
                 tensor = f.get_tensor(stored)
                 layer, _, leaf = key.rpartition(".")
                 if layer in quantized and leaf == "weight":
-                    q = _quantized_weight(_quantized(layer, tensor, recipe), fmt)
+                    q = quantized_weight(_quantized(layer, tensor, recipe), fmt)
                     out[key], out[f"{layer}.{fmt.scale_name}"] = q.data.contiguous(), q.scale.float().contiguous()
                 else:
                     out[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
@@ -199,7 +199,7 @@ def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, form
     from minifloat.inference.prepare import prepare_inference
 
     check_activations(format, "dynamic", calibrated=False)
-    fmt, dtype, folder, out = hf.FORMATS[format], _dtype(dtype), Path(folder), Path(out_dir)
+    fmt, dtype, folder, out = hf.FORMATS[format], export_dtype(dtype), Path(folder), Path(out_dir)
     check_out(out, overwrite)
     plan = stream_plan(folder, quantize=fmt.granularity is not None)
     copied = hf_models.tokenizer_files(folder)
@@ -223,7 +223,7 @@ def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, form
         copy_into(tmp, copied)
 
     kept = write_export(out, overwrite, fill)
-    warnings = _transformers_warnings(out, fmt, plan.layers, plan.model.state_dict(), name=lambda n: n)
+    warnings = transformers_warnings(out, fmt, plan.layers, plan.model.state_dict(), name=lambda n: n)
     if kept:
         warnings.append(f"minifloat: {out} keeps {', '.join(kept)}, which this export does not write (an earlier "
                         f"export's, or yours): check that it matches these weights, or delete it")
