@@ -49,7 +49,9 @@ def summary(stats) -> str:
 def cmd_generate(args: argparse.Namespace) -> int:
     """Load a run's model (its latest checkpoint, or --checkpoint) on the run's device (or --device), in bf16 or
     FP8 (--fp8), continue the prompt and print the continuation, then one stats line on stderr (tokens/s, peak
-    memory). Greedy unless --temperature > 0. Text is encoded and decoded by the run's tokenizer: the one it trained
+    memory). --hf DIR instead loads a Hugging Face model folder (its own class and dtype; FP8 weights with --fp8)
+    and continues the prompt with transformers' generate, encoded by the folder's tokenizer (no chat template),
+    stopping early at its end-of-sequence token. Greedy unless --temperature > 0. Text is encoded and decoded by the run's tokenizer: the one it trained
     with (train --tokenizer, or the tokenizer.json of a minifloat tokenize folder), read from the copy its checkpoint
     keeps, so any working folder will do; else --tokenizer (.bin shards without one need it); a run on text without
     a tokenizer reads UTF-8 bytes (invalid sequences print as U+FFFD).
@@ -72,14 +74,19 @@ def cmd_generate(args: argparse.Namespace) -> int:
     except UnicodeEncodeError:  # bytes the shell passed that are not UTF-8 (Python keeps them as surrogates)
         raise common.CliError("invalid option: --prompt is not UTF-8 text (bytes in another encoding); give the "
                               "prompt as UTF-8") from None
+    if (args.run is None) == (args.hf is None):
+        raise common.CliError("invalid option: name one model, --run DIR (a run of minifloat train) or --hf DIR (a "
+                              "Hugging Face model folder)")
+    if args.fp8 is not None and args.fp8 not in FP8_RECIPES:
+        raise common.CliError(f"invalid option: --fp8 must be one of {', '.join(FP8_RECIPES)}, got {args.fp8!r}")
+    if args.hf is not None:
+        return _generate_pretrained(args, max_new_tokens, temperature, top_k, seed)
     tokenizer = run_tokenizer(args.run, args.checkpoint, tokenizer=args.tokenizer)  # the run's vocabulary
     try:  # before the model loads; generate() checks them again against the model
         check_sampling(max_new_tokens=1 if max_new_tokens is None else max_new_tokens, temperature=temperature,
                        top_k=top_k, seed=seed, kv_cache=args.kv_cache, vocab_size=tokenizer.vocab_size)
     except ValueError as err:
         raise common.CliError(f"invalid option: {err}") from None
-    if args.fp8 is not None and args.fp8 not in FP8_RECIPES:
-        raise common.CliError(f"invalid option: --fp8 must be one of {', '.join(FP8_RECIPES)}, got {args.fp8!r}")
     model = load_run_model(args.run, checkpoint=args.checkpoint, device=args.device)  # fp32
     if args.fp8 is not None:  # quantized from the fp32 weights: one rounding, not bf16's and then FP8's
         model = prepare_inference(model, recipe=FP8_RECIPES[args.fp8])
@@ -96,12 +103,39 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
-HELP = "continue a prompt with a trained run's model (KV cache, bf16 or FP8)"  # its line in `minifloat --help`
+def _generate_pretrained(args: argparse.Namespace, max_new_tokens, temperature, top_k, seed) -> int:
+    """--hf DIR: the folder's model (its dtype, or FP8 weights with --fp8) continues the prompt with transformers'
+    generate (minifloat.inference.hf_generate)."""
+    from minifloat.inference.hf_generate import generate_pretrained, load_generator
+
+    refused = [flag for flag, given in (("--tokenizer", args.tokenizer), ("--checkpoint", args.checkpoint != "latest"),
+                                        ("--kv-cache", args.kv_cache != "bf16")) if given]
+    if refused:
+        raise common.CliError(f"invalid option: {refused[0]} is for --run; with --hf the folder's own tokenizer and "
+                              f"transformers' KV cache (in the model's dtype) are used")
+    if max_new_tokens is None:
+        max_new_tokens = DEFAULT_NEW_TOKENS
+    try:
+        model, tokenizer = load_generator(args.hf, fp8=args.fp8, device=args.device or "auto")
+        out = generate_pretrained(model, tokenizer, args.prompt, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, top_k=top_k, seed=seed)
+    except ValueError as err:
+        raise common.CliError(str(err)) from None
+    common.console.print(Text(printable(out.text)), soft_wrap=True, highlight=False)
+    common.ERR.print(summary(out.stats), soft_wrap=True, highlight=False, markup=False)
+    return 0
+
+
+HELP = "continue a prompt with a trained run's or a Hugging Face model (KV cache, bf16 or FP8)"  # its line in `minifloat --help`
 
 
 def add_parser(sub) -> None:
     g = sub.add_parser("generate", help=HELP, description=cmd_generate.__doc__)
-    g.add_argument("--run", required=True, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
+    model = g.add_argument_group("model (one of)")
+    model.add_argument("--run", default=None, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
+    model.add_argument("--hf", default=None, metavar="DIR", type=common.path_arg,
+                       help="a Hugging Face model folder (config.json, weights, tokenizer): generated with "
+                            "transformers' generate and KV cache, in the folder's dtype or with --fp8 weights")
     g.add_argument("--prompt", required=True,
                    help="the text to continue (encoded by the run's tokenizer; UTF-8 bytes for a run on text without "
                         "one)")

@@ -161,7 +161,7 @@ def _prompt_batch(prompt_ids, vocab_size: int, device: torch.device) -> torch.Te
     return prompt.to(device=device, dtype=torch.long)
 
 
-def _peak_rss_bytes() -> int | None:
+def peak_rss_bytes() -> int | None:
     """The process's peak resident set size so far, or None where getrusage is missing (Windows)."""
     try:
         import resource
@@ -218,7 +218,7 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, temperature: floa
     weight_bytes = StorageLedger().add([*model.parameters(), *model.buffers()])
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    rss_before = _peak_rss_bytes()
+    rss_before = peak_rss_bytes()
     was_training = model.training
     model.eval()
     try:
@@ -241,7 +241,7 @@ def generate(model: Llama, prompt_ids, *, max_new_tokens: int, temperature: floa
         raise ValueError(f"the model's logits were NaN or infinite at {bad} of the {max_new_tokens} steps, so its "
                          f"tokens mean nothing: its weights (or their FP8 scales) hold non-finite values; repair or "
                          f"reload them (a diverged run? resume from an earlier checkpoint)")
-    rss_after = _peak_rss_bytes()
+    rss_after = peak_rss_bytes()
     if device.type == "cuda":
         peak, source = torch.cuda.max_memory_allocated(device), CUDA_PEAK
     else:

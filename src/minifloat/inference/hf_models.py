@@ -155,12 +155,19 @@ def read_config(folder: str | Path):
 def load_pretrained(folder: str | Path) -> nn.Module:
     """The transformers model in a local Hugging Face model folder, in its own dtype and eval mode (`read_config`'s
     class). One-line errors: those of read_config, and a model transformers cannot build or load."""
+    from transformers.utils import logging as hf_logging
+
     _, auto = read_config(folder)
+    bar = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its per-tensor bar on stderr: a command's output is its own lines
     try:
         model = auto.from_pretrained(folder, dtype="auto")  # the folder's dtype: a bf16 model needs no fp32 copy
     except Exception as err:  # noqa: BLE001 - a damaged weights file raises safetensors' own error type, among others
         raise ValueError(f"{folder}: transformers cannot load the model ({type(err).__name__}: "
                          f"{_first_line(err)}); check or save again the folder's weights") from None
+    finally:
+        if bar:
+            hf_logging.enable_progress_bar()
     return model.eval()
 
 
