@@ -281,3 +281,40 @@ def test_cli_never_exports_over_the_model_folder_it_reads(model_folder, capsys):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "is the model folder --hf reads" in lines[0], lines
     assert {p.name: p.read_bytes() for p in model_folder.iterdir()} == before
+
+
+# ---- checkpoint layout: MoE experts -------------------------------------------------------------------------------
+
+MOE = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SIZES, num_key_value_heads=2, num_local_experts=4,
+                                                              num_experts_per_tok=2)),
+       "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_SIZES, num_key_value_heads=2, num_experts=4,
+                                                                  num_experts_per_tok=2, moe_intermediate_size=128,
+                                                                  shared_expert_intermediate_size=256))}
+
+
+@pytest.mark.parametrize("arch", sorted(MOE))
+def test_moe_experts_are_exported_in_the_checkpoint_layout(tmp_path, arch):
+    """transformers holds a Mixtral's experts as stacked 3-D parameters but saves (and the Hub and vLLM hold) one
+    matrix per expert: the export writes what save_pretrained writes, bit for bit in bf16, and reads back."""
+    config_name, class_name, fields = MOE[arch]
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(getattr(transformers, config_name)(**fields)).to(torch.bfloat16).eval()
+    model.save_pretrained(tmp_path / "saved")
+    saved = load_file(tmp_path / "saved" / hf.WEIGHTS_FILE)
+    assert any(".experts.0." in k for k in saved)  # the per-expert layout this test is about
+    plain = load_file(export_hf(model, tmp_path / "plain", format="hf") / hf.WEIGHTS_FILE)
+    assert set(plain) == set(saved) and all(torch.equal(plain[k], saved[k]) for k in saved)
+    prepared = mf.prepare_inference(copy.deepcopy(model), recipe=mf.BlockScaling())
+    out = export_hf(prepared, tmp_path / "block", format="hf-fp8-block")
+    block = load_file(out / hf.WEIGHTS_FILE)
+    layers = fp8_layers(prepared)
+    assert layers and all(block[f"{n}.weight"].dtype == torch.float8_e4m3fn and f"{n}.weight_scale_inv" in block
+                          for n in layers)
+    assert {k for k in block if ".experts." in k} == {k for k in saved if ".experts." in k}
+    theirs = getattr(transformers, class_name).from_pretrained(out).eval()
+    for name, layer in layers.items():
+        assert torch.equal(theirs.get_submodule(name).weight, layer.dequantized_weight().to(torch.bfloat16)), name
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference, loaded = prepared(ids).logits.float(), theirs(ids).logits.float()
+    assert sqnr_db(reference, loaded) >= WEIGHT_ONLY_LOGITS_SQNR_FLOOR_DB

@@ -205,3 +205,15 @@ def test_cli_names_a_damaged_folder_in_one_line(tmp_path, capsys, damage):
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and "transformers cannot load the model" in lines[0], lines
     assert not (tmp_path / "o").exists()
+
+
+def test_a_moe_folder_is_exported_whole_in_its_checkpoint_layout(tmp_path):
+    """transformers stacks a Mixtral's per-expert matrices on load: a stream of the stored tensors under the
+    model's names is impossible, so the whole-model export runs, which writes the checkpoint layout back."""
+    config = transformers.MixtralConfig(**_SIZES, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
+    assert "converts its checkpoint layout on load" in hf_stream.stream_plan(tmp_path / "model", quantize=True)
+    out = hf_stream.export_folder(tmp_path / "model", tmp_path / "o", format="hf")
+    assert_same_export(out, whole_model_export(tmp_path / "model", tmp_path / "w", "hf"))
+    assert set(tensors(out)) == set(tensors(tmp_path / "model"))

@@ -316,6 +316,8 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     else:
         tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
     warnings = transformers_warnings(out, fmt, layers, tensors, name=(lambda n: n) if theirs else hf.hf_name)
+    if theirs:  # the checkpoint layout save_pretrained writes (MoE experts one matrix each), which readers expect
+        tensors = hf_models.checkpoint_layout(model, tensors)
     loaded = _tokenizer(model_or_run, model, checkpoint, tokenizer, warnings)
     eot_id = loaded.eot_id if loaded is not None else None  # bos / eos: hf.special_ids
     if theirs:

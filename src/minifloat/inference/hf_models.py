@@ -13,7 +13,9 @@ tokenizer are export_hf's own):
   the layout's scale names; its bias in `dtype`. An Fp8InferenceLinear's own buffers (weight_scale, input_scale,
   smooth_scale) and an Fp8Linear's scaling state (`fp8_state.*`) are not written as such. Other floating tensors are
   written in `dtype`, integer buffers as they are. A tensor that shares its storage with an earlier one (a head tied
-  to the embedding) is written once, as save_pretrained does.
+  to the embedding) is written once, as save_pretrained does. The names and layout are then those save_pretrained
+  writes (`checkpoint_layout`): where transformers converts a checkpoint on load (a Mixtral's or Qwen-MoE's experts,
+  one matrix each on disk, one 3-D parameter in the model), the conversion is reverted, as readers expect it.
 * config.json: `model.config.to_dict()` with `dtype`, `architectures` (the model's class when the config has none),
   `tie_word_embeddings` false where the head no longer shares the embedding's weight (prepare_inference quantized
   it), and the layout's quantization_config (the layers kept in high precision under "ignored_layers" and
@@ -98,6 +100,34 @@ def model_tensors(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, la
         tensor = tensor.detach().to("cpu")
         out[key] = (tensor.to(dtype) if tensor.is_floating_point() else tensor).contiguous()
     return out
+
+
+def conversions(model: nn.Module) -> list:
+    """transformers' weight conversions between the model's tensor names and its checkpoint layout (renamed modules,
+    MoE experts stored one matrix per expert but held stacked as 3-D parameters): the ones from_pretrained applied,
+    else those transformers registers for the architecture (legacy renamings and prefix changes left out, as
+    save_pretrained leaves them out). Empty for most dense models and for a transformers without the mechanism."""
+    found = getattr(model, "_weight_conversions", None)
+    if found is None:
+        try:
+            from transformers.conversion_mapping import get_model_conversion_mapping
+            from transformers.core_model_loading import PrefixChange
+        except ImportError:
+            return []
+        found = [c for c in get_model_conversion_mapping(model, add_legacy=False) if not isinstance(c, PrefixChange)]
+    return list(found or [])
+
+
+def checkpoint_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`tensors` (the model's names) under the names and layout save_pretrained writes for the model, the layout
+    from_pretrained and serving stacks read: transformers' conversions reverted (a Mixtral's stacked experts become
+    `block_sparse_moe.experts.<e>.w1.weight` ..., as its checkpoints on the Hub hold them). A quantized layer's
+    scales are renamed with its weight. Unchanged for a model without conversions."""
+    if not conversions(model):
+        return tensors
+    from transformers.core_model_loading import revert_weight_conversion
+
+    return dict(revert_weight_conversion(model, dict(tensors)))
 
 
 def model_config(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str],

@@ -14,9 +14,10 @@ files differs. Peak memory is about one input shard's tensors in the output's by
 the whole-model path holds the model and its quantized copy.
 
 The folder is streamed only where that is certain to read what `from_pretrained` reads; otherwise `export_folder`
-loads the model whole and says why at info level (`stream_refusal`): weights that are not safetensors, a tensor of
-the model stored under another name (transformers renames some checkpoints' keys on load) or with another shape, or
-a floating tensor stored in a dtype other than the one from_pretrained(dtype="auto") gives it (it would round it
+loads the model whole and says why at info level (`stream_plan`'s reason): weights that are not safetensors, a model
+whose checkpoint layout transformers converts on load (MoE experts, `hf_models.conversions`; the whole-model export
+writes them back in that layout), a tensor of the model stored under another name or with another shape, or a
+floating tensor stored in a dtype other than the one from_pretrained(dtype="auto") gives it (it would round it
 first). Calibrated static input scales need the model run, so `minifloat export --hf --calibrate` loads it whole.
 """
 
@@ -122,6 +123,9 @@ def stream_plan(folder: str | os.PathLike, quantize: bool) -> StreamPlan | str:
         return headers
     floating = [d for d, _ in headers.values() if d is not None and d.is_floating_point]
     model = _meta_model(folder, floating[0] if floating else None)
+    if found := hf_models.conversions(model):
+        return (f"transformers converts its checkpoint layout on load ({len(found)} conversion(s), e.g. MoE experts "
+                f"stacked), which the whole-model export reverts")
     state = model.state_dict(keep_vars=True)  # tied tensors are one object under several names
     groups: dict[int, list[str]] = {}
     for key, tensor in state.items():
