@@ -161,3 +161,32 @@ def test_nvfp4_inference_on_the_device_stores_the_cpu_weights(device, activation
     device_logits = logits(on_device, tokens())
     assert mf.sqnr_db(cpu_logits, device_logits) >= NVFP4_CROSS_DEVICE_SQNR_DB
     assert mf.sqnr_db(logits(reference.to(device), tokens()), device_logits) >= NVFP4_VS_FP32_SQNR_DB
+
+
+def test_a_hugging_face_folder_generates_with_fp8_weights_on_the_device(device, tmp_path):
+    """`minifloat generate --hf DIR --fp8 tensor` on the device: the folder's Llama prepared for FP8 inference runs
+    its linears on the device (through torch._scaled_mm where the GPU has FP8 GEMMs), greedy decoding repeats, and
+    the stats come from the device's allocator."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("tokenizers")
+    from test_hf_generate import PROMPT, save_tokenizer
+
+    from minifloat.inference.hf_generate import generate_pretrained, load_generator
+
+    folder = tmp_path / "model"
+    folder.mkdir()
+    vocab = save_tokenizer(folder)
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                                      eos_token_id=vocab + 10, bos_token_id=0)
+    torch.manual_seed(SEED)
+    transformers.LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    model, tokenizer = load_generator(folder, fp8="tensor", device=device)
+    assert inference_layers(model) and next(model.parameters()).device.type == torch.device(device).type
+    with native_gemm_calls() as calls:
+        out = generate_pretrained(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS)
+    assert len(out.tokens) == NEW_TOKENS
+    assert generate_pretrained(model, tokenizer, PROMPT, max_new_tokens=NEW_TOKENS).tokens == out.tokens
+    assert out.stats.peak_memory_source == (CUDA_PEAK if torch.device(device).type == "cuda" else HELD_TENSORS)
+    if torch.device(device).type == "cuda" and native_fp8_available():
+        assert calls, "no native FP8 GEMM ran"
