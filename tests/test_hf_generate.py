@@ -73,6 +73,22 @@ def test_greedy_tokens_are_transformers_own(folder, fp8):
     assert stats.kv_cache_bytes > 0 and stats.peak_memory_bytes == stats.weight_bytes + stats.kv_cache_bytes
 
 
+def test_an_encoder_decoder_generates_its_decoder_tokens(tmp_path):
+    """T5: the continuation is the decoder's tokens after its start token, the cache both attention caches'."""
+    folder = tmp_path / "t5"
+    folder.mkdir()
+    vocab = save_tokenizer(folder)
+    config = transformers.T5Config(vocab_size=vocab, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                                   decoder_start_token_id=0, pad_token_id=0, eos_token_id=1)
+    torch.manual_seed(0)
+    transformers.T5ForConditionalGeneration(config).save_pretrained(folder)
+    model, tokenizer = load_generator(folder, fp8="block")
+    result = generate_pretrained(model, tokenizer, PROMPT, max_new_tokens=6)
+    with torch.no_grad():
+        full = model.generate(**tokenizer(PROMPT, return_tensors="pt"), max_new_tokens=6, do_sample=False)[0]
+    assert result.tokens == full[1:].tolist() and result.stats.kv_cache_bytes > 0
+
+
 def test_fp8_weights_take_about_half_the_bytes(folder):
     bf16 = generate_pretrained(*load_generator(folder), PROMPT, max_new_tokens=2).stats.weight_bytes
     fp8 = generate_pretrained(*load_generator(folder, fp8="block"), PROMPT, max_new_tokens=2).stats.weight_bytes

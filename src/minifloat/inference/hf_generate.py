@@ -110,12 +110,15 @@ class _CountNonFinite:
         return scores
 
 
-def _cache_bytes(cache) -> int:
-    """Bytes of the key and value tensors a transformers cache holds (0 where it exposes none)."""
-    layers = getattr(cache, "layers", None) or []
-    return StorageLedger().add([t for layer in layers for t in (getattr(layer, "keys", None),
-                                                                getattr(layer, "values", None))
-                                if isinstance(t, torch.Tensor)])
+def _cache_tensors(cache) -> list[torch.Tensor]:
+    """The key and value tensors of a transformers cache: a DynamicCache's layers, an encoder-decoder cache's two
+    caches (self-attention and cross-attention); none where it exposes neither."""
+    parts = [getattr(cache, name, None) for name in ("self_attention_cache", "cross_attention_cache")]
+    if any(part is not None for part in parts):
+        return [t for part in parts if part is not None for t in _cache_tensors(part)]
+    return [t for layer in getattr(cache, "layers", None) or [] for t in (getattr(layer, "keys", None),
+                                                                          getattr(layer, "values", None))
+            if isinstance(t, torch.Tensor)]
 
 
 @torch.no_grad()
@@ -155,7 +158,7 @@ def generate_pretrained(model: nn.Module, tokenizer, prompt: str, *, max_new_tok
     new = sequences[ids.shape[1]:] if not model.config.is_encoder_decoder else sequences[1:]
     fields = getattr(out, "__dataclass_fields__", {})  # transformers 5.24 renamed past_key_values (now deprecated)
     cache = getattr(out, "cache" if "cache" in fields else "past_key_values", None)
-    kv_bytes = _cache_bytes(cache) if cache is not None else 0
+    kv_bytes = StorageLedger().add(_cache_tensors(cache)) if cache is not None else 0
     times = clock.times  # the prompt (put first), then each new token
     prefill = times[1] - times[0] if len(times) > 1 else 0.0
     decode = times[-1] - times[1] if len(times) > 2 else 0.0
