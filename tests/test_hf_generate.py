@@ -149,3 +149,18 @@ def test_cli_refuses_in_one_line(folder, tmp_path, capsys, case):
     assert main(["generate", *args, "--prompt", PROMPT]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and expected in lines[0], lines
+
+
+def test_cli_generates_from_a_hub_id_in_the_local_cache(folder, tmp_path, capsys, monkeypatch):
+    from minifloat.cli import main
+    from test_hf_stream import cache_snapshot
+
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache_snapshot(tmp_path / "cache", "someone/tiny-llama", folder)
+    assert main(["generate", "--hf", "someone/tiny-llama", "--prompt", PROMPT, "--max-new-tokens", "3"]) == 0
+    out, _ = capsys.readouterr()
+    from minifloat.cli.generate import printable
+
+    assert out.rstrip("\n") == printable(generate_pretrained(*load_generator(folder), PROMPT, max_new_tokens=3).text)

@@ -217,3 +217,28 @@ def test_a_moe_folder_is_exported_whole_in_its_checkpoint_layout(tmp_path):
     out = hf_stream.export_folder(tmp_path / "model", tmp_path / "o", format="hf")
     assert_same_export(out, whole_model_export(tmp_path / "model", tmp_path / "w", "hf"))
     assert set(tensors(out)) == set(tensors(tmp_path / "model"))
+
+
+def cache_snapshot(root, repo: str, folder) -> None:
+    """`folder`'s files as the Hugging Face cache under `root` holds a download of `repo` (refs/main -> snapshot)."""
+    import shutil
+
+    entry = root / f"models--{repo.replace('/', '--')}"
+    shutil.copytree(folder, entry / "snapshots" / "0123abc")
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text("0123abc")
+
+
+def test_cli_takes_a_hub_id_from_the_local_cache(tmp_path, capsys, monkeypatch):
+    from minifloat.cli import main
+
+    pytest.importorskip("huggingface_hub")
+    monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    cache_snapshot(tmp_path / "cache", "someone/tiny-llama", save_model(tmp_path / "model"))
+    assert main(["export", "--hf", "someone/tiny-llama", "--format", "hf-fp8-block", "--out", str(tmp_path / "o")]) == 0
+    assert_same_export(tmp_path / "o", whole_model_export(tmp_path / "model", tmp_path / "w", "hf-fp8-block"))
+    capsys.readouterr()
+    assert main(["export", "--hf", "someone/absent", "--out", str(tmp_path / "o2")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "neither a folder nor a model in the local Hugging Face cache" in lines[0], lines

@@ -96,6 +96,7 @@ def _export_pretrained(args: argparse.Namespace) -> int:
     if args.activations == "static" and not calibrate:
         raise common.CliError("invalid option: --activations static needs scales: with --hf, calibrate them "
                               "(--calibrate N --data DIR), or export --activations dynamic")
+    args.hf = str(hf_models.model_folder(args.hf))  # a Hub id: its snapshot in the local Hugging Face cache
     if pathlib.Path(args.out).resolve() == pathlib.Path(args.hf).resolve():  # --overwrite would replace the model
         raise common.CliError(f"invalid option: --out {args.out} is the model folder --hf reads; choose another folder "
                               f"for the export")
@@ -153,7 +154,8 @@ def add_parser(sub) -> None:
     source = e.add_argument_group("source (one of)")
     source.add_argument("--run", default=None, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
     source.add_argument("--hf", default=None, metavar="DIR", type=common.path_arg,
-                        help="a Hugging Face model folder (config.json and weights, read with transformers): its "
+                        help="a Hugging Face model folder (config.json and weights, read with transformers), or "
+                             "a Hub id owner/name in the local Hugging Face cache (nothing is downloaded): its "
                              "linears are quantized with the --format's recipe (hf-fp8: per tensor; hf-fp8-block: "
                              "128×128 blocks; first block's q/k/v and the head kept), its tokenizer files copied; "
                              "streamed one safetensors file at a time")

@@ -115,7 +115,7 @@ def _generate_pretrained(args: argparse.Namespace, max_new_tokens, temperature, 
                               f"transformers' KV cache (in the model's dtype) are used")
     if max_new_tokens is None:
         max_new_tokens = DEFAULT_NEW_TOKENS
-    try:
+    try:  # (a Hub id is looked up in the local Hugging Face cache: hf_models.model_folder)
         model, tokenizer = load_generator(args.hf, fp8=args.fp8, device=args.device or "auto")
         out = generate_pretrained(model, tokenizer, args.prompt, max_new_tokens=max_new_tokens,
                                   temperature=temperature, top_k=top_k, seed=seed)
@@ -134,7 +134,8 @@ def add_parser(sub) -> None:
     model = g.add_argument_group("model (one of)")
     model.add_argument("--run", default=None, metavar="DIR", help="the run's folder (minifloat train --out DIR)")
     model.add_argument("--hf", default=None, metavar="DIR", type=common.path_arg,
-                       help="a Hugging Face model folder (config.json, weights, tokenizer): generated with "
+                       help="a Hugging Face model folder (config.json, weights, tokenizer), or a Hub id "
+                            "owner/name in the local Hugging Face cache (nothing is downloaded): generated with "
                             "transformers' generate and KV cache, in the folder's dtype or with --fp8 weights")
     g.add_argument("--prompt", required=True,
                    help="the text to continue (encoded by the run's tokenizer; UTF-8 bytes for a run on text without "

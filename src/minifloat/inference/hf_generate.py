@@ -51,6 +51,7 @@ def load_generator(folder: str | Path, *, fp8: str | None = None, device: str = 
     if fp8 is not None and fp8 not in FP8_RECIPES:
         raise ValueError(f"fp8 must be one of {', '.join(FP8_RECIPES)} (or None for the folder's dtype), got {fp8!r}")
     target = resolve_device(device)
+    folder = hf_models.model_folder(folder)  # a Hub id: its snapshot in the local cache
     config, cls = hf_models.read_config(folder)
     if not _generates(cls):
         raise ValueError(f"{folder}: a {config.architectures[0] if config.architectures else type(config).__name__} "

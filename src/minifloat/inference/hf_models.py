@@ -35,6 +35,8 @@ folder's tokenizer.json (`folder_calibration`).
 from __future__ import annotations
 
 import json
+import os
+import re
 from pathlib import Path
 
 import torch
@@ -141,6 +143,7 @@ def model_config(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, lay
     if config.get("tie_word_embeddings") and not _head_still_tied(model):
         config["tie_word_embeddings"] = False
     config.pop("quantization_config", None)
+    config.pop("_name_or_path", None)  # where the model was read from on this machine: no part of the export
     if fmt.granularity is not None:
         kept = [name for name, m in model.named_modules()
                 if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers]
@@ -155,12 +158,36 @@ def generation_config(model: nn.Module) -> dict | None:
     return None if config is None else json.loads(config.to_json_string(use_diff=True))
 
 
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")  # a Hugging Face Hub model id: owner/name
+
+
+def model_folder(name: str | Path) -> Path:
+    """The local folder of a model: `name` itself when it is a folder, else, for a Hub id (`owner/name`), its
+    snapshot in the local Hugging Face cache (HF_HUB_CACHE; nothing is downloaded). FileNotFoundError in one line
+    for a folder that does not exist or an id the cache does not hold."""
+    path = Path(name).expanduser()
+    if path.is_dir() or not _REPO_ID.fullmatch(str(name)):
+        return path
+    try:
+        import huggingface_hub
+
+        # HF_HUB_CACHE read now (the hub reads it once, at import)
+        cache = os.environ.get("HF_HUB_CACHE") or None
+        return Path(huggingface_hub.snapshot_download(str(name), local_files_only=True, cache_dir=cache))
+    except ImportError:
+        raise FileNotFoundError(f"{name} is no folder (and huggingface_hub, to look for it in the local Hugging "
+                                f"Face cache, is not installed)") from None
+    except Exception:  # noqa: BLE001 - the hub's errors for an id it does not hold locally, or a bad id
+        raise FileNotFoundError(f"{name} is neither a folder nor a model in the local Hugging Face cache; download "
+                                f"it first (hf download {name}) or give its folder") from None
+
+
 def read_config(folder: str | Path):
     """The transformers config of a local Hugging Face model folder, and the class that builds its model: the one
     its config's `architectures` names (what saved it), else a causal LM where the config has one, else the base
     model. One-line errors: not a model folder, transformers
     missing, a config it cannot read, or a folder already quantized (export from the high-precision model)."""
-    folder = Path(folder)
+    folder = model_folder(folder)
     if not (folder / hf.CONFIG_FILE).is_file():
         raise FileNotFoundError(f"{folder} holds no {hf.CONFIG_FILE}: not a Hugging Face model folder")
     try:
@@ -183,10 +210,11 @@ def read_config(folder: str | Path):
 
 
 def load_pretrained(folder: str | Path) -> nn.Module:
-    """The transformers model in a local Hugging Face model folder, in its own dtype and eval mode (`read_config`'s
+    """The transformers model in a local Hugging Face model folder (or a Hub id's cached snapshot), in its own dtype and eval mode (`read_config`'s
     class). One-line errors: those of read_config, and a model transformers cannot build or load."""
     from transformers.utils import logging as hf_logging
 
+    folder = model_folder(folder)  # a Hub id: its cached snapshot (from_pretrained would go online for it)
     _, auto = read_config(folder)
     bar = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()  # its per-tensor bar on stderr: a command's output is its own lines

@@ -195,7 +195,7 @@ def _write_shards(plan: StreamPlan, fmt: hf.ExportFormat, dtype: torch.dtype, tm
 def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, format: str = "hf",
                   dtype: str | torch.dtype = "bfloat16", overwrite: bool = False,
                   progress: Callable[[int, int], None] | None = None) -> Path:
-    """Export a Hugging Face model folder in `format`'s layout (dynamic activations), streamed shard by shard where
+    """Export a Hugging Face model folder (or a Hub id's snapshot in the local cache) in `format`'s layout (dynamic activations), streamed shard by shard where
     `stream_plan` allows, else through the whole model (`export_hf(prepare_inference(load_pretrained(folder)))`);
     the folder's tokenizer files are copied. `progress(done, total)` is called after each tensor of a streamed
     export. Returns the export folder. Raises as export_hf and hf_models.read_config do."""
@@ -203,7 +203,7 @@ def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, form
     from minifloat.inference.prepare import prepare_inference
 
     check_activations(format, "dynamic", calibrated=False)
-    fmt, dtype, folder, out = hf.FORMATS[format], export_dtype(dtype), Path(folder), Path(out_dir)
+    fmt, dtype, folder, out = hf.FORMATS[format], export_dtype(dtype), hf_models.model_folder(folder), Path(out_dir)
     check_out(out, overwrite)
     plan = stream_plan(folder, quantize=fmt.granularity is not None)
     copied = hf_models.tokenizer_files(folder)
