@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import tempfile
 import time
@@ -40,17 +39,11 @@ export_hf(model, out, format=fmt, activations="dynamic")
 
 
 def peak(argv: list[str]) -> tuple[float, float]:
-    """(peak resident memory in MiB, wall seconds) of `python ARGV`, run by a fresh helper process whose only child
-    it is, so that the helper's RUSAGE_CHILDREN maximum is this run's."""
-    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-             "r = subprocess.run([sys.executable, *sys.argv[1:]], capture_output=True, text=True); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.perf_counter() - t, r.returncode); "
-             "sys.stderr.write(r.stderr[-3000:] if r.returncode else '')")
-    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, check=True)
-    kib, seconds, code = out.stdout.split()
-    if int(code) != 0:
-        raise SystemExit(f"python {' '.join(argv[:3])} ... failed (exit {code}):\n{out.stderr}")
-    return int(kib) / 1024, float(seconds)
+    """(peak resident memory in MiB, wall seconds) of `python ARGV` in its own process tree."""
+    rss, seconds, code, err = machine.child_peak(argv)
+    if code != 0:
+        raise SystemExit(f"python {' '.join(argv[:3])} ... failed (exit {code}):\n{err}")
+    return rss, seconds
 
 
 def build(folder: pathlib.Path, layers: int, dim: int, vocab: int, shard_size: str) -> int:

@@ -77,3 +77,18 @@ def keep_existing(parser, args, *names: str) -> None:
         if path and pathlib.Path(path).exists() and not getattr(args, "overwrite", False):
             parser.exit(2, f"{parser.prog}: error: --{name.replace('_', '-')} {path} exists; choose another path, "
                            f"or add --overwrite to replace it\n")
+
+
+def child_peak(argv: list[str]) -> tuple[float, float, int, str]:
+    """(peak resident memory in MiB, wall seconds, exit status, the tail of its stderr) of `python ARGV`, run by a
+    fresh helper process whose only child it is, so that the helper's RUSAGE_CHILDREN maximum is this run's."""
+    import subprocess
+    import sys
+
+    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
+             "r = subprocess.run([sys.executable, *sys.argv[1:]], capture_output=True, text=True); "
+             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.perf_counter() - t, r.returncode); "
+             "sys.stderr.write(r.stderr[-3000:] if r.returncode else '')")
+    out = subprocess.run([sys.executable, "-c", probe, *argv], capture_output=True, text=True, check=True)
+    kib, seconds, code = out.stdout.split()
+    return int(kib) / 1024, float(seconds), int(code), out.stderr

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import subprocess
 import sys
 import sysconfig
 import tempfile
@@ -41,17 +40,11 @@ def build_folder(root: pathlib.Path, megabytes: int) -> int:
 
 
 def peak_rss_mib(args: list[str]) -> tuple[float, float]:
-    """(peak resident memory in MiB, wall seconds) of `python -m minifloat ARGS`, run by a fresh helper process whose
-    only child it is, so that the helper's RUSAGE_CHILDREN maximum is this run's."""
-    probe = ("import resource, subprocess, sys, time; t = time.perf_counter(); "
-             "r = subprocess.run([sys.executable, '-m', 'minifloat', *sys.argv[1:]], capture_output=True, text=True); "
-             "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, time.perf_counter() - t, r.returncode); "
-             "sys.stderr.write(r.stderr[-2000:] if r.returncode else '')")
-    out = subprocess.run([sys.executable, "-c", probe, *args], capture_output=True, text=True, check=True)
-    kib, seconds, code = out.stdout.split()
-    if int(code) != 0:
-        raise SystemExit(f"minifloat {' '.join(args)} failed (exit {code}):\n{out.stderr}")
-    return int(kib) / 1024, float(seconds)
+    """(peak resident memory in MiB, wall seconds) of `python -m minifloat ARGS` in its own process tree."""
+    rss, seconds, code, err = machine.child_peak(["-m", "minifloat", *args])
+    if code != 0:
+        raise SystemExit(f"minifloat {' '.join(args)} failed (exit {code}):\n{err}")
+    return rss, seconds
 
 
 def main() -> int:
