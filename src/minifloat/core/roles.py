@@ -240,13 +240,19 @@ def block_count(keep: int | float, n_blocks: int) -> int:
     return math.ceil(round(keep * n_blocks, 9))  # the round: 0.15 · 20 is 3.0000000000000004 in binary, 3 blocks
 
 
-def linears_in_blocks(model: nn.Module, first: int | float, last: int | float) -> set[str]:
-    """The nn.Linear layers inside the first `first` and the last `last` blocks of each stack of transformer blocks
-    (counts, or fractions of the stack's blocks: see block_count)."""
+def kept_blocks(model: nn.Module, first: int | float, last: int | float) -> list[str]:
+    """The names of the first `first` and the last `last` blocks of each stack of transformer blocks (counts, or
+    fractions of the stack's blocks: see block_count)."""
     kept = []
     for blocks in block_stacks(model):
         head, tail = block_count(first, len(blocks)), block_count(last, len(blocks))
         kept += blocks[:head] + blocks[max(head, len(blocks) - tail):]
+    return kept
+
+
+def linears_in_blocks(model: nn.Module, first: int | float, last: int | float) -> set[str]:
+    """The nn.Linear layers inside `kept_blocks(model, first, last)`."""
+    kept = kept_blocks(model, first, last)
     return {n for n, _ in named_linears(model) if any(n.startswith(b + ".") for b in kept)}
 
 

@@ -23,6 +23,7 @@ from torch.nn.utils import parametrize
 from minifloat.core import roles
 from minifloat.core.roles import MIN_DIM_MULTIPLE
 from minifloat.core.validate import check_bool, check_choice, check_module
+from minifloat.fp8.experts import Fp8Experts, convert_experts, experts_reason
 from minifloat.fp8.gemm import BACKENDS
 from minifloat.fp8.modules import Fp8Linear
 from minifloat.fp8.recipes import DelayedScaling, Recipe, check_recipe
@@ -41,7 +42,7 @@ class Fp8Plan:
         own_forward: nn.Linear subclasses with a forward of their own (MoE routers returning a tuple, ...), left as
             they are: an Fp8Linear would replace that forward by a plain linear's.
         stacked: modules holding stacked matmul weights (MoE experts' 3-D parameters, minifloat.core.roles.
-            stacked_weights), which are not nn.Linear layers and stay in high precision.
+            stacked_weights) that stay in high precision (minifloat.fp8.experts.experts_reason says why).
         unsupported: (name, reason) of the layers an Fp8Linear cannot stand in for, left as they are
             (`unsupported_reason`): a weight computed by a parametrization, weight norm or pruning; a float64
             weight; state of an nn.Linear subclass's own; nn.MultiheadAttention's out_proj.
@@ -57,6 +58,7 @@ class Fp8Plan:
     stacked: tuple[str, ...] = ()
     unsupported: tuple[tuple[str, str], ...] = ()
     adapters: tuple[str, ...] = ()
+    experts: tuple[str, ...] = ()  # transformers experts modules convert runs in FP8 (minifloat.fp8.experts)
 
 
 Filter = Callable[[str, nn.Linear], bool]  # filter(name, linear) -> bool: convert the layer?
@@ -93,6 +95,7 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
     """
     first_last = roles.first_and_last(model) if keep_first_last else set()
     first_last |= roles.linears_in_blocks(model, *check_keep_blocks(keep_blocks))
+    first_last_blocks = tuple(f"{b}." for b in roles.kept_blocks(model, *check_keep_blocks(keep_blocks)))
     convert_, kept, misshapen, own, unsupported, adapters = [], [], [], [], [], []
     read_directly, adapter_names = _read_directly(model), roles.adapter_linears(model)
     for name, lin in roles.named_linears(model):
@@ -110,8 +113,26 @@ def fp8_plan(model: nn.Module, *, filter: Filter | None = None,
                 unsupported.append((name, reason))
             else:
                 (convert_ if roles.fp8_shape_ok(lin) else misshapen).append(name)
-    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own), tuple(roles.stacked_weights(model)),
-                   tuple(unsupported), tuple(adapters))
+    experts, stacked = _plan_experts(model, filter, first_last_blocks)
+    return Fp8Plan(tuple(convert_), tuple(kept), tuple(misshapen), tuple(own), stacked, tuple(unsupported),
+                   tuple(adapters), experts)
+
+
+def _plan_experts(model: nn.Module, filter: Filter | None,
+                  kept_blocks: tuple[str, ...]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(the stacked-experts modules convert runs in FP8, the other modules with stacked weights). `filter` sees the
+    experts module itself; one that reads an nn.Linear's attributes off it (AttributeError) keeps it."""
+    experts, stacked = [], []
+    for name in roles.stacked_weights(model):
+        module = model.get_submodule(name)
+        if isinstance(module, Fp8Experts):
+            continue
+        try:
+            wanted = not name.startswith(kept_blocks) and accepts(filter, name, module)
+        except AttributeError:
+            wanted = False
+        (experts if wanted and experts_reason(module) is None else stacked).append(name)
+    return tuple(experts), tuple(stacked)
 
 
 _LINEAR_STATE = {"weight", "bias"}
@@ -209,10 +230,20 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
             replace_module(nn.Module(), lin, fp8)  # its hooks
             continue
         replace_module(model, lin, fp8)
+    stacked = plan.stacked
+    if recipe.four_bit:  # 4-bit training runs nn.Linear layers only
+        stacked, experts = plan.stacked + plan.experts, ()
+    else:
+        experts = plan.experts
+    for name in experts:
+        convert_experts(model.get_submodule(name), recipe=recipe, backend=backend, name=name)
+    if experts:
+        log.info("minifloat.convert: %d MoE experts module(s) compute their experts in FP8: %s", len(experts),
+                 _listed(model, experts))
     if not getattr(root, "_minifloat_orphans_hook", False):
         root.register_load_state_dict_pre_hook(_drop_orphaned_state)
         root._minifloat_orphans_hook = True
-    if not fp8_layers(root):
+    if not fp8_layers(root) and not experts:
         log.warning("minifloat.convert: converted nothing, %s", _nothing_converted(model, plan, filter))
     elif plan.misshapen:
         log.warning("minifloat.convert: kept %d layer(s) in high precision, their features are not multiples of "
@@ -220,8 +251,8 @@ def convert(model: nn.Module, *, recipe: Recipe | None = None,
     if plan.own_forward:
         log.warning("minifloat.convert: kept %d nn.Linear subclass(es) with a forward of their own as they are (an "
                     "Fp8Linear would replace it): %s", len(plan.own_forward), _listed(model, plan.own_forward))
-    if plan.stacked:
-        log.warning("minifloat.convert: %s", stacked_note(model, plan.stacked))
+    if stacked:
+        log.warning("minifloat.convert: %s", stacked_note(model, stacked, recipe))
     if plan.adapters:
         log.info("minifloat.convert: kept %d adapter layer(s) in high precision (low-rank and trained): %s",
                  len(plan.adapters), _listed(model, plan.adapters))
@@ -241,7 +272,7 @@ def _drop_orphaned_state(module: nn.Module, state_dict: dict, prefix: str, *args
     or a decoder's last block under keep_blocks) is left out, with one warning, instead of failing a strict load."""
     modules = dict(module.named_modules())
     orphans = [key for key in state_dict if key.startswith(prefix) and ".fp8_state." in key
-               and not isinstance(modules.get(key[len(prefix):].partition(".fp8_state.")[0], Fp8Linear), Fp8Linear)]
+               and not isinstance(modules.get(key[len(prefix):].partition(".fp8_state.")[0]), (Fp8Linear, Fp8Experts))]
     for key in orphans:
         del state_dict[key]
     if orphans:
@@ -262,20 +293,24 @@ def _reasons(unsupported: tuple[tuple[str, str], ...]) -> str:
     return shown + (f"; ... ({len(unsupported)} in all)" if len(unsupported) > MAX_LISTED else "")
 
 
-def stacked_note(model: nn.Module, stacked: tuple[str, ...]) -> str:
-    """One line saying that `stacked` (modules with stacked matmul weights: MoE experts) stay in high precision, and
-    what share of the model's parameters they hold."""
+def stacked_note(model: nn.Module, stacked: tuple[str, ...], recipe: Recipe | None = None) -> str:
+    """One line saying that `stacked` (modules with stacked matmul weights: MoE experts) stay in high precision, why
+    (for convert, under `recipe`; None: FP8 inference, which runs nn.Linear layers only), and what share of the
+    model's parameters they hold."""
     found = roles.stacked_weights(model)
     shown = []
     for name in stacked[:MAX_LISTED]:
         shapes = ", ".join(f"{p} {'x'.join(map(str, shape))}" for p, shape in found[name])
-        shown.append(f"{name or 'the model itself'} ({shapes})")
+        why = experts_reason(model.get_submodule(name), recipe) if recipe is not None else None
+        shown.append(f"{name or 'the model itself'} ({shapes}{f': {why}' if why else ''})")
     held = sum(model.get_submodule(n).get_parameter(p).numel() for n in stacked for p, _ in found[n])
     total = sum(p.numel() for p in model.parameters()) or 1
     more = f", ... ({len(stacked)} in all)" if len(stacked) > MAX_LISTED else ""
+    where = ("FP8 inference runs nn.Linear layers only" if recipe is None
+             else "FP8 runs transformers' experts modules and nn.Linear layers only")
     return (f"{len(stacked)} module(s) multiply stacked weights of their own (MoE experts held as 3-D parameters), "
-            f"which only nn.Linear layers can run in FP8: they stay in high precision, {100 * held / total:.0f}% of "
-            f"the model's parameters: {', '.join(shown)}{more}")
+            f"which {where}: they stay in high precision, {100 * held / total:.0f}% of the model's parameters: "
+            f"{', '.join(shown)}{more}")
 
 
 MAX_LISTED = 4  # layers a warning names before "..."

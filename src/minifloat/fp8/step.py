@@ -133,13 +133,20 @@ def set_amax_group(group=_DEFAULT_GROUP) -> None:
     _AMAX_GROUP = group
 
 
+def layer_states(layer: nn.Module) -> list:
+    """The scaling states of an FP8 layer: an Fp8Linear's one, an FP8 experts module's 2E (an nn.ModuleList,
+    minifloat.fp8.experts)."""
+    state = layer.fp8_state
+    return list(state) if isinstance(state, nn.ModuleList) else [state]
+
+
 def _end_step(layers: list[nn.Module]) -> int:
     """Reduce the layers' amaxes across ranks (see module docstring), then advance each; returns how many."""
+    states = [(s, layer.recipe) for layer in layers for s in layer_states(layer)]
     if layers and _AMAX_GROUP is not None and torch.distributed.is_available() and torch.distributed.is_initialized():
-        reduce_states([layer.fp8_state for layer in layers],
-                      group=None if _AMAX_GROUP is _DEFAULT_GROUP else _AMAX_GROUP)
+        reduce_states([s for s, _ in states], group=None if _AMAX_GROUP is _DEFAULT_GROUP else _AMAX_GROUP)
     # every layer's scaling state at once (a fixed number of launches, not 18 per layer), then each layer's casts
-    advance_states([layer.fp8_state for layer in layers], [layer.recipe for layer in layers])
+    advance_states([s for s, _ in states], [recipe for _, recipe in states])
     for layer in layers:
         (layer.step_ended if hasattr(layer, "step_ended") else layer.drop_weight_casts)()
     if layers:
@@ -184,8 +191,7 @@ def rescale_gradient_amaxes(model: nn.Module, factor: float) -> int:
     layers = [m for m in model.modules() if hasattr(m, "fp8_state") and getattr(m, "recipe", None) is not None
               and m.recipe.delayed]
     col = ROLE_INDEX[Role.GRAD_OUTPUT]
-    for layer in layers:
-        state = layer.fp8_state
+    for state in (s for layer in layers for s in layer_states(layer)):
         state.amax_history[:, col].mul_(factor)
         state.scale[col].div_(factor)  # scale = fp8 max / amax: the cast in-flight keeps its place in the range
         state.generation += 1

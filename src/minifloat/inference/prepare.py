@@ -64,8 +64,8 @@ def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_las
     if plan.own_forward:
         log.warning("minifloat.prepare_inference: kept %d nn.Linear subclass(es) with a forward of their own as they "
                     "are: %s", len(plan.own_forward), ", ".join(plan.own_forward))
-    if plan.stacked:
-        log.warning("minifloat.prepare_inference: %s", stacked_note(model, plan.stacked))
+    if plan.stacked or plan.experts:
+        log.warning("minifloat.prepare_inference: %s", stacked_note(model, plan.stacked + plan.experts))
     if plan.unsupported:
         log.warning("minifloat.prepare_inference: %s", unsupported_note(plan.unsupported))
     chosen = set(plan.convert) | {n for n, m in roles.named_linears(model) if isinstance(m, Fp8Linear)}
