@@ -29,7 +29,7 @@ MODELS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SIZES, interm
                                                                       shared_expert_intermediate_size=256))}
 # the FP8 model's loss against the fp32 model's on random weights (measured: +0.03% Mixtral, +0.06% Qwen2-MoE)
 LOSS_RTOL = 0.01
-X
+# the FP8 experts' output against the same module in fp32 (E4M3 forward casts: ~28 dB a cast; measured 23.7-24.0 dB)
 EXPERTS_SQNR_FLOOR_DB = 20.0
 
 
