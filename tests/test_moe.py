@@ -176,3 +176,18 @@ def test_a_deep_copy_steps_on_its_own():
     optimizer.step()
     assert bool(experts_of(twin)[0].fp8_state[0].initialized.all())
     assert not bool(experts_of(model)[0].fp8_state[0].initialized.any())
+
+
+def test_frozen_experts_end_their_step_with_the_next_optimizer_step():
+    """Experts whose weights are frozen (adapters trained beside them) step as a frozen Fp8Linear does: after the
+    next optimizer step of any optimizer, once training forwards went through them."""
+    model = mf.convert(build(), recipe=mf.DelayedScaling())
+    module = experts_of(model)[0]
+    for p in module.parameters(recurse=False):
+        p.requires_grad_(False)
+    other = torch.nn.Parameter(torch.zeros(1))
+    optimizer = torch.optim.SGD([other], lr=0.1)
+    x, index, weights = routing()
+    (module(x.requires_grad_(), index, weights).sum() + other.sum()).backward()
+    optimizer.step()
+    assert bool(module.fp8_state[0].initialized.all()) and not bool(module.fp8_state[0].amax_history[0].any())

@@ -93,11 +93,14 @@ class Fp8Experts:
         """Nothing to drop: the experts' weights are cast at each forward (no cache across micro-batches yet)."""
 
     def step_ended(self) -> None:
-        """Called by the step's end after the states advanced (no weight casts to drop)."""
+        """Called by the step's end after the states advanced: no weight casts to drop; the count of frozen
+        training forwards starts again."""
+        self._unstepped = 0
 
     def fp8_step(self) -> None:
         """End this module's FP8 step (minifloat.fp8.step calls it for you after optimizer steps)."""
         advance_states(list(self.fp8_state), [self.recipe] * len(self.fp8_state))
+        self.step_ended()
 
     def _project(self, slot: int, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, state,
                  recording: bool) -> torch.Tensor:
@@ -120,6 +123,9 @@ class Fp8Experts:
                             f"float32, bfloat16 or float16; cast the model and its inputs with .float() (or run "
                             f"under torch.autocast)")
         recording = (self.training and torch.is_grad_enabled()) or state.calibrating
+        if (recording and not state.calibrating and not torch.compiler.is_compiling()
+                and not any(p.requires_grad for p in self.parameters(recurse=False))):
+            self._unstepped = getattr(self, "_unstepped", 0) + 1  # frozen (adapters train): the next step ends it
         first_name, down_name = _projections(self)
         first, down = getattr(self, first_name), getattr(self, down_name)
         first_bias = getattr(self, f"{first_name}_bias", None) if self.has_bias else None
