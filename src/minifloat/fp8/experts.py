@@ -115,6 +115,10 @@ class Fp8Experts:
             return recording_linear(x, weight, bias, caster)
         return Fp8LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))
 
+    # run eagerly inside a compiled model: the routing reads which experts are hit on the host, and a graph per
+    # expert slot recompiled past dynamo's limit (151 s for a tiny Mixtral's first step); the casts inside are
+    # minifloat's own compiled kernels either way
+    @torch.compiler.disable
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         state = current_autocast()
