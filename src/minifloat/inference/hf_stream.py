@@ -94,10 +94,9 @@ _SAFETENSORS_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF
                        "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
 
 
-def _meta_model(folder: Path, stored_dtype: torch.dtype | None) -> nn.Module:
+def _meta_model(folder: Path, config, auto, stored_dtype: torch.dtype | None) -> nn.Module:
     """The folder's model on the meta device, in the dtype from_pretrained(dtype="auto") loads it in (the config's
     dtype, else the checkpoint's), with the folder's generation config where it has one."""
-    config, auto = hf_models.read_config(folder)
     dtype = getattr(config, "dtype", None) or stored_dtype or torch.float32
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     build = getattr(auto, "from_config", None) or auto._from_config  # an auto class's, or a model class's own
@@ -114,7 +113,7 @@ def stream_plan(folder: str | os.PathLike, quantize: bool) -> StreamPlan | str:
     """The plan of a streamed export of `folder` (see the module docstring), or why it cannot be streamed. Raises
     read_config's one-line errors (not a model folder, already quantized, ...)."""
     folder = Path(folder)
-    hf_models.read_config(folder)  # its errors first, whatever the weights are
+    config, auto = hf_models.read_config(folder)  # its errors first, whatever the weights are
     stored = _stored_keys(folder)
     if isinstance(stored, str):
         return stored
@@ -122,7 +121,7 @@ def stream_plan(folder: str | os.PathLike, quantize: bool) -> StreamPlan | str:
     if isinstance(headers, str):
         return headers
     floating = [d for d, _ in headers.values() if d is not None and d.is_floating_point]
-    model = _meta_model(folder, floating[0] if floating else None)
+    model = _meta_model(folder, config, auto, floating[0] if floating else None)
     if found := hf_models.conversions(model):
         return (f"transformers converts its checkpoint layout on load ({len(found)} conversion(s), e.g. MoE experts "
                 f"stacked), which the whole-model export reverts")
