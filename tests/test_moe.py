@@ -193,6 +193,51 @@ def test_frozen_experts_end_their_step_with_the_next_optimizer_step():
     assert bool(module.fp8_state[0].initialized.all()) and not bool(module.fp8_state[0].amax_history[0].any())
 
 
+@pytest.mark.parametrize("recipe", [mf.DelayedScaling(), mf.CurrentScaling(), mf.BlockScaling()],
+                         ids=["delayed", "current", "block"])
+def test_weight_casts_are_made_once_per_step_and_equal_fresh_ones(recipe, monkeypatch):
+    """Each expert's weight is cast once per FP8 step: the step's second micro-batch finds every weight cast it
+    needs in the cache, the optimizer step empties it, and training with the cache is bit for bit training without."""
+    from minifloat.fp8 import caster as caster_module
+
+    hits = []
+    real_get = caster_module.WeightCache.get
+    monkeypatch.setattr(caster_module.WeightCache, "get",
+                        lambda self, *a, **k: (r := real_get(self, *a, **k), hits.append(r[1]))[0])
+    cached = mf.convert(build(), recipe=recipe)
+    fresh = mf.convert(build(), recipe=recipe)
+    for module in experts_of(fresh):
+        module._weight_cache = lambda slot: None
+    data = torch.randint(0, 128, (2, 2, 16), generator=torch.Generator().manual_seed(5))
+    for model in (cached, fresh):
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+        for step in range(2):
+            for micro, tokens in enumerate(data):
+                hits.clear()
+                model(tokens, labels=tokens).loss.backward()
+                if model is cached:
+                    assert hits and all(hits) == (micro == 1), (step, micro)
+                    assert any(c._entries for m in experts_of(model) for c in m._weights)
+            optimizer.step()
+            optimizer.zero_grad()
+            assert not any(c._entries for m in experts_of(model) for c in m.__dict__.get("_weights", ()))
+    for name, tensor in cached.state_dict().items():
+        assert torch.equal(tensor, fresh.state_dict()[name]), name
+
+
+def test_a_weight_changed_in_place_is_cast_again():
+    model = mf.convert(build(), recipe=mf.CurrentScaling())
+    module = experts_of(model)[0]
+    x, index, weights = routing()
+    before = module(x.requires_grad_(), index, weights)
+    with torch.no_grad():
+        module.gate_up_proj.mul_(2.0)  # no optimizer: only the version counter tells the cache
+    after = module(x, index, weights)
+    module._weight_cache = lambda slot: None
+    assert torch.equal(after, module(x, index, weights))
+    assert not torch.equal(before, after)
+
+
 @pytest.mark.slow
 def test_a_compiled_moe_model_runs_its_experts_eagerly_without_recompiling():
     """Under torch.compile the experts' forward runs eagerly (torch.compiler.disable): before, a graph per expert

@@ -17,8 +17,11 @@ concatenated gate/up rows, either storage orientation, with or without biases, f
 high precision, with the reason (`experts_reason`): interleaved gate/up rows, a norm after each expert, 4-bit
 recipes (their per-layer random state is not built here), other sizes, modules that are not transformers' experts.
 
+Each expert's weight casts are made once per FP8 step and reused by the step's micro-batches and for dgrad, as an
+Fp8Linear's are (`WeightCache`, one per expert and projection).
+
 Not done yet: one grouped GEMM for all experts (each expert is its own pair of GEMMs, as in transformers' eager
-implementation, with its host synchronisation per layer), weight casts cached across micro-batches, telemetry,
+implementation, with its host synchronisation per layer), telemetry,
 expert or tensor parallelism, FP8 inference layers (prepare_inference) and FP8 export of the experts.
 """
 
@@ -32,8 +35,8 @@ from minifloat.core.autocast import compute_dtype
 from minifloat.core.roles import MIN_DIM_MULTIPLE
 from minifloat.fp8 import step as fp8_steps
 from minifloat.fp8.autograd import Fp8LinearFunction, recording_linear
-from minifloat.fp8.caster import LayerCaster
-from minifloat.fp8.modules import COMPUTE_DTYPES, current_autocast
+from minifloat.fp8.caster import LayerCaster, WeightCache
+from minifloat.fp8.modules import COMPUTE_DTYPES, current_autocast, reusing_weight_casts
 from minifloat.fp8.recipes import Recipe
 from minifloat.fp8.scaling import ScalingState, advance_states
 
@@ -90,12 +93,27 @@ class Fp8Experts:
         fp8_steps.track(self)
 
     def drop_weight_casts(self) -> None:
-        """Nothing to drop: the experts' weights are cast at each forward (no cache across micro-batches yet)."""
+        """Forget the experts' weight casts made for this FP8 step (its end does)."""
+        for cache in self.__dict__.get("_weights", ()):
+            cache.clear()
 
     def step_ended(self) -> None:
-        """Called by the step's end after the states advanced: no weight casts to drop; the count of frozen
+        """Called by the step's end after the states advanced: the weight casts are dropped and the count of frozen
         training forwards starts again."""
         self._unstepped = 0
+        self.drop_weight_casts()
+
+    def _weight_cache(self, slot: int) -> WeightCache | None:
+        """Slot `slot`'s weight casts, kept for the FP8 step as an Fp8Linear keeps its own: for the micro-batches of
+        a training step (autograd on) or inside `reuse_weight_casts()`. An expert's weight is a view of the stacked
+        parameter: its version counter is the parameter's (an optimizer step or load_state_dict misses), its
+        storage address the expert's own."""
+        if not (torch.is_grad_enabled() or reusing_weight_casts()):
+            return None
+        caches = self.__dict__.get("_weights")
+        if caches is None or len(caches) != len(self.fp8_state):  # modules pickled before the cache existed
+            caches = self.__dict__["_weights"] = [WeightCache() for _ in self.fp8_state]
+        return caches[slot]
 
     def fp8_step(self) -> None:
         """End this module's FP8 step (minifloat.fp8.step calls it for you after optimizer steps)."""
@@ -110,7 +128,8 @@ class Fp8Experts:
         scaling = self.fp8_state[slot]
         name = "" if torch.compiler.is_compiling() else scaling.layer_name
         caster = LayerCaster(state.recipe if state.recipe is not None else self.recipe, scaling, name,
-                             state.backend if state.backend is not None else self.backend, recording, None, None)
+                             state.backend if state.backend is not None else self.backend, recording,
+                             self._weight_cache(slot), None)
         if state.calibrating:
             return recording_linear(x, weight, bias, caster)
         return Fp8LinearFunction.apply(x, weight, bias, caster, compute_dtype(x))

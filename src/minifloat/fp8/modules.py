@@ -71,6 +71,11 @@ def reuse_weight_casts() -> Iterator[None]:
         yield
 
 
+def reusing_weight_casts() -> bool:
+    """Whether this thread is inside `reuse_weight_casts()`."""
+    return bool(_REUSE)
+
+
 @contextlib.contextmanager
 def autocast(*, recipe: Recipe | None = None, enabled: bool = True, calibrating: bool = False,
              backend: str | None = None) -> Iterator[None]:
@@ -256,8 +261,8 @@ class Fp8Linear(nn.Linear):
         # nor does a forward without autograd (evaluation), unless inside `reuse_weight_casts()`: the cache is for the
         # micro-batches of a training step, and an edit through `.data` between evaluations (an EMA swap, a pruning
         # mask) bumps no version counter
-        weights = (self._weights if self.cache_weight and not compiling and (torch.is_grad_enabled() or bool(_REUSE))
-                   else None)
+        reuse = torch.is_grad_enabled() or reusing_weight_casts()
+        weights = self._weights if self.cache_weight and not compiling and reuse else None
         if weights is not None:  # a TP layer's cache hits on every rank or none (WeightCache)
             weights.by_storage = self.amax_reduce is None
         # nor does a compiled graph read the layer's name (messages and telemetry only): dynamo would guard on the
