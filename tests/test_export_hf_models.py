@@ -17,7 +17,8 @@ import minifloat as mf
 from minifloat.inference import hf
 from minifloat.inference.export import export_hf
 from minifloat.inference.layers import Fp8InferenceLinear
-from minifloat.numerics.quantize import sqnr_db
+from minifloat.numerics.formats import E4M3
+from minifloat.numerics.quantize import quantize, sqnr_db
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate", reason="transformers loads FP8 checkpoints only with accelerate")
@@ -310,11 +311,104 @@ def test_moe_experts_are_exported_in_the_checkpoint_layout(tmp_path, arch):
     layers = fp8_layers(prepared)
     assert layers and all(block[f"{n}.weight"].dtype == torch.float8_e4m3fn and f"{n}.weight_scale_inv" in block
                           for n in layers)
-    assert {k for k in block if ".experts." in k} == {k for k in saved if ".experts." in k}
+    experts = {k for k in saved if ".experts." in k}
+    assert {k for k in block if ".experts." in k} == experts | {k + "_scale_inv" for k in experts}
+    for key in experts:  # each expert matrix quantized as a linear's weight is, from the model's own precision
+        q = quantize(saved[key].float(), E4M3, granularity="block")
+        assert torch.equal(block[key].view(torch.uint8), q.data.view(torch.uint8)), key
+        assert torch.equal(block[key + "_scale_inv"], q.scale.float()), key
+    assert not any("experts" in n for n in json.loads((out / hf.CONFIG_FILE).read_text())["quantization_config"]
+                   ["ignored_layers"])
     theirs = getattr(transformers, class_name).from_pretrained(out).eval()
     for name, layer in layers.items():
         assert torch.equal(theirs.get_submodule(name).weight, layer.dequantized_weight().to(torch.bfloat16)), name
+    for name, module in theirs.named_modules():  # transformers stacks the dequantized expert matrices back
+        if hasattr(module, "gate_up_proj"):
+            prefix = next(k for k in experts if k.startswith(name.replace(".mlp.", ".block_sparse_moe.")
+                                                          if arch == "mixtral" else name)).split(".experts.")[0]
+            for e in range(module.num_experts):
+                gate, up = (f"{prefix}.experts.{e}.{p}.weight" for p in (("w1", "w3") if arch == "mixtral"
+                                                                         else ("gate_proj", "up_proj")))
+                expected = torch.cat([dequantized(block, gate), dequantized(block, up)])
+                assert torch.equal(module.gate_up_proj[e], expected.to(torch.bfloat16)), (name, e)
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         reference, loaded = prepared(ids).logits.float(), theirs(ids).logits.float()
     assert sqnr_db(reference, loaded) >= WEIGHT_ONLY_LOGITS_SQNR_FLOOR_DB
+
+
+def dequantized(tensors: dict, key: str) -> torch.Tensor:
+    """An hf-fp8-block weight times its 128×128 block scales, in fp32."""
+    scale = tensors[f"{key}_scale_inv"].repeat_interleave(128, 0).repeat_interleave(128, 1)
+    weight = tensors[key].float()
+    return weight * scale[:weight.shape[0], :weight.shape[1]]
+
+
+def moe(arch: str = "mixtral"):
+    config_name, class_name, fields = MOE[arch]
+    torch.manual_seed(0)
+    return getattr(transformers, class_name)(getattr(transformers, config_name)(**fields)).eval()
+
+
+def test_per_tensor_fp8_exports_each_expert_matrix_with_its_scale(tmp_path):
+    model = moe()
+    tensors = load_file(export_hf(model, tmp_path / "fp8", format="hf-fp8") / hf.WEIGHTS_FILE)
+    stacked = model.model.layers[1].mlp.experts.gate_up_proj.detach()
+    for e in range(4):  # w1 is the first half of gate_up_proj's rows, w3 the second (transformers' conversion)
+        for key, rows in (("w1", slice(0, 256)), ("w3", slice(256, 512))):
+            name = f"model.layers.1.block_sparse_moe.experts.{e}.{key}"
+            q = quantize(stacked[e, rows].float().contiguous(), E4M3, granularity="tensor")
+            assert torch.equal(tensors[f"{name}.weight"].view(torch.uint8), q.data.view(torch.uint8)), name
+            assert tensors[f"{name}.weight_scale"].shape == () and torch.equal(tensors[f"{name}.weight_scale"],
+                                                                                 q.scale.float().reshape(()))
+
+
+def test_a_static_export_keeps_the_experts_and_names_them_for_each_reader(tmp_path, caplog):
+    """A static-activation export would need each expert's input scale: the experts stay in the export's dtype and
+    are listed in ignored_layers under the checkpoint's names (vLLM) and in modules_to_not_convert under the
+    model's (transformers)."""
+    model = moe()
+    with caplog.at_level("WARNING", logger="minifloat"):
+        out = export_hf(model, tmp_path / "static", format="hf-fp8", calibration=[ids(2)])
+    tensors = load_file(out / hf.WEIGHTS_FILE)
+    assert tensors["model.layers.0.block_sparse_moe.experts.0.w1.weight"].dtype == torch.bfloat16
+    assert not any(".experts." in k and "scale" in k for k in tensors)
+    assert tensors["model.layers.1.self_attn.q_proj.input_scale"].shape == ()  # the linears are static FP8
+    quant = json.loads((out / hf.CONFIG_FILE).read_text())["quantization_config"]
+    assert quant["activation_scheme"] == "static"
+    assert {f"model.layers.{i}.block_sparse_moe.experts" for i in (0, 1)} <= set(quant["ignored_layers"])
+    assert {f"model.layers.{i}.mlp.experts" for i in (0, 1)} <= set(quant["modules_to_not_convert"])
+    assert any("keeps 2 MoE experts module(s) in high precision" in r.getMessage() and "input scale" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_a_model_trained_with_fp8_experts_exports_them_in_fp8_and_one_trained_without_keeps_them(tmp_path):
+    trained = mf.convert(moe(), recipe=mf.DelayedScaling())
+    block = load_file(export_hf(trained, tmp_path / "trained", format="hf-fp8-block") / hf.WEIGHTS_FILE)
+    assert block["model.layers.0.block_sparse_moe.experts.2.w2.weight"].dtype == torch.float8_e4m3fn
+    assert not any("fp8_state" in k for k in block)
+    dense_only = mf.convert(moe(), recipe=mf.DelayedScaling(), filter=lambda name, m: isinstance(m, torch.nn.Linear))
+    assert not any(hasattr(m, "fp8_state") and hasattr(m, "num_experts") for m in dense_only.modules())
+    out = export_hf(dense_only, tmp_path / "dense", format="hf-fp8-block")
+    kept = load_file(out / hf.WEIGHTS_FILE)
+    assert kept["model.layers.0.block_sparse_moe.experts.2.w2.weight"].dtype == torch.bfloat16
+    assert "model.layers.0.mlp.experts" in json.loads((out / hf.CONFIG_FILE).read_text())["quantization_config"][
+        "modules_to_not_convert"]
+    theirs = transformers.MixtralForCausalLM.from_pretrained(out).eval()  # transformers reads the kept experts as bf16
+    assert torch.equal(theirs.model.layers[0].mlp.experts.down_proj[2],
+                       dense_only.model.layers[0].mlp.experts.down_proj[2].detach().to(torch.bfloat16))
+
+
+def test_cli_exports_a_moe_folder_with_fp8_experts_and_no_contradicting_warning(tmp_path, capsys):
+    """`minifloat export --hf` of a Mixtral folder: the experts are written in FP8 (through the whole model: the
+    checkpoint layout is converted), and no line says they stay in high precision."""
+    from minifloat.cli import main
+
+    folder = tmp_path / "mixtral"
+    moe().to(torch.bfloat16).save_pretrained(folder)
+    assert main(["export", "--hf", str(folder), "--format", "hf-fp8-block", "--out", str(tmp_path / "o")]) == 0
+    captured = capsys.readouterr()
+    assert "wrote" in captured.out and "stay in high precision" not in captured.err + captured.out
+    tensors = load_file(tmp_path / "o" / hf.WEIGHTS_FILE)
+    assert tensors["model.layers.1.block_sparse_moe.experts.3.w3.weight"].dtype == torch.float8_e4m3fn
+    assert "model.layers.1.block_sparse_moe.experts.3.w3.weight_scale_inv" in tensors

@@ -81,7 +81,7 @@ def _export_pretrained(args: argparse.Namespace) -> int:
     tokenizer files (minifloat.inference.hf_models)."""
     from minifloat.inference import hf_models
     from minifloat.inference.export import check_activations, export_hf
-    from minifloat.inference.prepare import prepare_inference
+    from minifloat.inference.prepare import EXPORT_REPORTS_EXPERTS, prepare_inference
 
     refused = [flag for flag, given in (("--tokenizer", args.tokenizer), ("--checkpoint", args.checkpoint != "latest"))
                if given]
@@ -105,8 +105,9 @@ def _export_pretrained(args: argparse.Namespace) -> int:
         return 0
     model = hf_models.load_pretrained(args.hf)
     batches = hf_models.folder_calibration(args.hf, args.data, args.calibrate, model)
-    model = prepare_inference(model, recipe=hf_models.FORMAT_RECIPES[args.format], calibration=batches,
-                              activations="static")
+    with EXPORT_REPORTS_EXPERTS.on():
+        model = prepare_inference(model, recipe=hf_models.FORMAT_RECIPES[args.format], calibration=batches,
+                                  activations="static")
     out = export_hf(model, args.out, format=args.format, dtype=args.dtype, activations="static",
                     overwrite=args.overwrite, copy_files=hf_models.tokenizer_files(args.hf))
     _report(out, args)

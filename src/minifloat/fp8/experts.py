@@ -22,7 +22,8 @@ Fp8Linear's are (`WeightCache`, one per expert and projection).
 
 Not done yet: one grouped GEMM for all experts (each expert is its own pair of GEMMs, as in transformers' eager
 implementation, with its host synchronisation per layer), telemetry,
-expert or tensor parallelism, FP8 inference layers (prepare_inference) and FP8 export of the experts.
+expert or tensor parallelism, FP8 inference layers (prepare_inference; an FP8 export does write the experts in FP8:
+minifloat.inference.hf_experts).
 """
 
 from __future__ import annotations

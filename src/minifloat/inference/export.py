@@ -35,7 +35,8 @@ calibration batches (amax / 448) or, for a model trained with delayed scaling, f
 Which linears are quantized: a model trained in FP8 keeps its own choice (its Fp8Linear layers), a model prepared
 for FP8 inference its Fp8InferenceLinear layers (their stored weights are written as they are when the layout
 matches); any other model gets the choice `convert` would make (minifloat.fp8.convert.fp8_plan: the first block's
-q/k/v and lm_head stay in high precision).
+q/k/v and lm_head stay in high precision). A transformers MoE model's stacked experts are quantized too, one matrix
+per expert and projection in the checkpoint layout (minifloat.inference.hf_experts).
 """
 
 from __future__ import annotations
@@ -53,11 +54,12 @@ from torch import nn
 
 from minifloat.core.validate import check_choice
 from minifloat.fp8.modules import Fp8Linear
-from minifloat.inference import hf, hf_models
+from minifloat.inference import hf, hf_experts, hf_models
 from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
 from minifloat.inference.export_files import check_out, copy_into, write_export
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
-from minifloat.inference.prepare import DEFAULT_PERCENTILE, inference_plan, training_input_scale
+from minifloat.inference.prepare import (DEFAULT_PERCENTILE, EXPORT_REPORTS_EXPERTS, inference_plan,
+                                         training_input_scale)
 from minifloat.inference.runs import LOW_PRECISION_RUN, load_run, run_calibration, run_checkpoint  # noqa: F401
 from minifloat.numerics.granularity import TILE, Granularity
 from minifloat.numerics.quantize import Quantized, quantize
@@ -309,19 +311,26 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
                          f"{type(model).__name__}; save another model with its own save_pretrained (high precision) "
                          f"or, prepared for FP8 inference, with mf.save_quantized(model, path) (under PEFT adapters: "
                          f"merge_and_unload the high-precision model first)")
-    layers = quantized_layers(model) if fmt.granularity is not None else []
+    with EXPORT_REPORTS_EXPERTS.on():
+        layers = quantized_layers(model) if fmt.granularity is not None else []
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     if theirs:
         tensors = hf_models.model_tensors(model, fmt, dtype, layers, input_scales, quantized_weight, _weight)
     else:
         tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
     warnings = transformers_warnings(out, fmt, layers, tensors, name=(lambda n: n) if theirs else hf.hf_name)
+    experts = hf_experts.experts_plan(model, fmt, static=input_scales is not None)
     if theirs:  # the checkpoint layout save_pretrained writes (MoE experts one matrix each), which readers expect
         tensors = hf_models.checkpoint_layout(model, tensors)
+        hf_experts.note(model, experts)
+        expert_weights = hf_experts.quantize_experts(model, fmt, experts, tensors)
+        warnings += transformers_warnings(out, fmt, [k.removesuffix(".weight") for k in expert_weights], tensors,
+                                          name=lambda n: n)
     loaded = _tokenizer(model_or_run, model, checkpoint, tokenizer, warnings)
     eot_id = loaded.eot_id if loaded is not None else None  # bos / eos: hf.special_ids
     if theirs:
-        files = {hf.CONFIG_FILE: hf_models.model_config(model, fmt, dtype, layers, input_scales is not None)}
+        files = {hf.CONFIG_FILE: hf_models.model_config(model, fmt, dtype, layers, input_scales is not None,
+                                                        tuple(experts.kept))}
         if (generation := hf_models.generation_config(model)) is not None:
             files[hf.GENERATION_FILE] = generation
     else:
@@ -344,5 +353,6 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
                         f"export's, or yours): check that it matches these weights, or delete it")
     for warning in warnings:  # once the export exists: what transformers would load from it without an error
         log.warning("%s", warning)
-    log.info("minifloat: exported %s (%s, %d tensors, %d FP8 linears)", out, fmt.name, len(tensors), len(layers))
+    log.info("minifloat: exported %s (%s, %d tensors, %d FP8 linears, %d FP8 experts modules)", out, fmt.name,
+             len(tensors), len(layers), len(experts.quantized))
     return out

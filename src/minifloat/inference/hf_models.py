@@ -132,9 +132,23 @@ def checkpoint_layout(model: nn.Module, tensors: dict[str, torch.Tensor]) -> dic
     return dict(revert_weight_conversion(model, dict(tensors)))
 
 
+def checkpoint_module(model: nn.Module, name: str) -> str:
+    """Module `name` under its checkpoint name (transformers' renamings reverted: a Mixtral's `mlp` is
+    `block_sparse_moe` there), as vLLM's ignored_layers names it."""
+    probe = f"{name}.weight"
+    try:
+        (key,) = checkpoint_layout(model, {probe: torch.empty(1, 1, device="meta")})
+    except (ValueError, RuntimeError, TypeError):
+        return name
+    return key.removesuffix(".weight")
+
+
 def model_config(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, layers: list[str],
-                 static: bool) -> dict:
-    """config.json (see the module docstring)."""
+                 static: bool, kept_experts: tuple[str, ...] = ()) -> dict:
+    """config.json (see the module docstring). `kept_experts`: MoE experts modules an FP8 export keeps in `dtype`
+    (minifloat.inference.hf_experts), listed with the kept linears: in `ignored_layers` under their checkpoint
+    names (vLLM reads the checkpoint's), in `modules_to_not_convert` under the model's (transformers matches its
+    modules)."""
     config = model.config.to_dict()
     config["dtype"] = str(dtype).removeprefix("torch.")
     config.pop("torch_dtype", None)
@@ -146,9 +160,10 @@ def model_config(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, lay
     config.pop("_name_or_path", None)  # where the model was read from on this machine: no part of the export
     if fmt.granularity is not None:
         kept = [name for name, m in model.named_modules()
-                if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers]
+                if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers] + list(kept_experts)
         config["quantization_config"] = {**dict(fmt.config), "activation_scheme": "static" if static else "dynamic",
-                                         "ignored_layers": kept, "modules_to_not_convert": kept}
+                                         "ignored_layers": [checkpoint_module(model, n) for n in kept],
+                                         "modules_to_not_convert": kept}
     return config
 
 

@@ -36,11 +36,11 @@ from safetensors.torch import save_file
 from torch import nn
 
 from minifloat.core.files import write_json
-from minifloat.inference import hf, hf_models
+from minifloat.inference import hf, hf_experts, hf_models
 from minifloat.inference.export import check_activations, export_dtype, quantized_weight, transformers_warnings
 from minifloat.inference.export_files import INDEX_FILE, check_out, copy_into, shard_name, write_export
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
-from minifloat.inference.prepare import inference_plan, nonfinite_weights
+from minifloat.inference.prepare import EXPORT_REPORTS_EXPERTS, inference_plan, nonfinite_weights
 
 log = logging.getLogger("minifloat")
 
@@ -143,7 +143,8 @@ def stream_plan(folder: str | os.PathLike, quantize: bool) -> StreamPlan | str:
         if dtype != tensor.dtype:
             return f"{found[0]} is stored in {dtype}, which from_pretrained loads as {tensor.dtype}"
         sources[names[0]] = (path, found[0])
-    return StreamPlan(model, inference_plan(model) if quantize else [], sources)
+    with EXPORT_REPORTS_EXPERTS.on():
+        return StreamPlan(model, inference_plan(model) if quantize else [], sources)
 
 
 def _quantized(name: str, weight: torch.Tensor, recipe) -> Fp8InferenceLinear:
@@ -205,15 +206,21 @@ def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, form
     fmt, dtype, folder, out = hf.FORMATS[format], export_dtype(dtype), hf_models.model_folder(folder), Path(out_dir)
     check_out(out, overwrite)
     plan = stream_plan(folder, quantize=fmt.granularity is not None)
+    experts = None if isinstance(plan, str) else hf_experts.experts_plan(plan.model, fmt, static=False)
+    if experts is not None and experts.quantized:  # not met yet: stacked experts have conversions
+        plan = "its MoE experts are quantized in the checkpoint layout, which the whole-model export writes"
     copied = hf_models.tokenizer_files(folder)
     if isinstance(plan, str):
         log.info("minifloat: exporting %s through the whole model, not shard by shard: %s", folder, plan)
         model = hf_models.load_pretrained(folder)
         if (recipe := hf_models.FORMAT_RECIPES[format]) is not None:
-            model = prepare_inference(model, recipe=recipe)
+            with EXPORT_REPORTS_EXPERTS.on():
+                model = prepare_inference(model, recipe=recipe)
         return export_hf(model, out, format=format, dtype=dtype, activations="dynamic", overwrite=overwrite,
                          copy_files=copied)
-    files = {hf.CONFIG_FILE: hf_models.model_config(plan.model, fmt, dtype, plan.layers, static=False)}
+    hf_experts.note(plan.model, experts)
+    files = {hf.CONFIG_FILE: hf_models.model_config(plan.model, fmt, dtype, plan.layers, static=False,
+                                                    kept_experts=tuple(experts.kept))}
     if (generation := hf_models.generation_config(plan.model)) is not None:
         files[hf.GENERATION_FILE] = generation
     count = 0

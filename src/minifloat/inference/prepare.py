@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from minifloat.core import roles
+from minifloat.core.switch import ThreadSwitch
 from minifloat.core.validate import check_bool, check_choice, check_number
 from minifloat.fp8.convert import fp8_plan, other_projections, replace_module, stacked_note, unsupported_note
 from minifloat.fp8.gemm import BACKENDS
@@ -47,6 +48,11 @@ def _patterns(keep) -> tuple[str, ...]:
     return tuple(keep)
 
 
+# on while an FP8 export plans or prepares its model: the export quantizes and reports the stacked MoE experts
+# itself (minifloat.inference.hf_experts), so inference_plan's warning that they stay in high precision is left out
+EXPORT_REPORTS_EXPERTS = ThreadSwitch()
+
+
 def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_last: bool = True) -> list[str]:
     """The layers prepare_inference converts, by name, in module order (see the module docstring).
 
@@ -64,7 +70,7 @@ def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_las
     if plan.own_forward:
         log.warning("minifloat.prepare_inference: kept %d nn.Linear subclass(es) with a forward of their own as they "
                     "are: %s", len(plan.own_forward), ", ".join(plan.own_forward))
-    if plan.stacked or plan.experts:
+    if not EXPORT_REPORTS_EXPERTS and (plan.stacked or plan.experts):
         log.warning("minifloat.prepare_inference: %s", stacked_note(model, plan.stacked + plan.experts))
     if plan.unsupported:
         log.warning("minifloat.prepare_inference: %s", unsupported_note(plan.unsupported))
