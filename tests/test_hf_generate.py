@@ -89,6 +89,31 @@ def test_an_encoder_decoder_generates_its_decoder_tokens(tmp_path):
     assert result.tokens == full[1:].tolist() and result.stats.kv_cache_bytes > 0
 
 
+def test_a_moe_folder_generates_with_fp8_experts(tmp_path):
+    """Mixtral: --fp8 stores the experts in FP8 too (minifloat.inference.experts), and the tokens are transformers'
+    generate's on the model prepare_inference makes."""
+    from minifloat.inference.experts import Fp8InferenceExperts
+
+    folder = tmp_path / "mixtral"
+    folder.mkdir()
+    vocab = save_tokenizer(folder)
+    config = transformers.MixtralConfig(vocab_size=vocab, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                        num_experts_per_tok=2, max_position_embeddings=256, eos_token_id=vocab + 10)
+    torch.manual_seed(0)
+    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(folder)
+    model, tokenizer = load_generator(folder, fp8="block", device="cpu")
+    assert sum(isinstance(m, Fp8InferenceExperts) for m in model.modules()) == 2
+    result = generate_pretrained(model, tokenizer, PROMPT, max_new_tokens=8)
+    reference = mf.prepare_inference(hf_models.load_pretrained(folder), recipe=FP8_RECIPES["block"])
+    ids = tokenizer(PROMPT, return_tensors="pt")
+    with torch.no_grad():
+        out = reference.generate(**ids, max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    assert result.tokens == out[0, ids["input_ids"].shape[1]:].tolist()
+    bf16 = generate_pretrained(*load_generator(folder), PROMPT, max_new_tokens=2).stats.weight_bytes
+    assert result.stats.weight_bytes < 0.7 * bf16  # the experts are most of this model's weights
+
+
 def test_fp8_weights_take_about_half_the_bytes(folder):
     bf16 = generate_pretrained(*load_generator(folder), PROMPT, max_new_tokens=2).stats.weight_bytes
     fp8 = generate_pretrained(*load_generator(folder, fp8="block"), PROMPT, max_new_tokens=2).stats.weight_bytes

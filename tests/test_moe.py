@@ -17,38 +17,18 @@ import torch
 import minifloat as mf
 from minifloat.fp8.experts import Fp8Experts, experts_reason
 from minifloat.numerics.quantize import sqnr_db
+from moe_models import MODELS, build, routing
 
 transformers = pytest.importorskip("transformers")
 
-_SIZES = dict(vocab_size=128, hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=64)
-MODELS = {"mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SIZES, intermediate_size=256, num_local_experts=4,
-                                                                  num_experts_per_tok=2)),
-          "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_SIZES, intermediate_size=256, num_experts=4,
-                                                                      num_experts_per_tok=2, moe_intermediate_size=128,
-                                                                      shared_expert_intermediate_size=256))}
 # the FP8 model's loss against the fp32 model's on random weights (measured: +0.03% Mixtral, +0.06% Qwen2-MoE)
 LOSS_RTOL = 0.01
 # the FP8 experts' output against the same module in fp32 (E4M3 forward casts: ~28 dB a cast; measured 23.7-24.0 dB)
 EXPERTS_SQNR_FLOOR_DB = 20.0
 
 
-def build(arch: str = "mixtral"):
-    config_name, class_name, fields = MODELS[arch]
-    torch.manual_seed(0)
-    return getattr(transformers, class_name)(getattr(transformers, config_name)(**fields))
-
-
 def experts_of(model) -> list:
     return [m for m in model.modules() if isinstance(m, Fp8Experts)]
-
-
-def routing(num_tokens: int = 24, experts: int = 4, k: int = 2, seed: int = 1, allowed: int | None = None):
-    g = torch.Generator().manual_seed(seed)
-    x = torch.randn(num_tokens, 128, generator=g)
-    scores = torch.rand(num_tokens, allowed or experts, generator=g)
-    weights, index = scores.topk(k, dim=-1)
-    return x, index, torch.softmax(weights, dim=-1)
 
 
 def by_hand(module, recipe, x, index, weights):

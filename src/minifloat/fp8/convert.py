@@ -306,12 +306,11 @@ def stacked_note(model: nn.Module, stacked: tuple[str, ...], recipe: Recipe | No
     held = sum(model.get_submodule(n).get_parameter(p).numel() for n in stacked for p, _ in found[n])
     total = sum(p.numel() for p in model.parameters()) or 1
     more = f", ... ({len(stacked)} in all)" if len(stacked) > MAX_LISTED else ""
-    where = ("FP8 inference runs nn.Linear layers only" if recipe is None
-             else "FP8 runs transformers' experts modules and nn.Linear layers only")
-    exported = " (an FP8 export writes transformers' experts in FP8 where it can)" if recipe is None else ""
+    where = ("FP8 inference runs nn.Linear layers only, and transformers' experts modules with dynamic activations"
+             if recipe is None else "FP8 runs transformers' experts modules and nn.Linear layers only")
     return (f"{len(stacked)} module(s) multiply stacked weights of their own (MoE experts held as 3-D parameters), "
-            f"which {where}: they stay in high precision{exported}, {100 * held / total:.0f}% of the model's "
-            f"parameters: {', '.join(shown)}{more}")
+            f"which {where}: they stay in high precision, {100 * held / total:.0f}% of the model's parameters: "
+            f"{', '.join(shown)}{more}")
 
 
 MAX_LISTED = 4  # layers a warning names before "..."

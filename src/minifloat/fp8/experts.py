@@ -22,11 +22,13 @@ Fp8Linear's are (`WeightCache`, one per expert and projection).
 
 Not done yet: one grouped GEMM for all experts (each expert is its own pair of GEMMs, as in transformers' eager
 implementation, with its host synchronisation per layer), telemetry,
-expert or tensor parallelism, FP8 inference layers (prepare_inference; an FP8 export does write the experts in FP8:
-minifloat.inference.hf_experts).
+expert or tensor parallelism. (FP8 inference of a plain model's experts: minifloat.inference.experts; their FP8
+export: minifloat.inference.hf_experts.)
 """
 
 from __future__ import annotations
+
+from typing import Callable, Iterator
 
 import torch
 import torch.nn.functional as F
@@ -74,11 +76,28 @@ def experts_reason(module: nn.Module, recipe: Recipe | None = None) -> str | Non
     return None
 
 
-def _restore(base: type, state: dict) -> nn.Module:
-    """Unpickle an FP8 experts module: its class rebuilt from the transformers class it converted."""
-    module = base.__new__(fp8_class(base))
+def rebuild(subclass_of: Callable[[type], type], base: type, state: dict) -> nn.Module:
+    """Unpickle a module whose class was made from a transformers class: `subclass_of(base)` (fp8_class, ...)."""
+    module = base.__new__(subclass_of(base))
     module.__setstate__(state)
     return module
+
+
+def _restore(base: type, state: dict) -> nn.Module:  # FP8 experts pickled before `rebuild` existed
+    return rebuild(fp8_class, base, state)
+
+
+def routes(top_k_index: torch.Tensor, num_experts: int) -> Iterator[tuple[int, torch.Tensor, torch.Tensor]]:
+    """transformers' eager routing: (expert, its tokens, their top-k slots) for each expert some token reached,
+    slot-major (the order transformers' own experts sum in). The index `num_experts` is the slot expert parallelism
+    masks other ranks' experts into: skipped."""
+    with torch.no_grad():
+        mask = F.one_hot(top_k_index, num_classes=num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
+    for e in hit:
+        if e != num_experts:
+            slot, token = torch.where(mask[e])
+            yield e, token, slot
 
 
 class Fp8Experts:
@@ -87,7 +106,7 @@ class Fp8Experts:
     step_on = "optimizer"
 
     def __reduce_ex__(self, protocol):
-        return _restore, (type(self).__mro__[2], self.__dict__.copy())
+        return rebuild, (fp8_class, type(self).__mro__[2], self.__dict__.copy())
 
     def __setstate__(self, state) -> None:  # deepcopy and unpickling build no module through convert_experts
         super().__setstate__(state)
@@ -155,13 +174,7 @@ class Fp8Experts:
         first_bias = getattr(self, f"{first_name}_bias", None) if self.has_bias else None
         down_bias = getattr(self, f"{down_name}_bias", None) if self.has_bias else None
         out = torch.zeros_like(hidden_states)
-        with torch.no_grad():  # transformers' eager routing: which (token, slot) pairs each expert serves
-            mask = F.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
-            hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero().flatten().tolist()
-        for e in hit:
-            if e == self.num_experts:  # the slot expert parallelism masks its other ranks' experts into
-                continue
-            slot, token = torch.where(mask[e])
+        for e, token, slot in routes(top_k_index, self.num_experts):
             h = self._project(2 * e, hidden_states[token], first[e], None if first_bias is None else first_bias[e],
                               state, recording)
             h = self._apply_gate(h) if self.has_gate else self.act_fn(h)

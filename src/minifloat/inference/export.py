@@ -57,6 +57,7 @@ from minifloat.fp8.modules import Fp8Linear
 from minifloat.inference import hf, hf_experts, hf_models
 from minifloat.inference.calibrate import Clip, calibrated_amaxes, check_batches, static_scale
 from minifloat.inference.export_files import check_out, copy_into, write_export
+from minifloat.inference.experts import expert_layer_names
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 from minifloat.inference.prepare import (DEFAULT_PERCENTILE, EXPORT_REPORTS_EXPERTS, inference_plan,
                                          training_input_scale)
@@ -94,8 +95,9 @@ def quantized_layers(model: Llama) -> list[str]:
     trained = [name for name, m in model.named_modules() if isinstance(m, Fp8Linear)]
     # a run with a low-precision recipe keeps its own choice even when it is none (--fp8-layers where none paid)
     planned = set() if trained or getattr(model, LOW_PRECISION_RUN, False) else set(inference_plan(model))
+    inside = expert_layer_names(model)  # prepared MoE experts' matrices: written as the experts (hf_experts)
     return [name for name, m in model.named_modules()
-            if isinstance(m, (Fp8Linear, Fp8InferenceLinear)) or name in planned]
+            if (isinstance(m, (Fp8Linear, Fp8InferenceLinear)) or name in planned) and name not in inside]
 
 
 def model_input_scales(model: Llama, layers: list[str], spec: LayerSpec) -> dict[str, torch.Tensor] | None:
@@ -316,6 +318,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     input_scales = _input_scales(model, fmt, layers, activations, calibration, clip, percentile)
     if theirs:
         tensors = hf_models.model_tensors(model, fmt, dtype, layers, input_scales, quantized_weight, _weight)
+        tensors = hf_experts.restacked(model, tensors, dtype)  # prepared experts: the parameters they replaced
     else:
         tensors = hf_tensors(model, fmt, dtype, layers, input_scales)
     warnings = transformers_warnings(out, fmt, layers, tensors, name=(lambda n: n) if theirs else hf.hf_name)
@@ -323,7 +326,7 @@ def export_hf(model_or_run: Llama | str | os.PathLike, out_dir: str | os.PathLik
     if theirs:  # the checkpoint layout save_pretrained writes (MoE experts one matrix each), which readers expect
         tensors = hf_models.checkpoint_layout(model, tensors)
         hf_experts.note(model, experts)
-        expert_weights = hf_experts.quantize_experts(model, fmt, experts, tensors)
+        expert_weights = hf_experts.quantize_experts(model, fmt, experts, tensors, quantized_weight)
         warnings += transformers_warnings(out, fmt, [k.removesuffix(".weight") for k in expert_weights], tensors,
                                           name=lambda n: n)
     loaded = _tokenizer(model_or_run, model, checkpoint, tokenizer, warnings)

@@ -44,6 +44,7 @@ from torch import nn
 
 from minifloat.fp8.recipes import BlockScaling, CurrentScaling
 from minifloat.inference import hf
+from minifloat.inference.experts import expert_layer_names
 from minifloat.inference.layers import Fp8InferenceLinear
 
 # the recipe whose stored weights each layout holds as they are (minifloat.inference.export's quantized_weight)
@@ -159,8 +160,9 @@ def model_config(model: nn.Module, fmt: hf.ExportFormat, dtype: torch.dtype, lay
     config.pop("quantization_config", None)
     config.pop("_name_or_path", None)  # where the model was read from on this machine: no part of the export
     if fmt.granularity is not None:
-        kept = [name for name, m in model.named_modules()
-                if isinstance(m, (nn.Linear, Fp8InferenceLinear)) and name not in layers] + list(kept_experts)
+        inside = expert_layer_names(model)
+        kept = [name for name, m in model.named_modules() if isinstance(m, (nn.Linear, Fp8InferenceLinear))
+                and name not in layers and name not in inside] + list(kept_experts)
         config["quantization_config"] = {**dict(fmt.config), "activation_scheme": "static" if static else "dynamic",
                                          "ignored_layers": [checkpoint_module(model, n) for n in kept],
                                          "modules_to_not_convert": kept}

@@ -7,8 +7,9 @@
 Which layers: those `mf.convert` converts (minifloat.fp8.convert.fp8_plan: the input projections and the output head
 stay high precision, by role; features must be multiples of 16), and every Fp8Linear a model was trained with, less
 the `keep` patterns, less, with `keep_sensitive`, the layers whose FP8 rounding costs the model's output most (measured
-on the calibration batches, minifloat.inference.calibrate.sensitive_layers). Embeddings, norms and everything else
-are left as they are.
+on the calibration batches, minifloat.inference.calibrate.sensitive_layers). With dynamic activations, transformers'
+stacked MoE experts too, one FP8 matrix per expert and projection (minifloat.inference.experts). Embeddings, norms
+and everything else are left as they are.
 
 Static activation scales come from calibration (minifloat.inference.calibrate), or, for a model trained with
 minifloat (Fp8Linear layers), from training: a delayed-scaling layer's input scale as it stands, or the scale
@@ -34,6 +35,7 @@ from minifloat.fp8.recipes import NVFP4Spec, Recipe, Role, check_recipe
 from minifloat.fp8.scaling import ROLE_INDEX
 from minifloat.inference.calibrate import (Clip, calibrated_amaxes, check_batches, combined_sqnr_db,
                                            layer_sensitivities, sensitive_layers, static_scale)
+from minifloat.inference.experts import prepare_experts
 from minifloat.inference.layers import Activations, Fp8InferenceLinear, LayerSpec
 
 log = logging.getLogger("minifloat")
@@ -53,16 +55,26 @@ def _patterns(keep) -> tuple[str, ...]:
 EXPORT_REPORTS_EXPERTS = ThreadSwitch()
 
 
-def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_last: bool = True) -> list[str]:
-    """The layers prepare_inference converts, by name, in module order (see the module docstring).
+def inference_experts(model: nn.Module, *, keep: Iterable[str] = ()) -> list[str]:
+    """The transformers MoE experts modules prepare_inference stores in FP8 with dynamic activations
+    (minifloat.inference.experts): those mf.convert would run in FP8, less the `keep` patterns."""
+    keep = _patterns(keep)
+    return [n for n in fp8_plan(model).experts if not any(fnmatch.fnmatchcase(n, p) for p in keep)]
+
+
+def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_last: bool = True,
+                   experts: bool = False) -> list[str]:
+    """The layers prepare_inference converts, by name, in module order (see the module docstring). `experts`: the
+    caller stores the supported MoE experts in FP8 too (`inference_experts`), so only the others are warned about.
 
     Raises:
         ValueError: a `keep` pattern that matches no linear layer (a typo would otherwise convert silently).
     """
     keep = _patterns(keep)
     linears = [n for n, _ in roles.named_linears(model)]
-    if unmatched := [p for p in keep if not fnmatch.filter(linears, p)]:
-        raise ValueError(f"keep pattern {unmatched[0]!r} matches no linear layer of the model")
+    stacked = list(roles.stacked_weights(model))
+    if unmatched := [p for p in keep if not fnmatch.filter(linears + stacked, p)]:
+        raise ValueError(f"keep pattern {unmatched[0]!r} matches no linear layer or MoE experts of the model")
     plan = fp8_plan(model, keep_first_last=keep_first_last)
     if plan.misshapen:
         log.warning("minifloat.prepare_inference: kept %d layer(s) in high precision, their features are not "
@@ -70,8 +82,9 @@ def inference_plan(model: nn.Module, *, keep: Iterable[str] = (), keep_first_las
     if plan.own_forward:
         log.warning("minifloat.prepare_inference: kept %d nn.Linear subclass(es) with a forward of their own as they "
                     "are: %s", len(plan.own_forward), ", ".join(plan.own_forward))
-    if not EXPORT_REPORTS_EXPERTS and (plan.stacked or plan.experts):
-        log.warning("minifloat.prepare_inference: %s", stacked_note(model, plan.stacked + plan.experts))
+    left = plan.stacked + (() if experts else plan.experts)
+    if not EXPORT_REPORTS_EXPERTS and left:
+        log.warning("minifloat.prepare_inference: %s", stacked_note(model, left))
     if plan.unsupported:
         log.warning("minifloat.prepare_inference: %s", unsupported_note(plan.unsupported))
     chosen = set(plan.convert) | {n for n, m in roles.named_linears(model) if isinstance(m, Fp8Linear)}
@@ -119,6 +132,17 @@ def check_finite_weights(model: nn.Module, names: list[str]) -> None:
         weight = model.get_submodule(n).weight.detach()
         if not weight.is_meta and not bool(torch.isfinite(weight).all()):
             bad[n] = int((~torch.isfinite(weight)).sum())
+    if bad:
+        raise nonfinite_weights(bad)
+
+
+def check_finite_experts(model: nn.Module, names: list[str]) -> None:
+    """check_finite_weights for MoE experts modules: their stacked parameters."""
+    bad = {}
+    for n in names:
+        for p in model.get_submodule(n).parameters(recurse=False):
+            if p.is_floating_point() and not p.is_meta and not bool(torch.isfinite(p).all()):
+                bad[n] = bad.get(n, 0) + int((~torch.isfinite(p)).sum())
     if bad:
         raise nonfinite_weights(bad)
 
@@ -188,8 +212,11 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
         raise ValueError("keep_sensitive needs calibration: each layer's sensitivity is measured on its batches")
     batches = check_batches(calibration) if calibration is not None else None
 
-    names = inference_plan(model, keep=keep, keep_first_last=keep_first_last)
+    with_experts = not static and smooth is None  # FP8 experts: dynamic activations only (minifloat.inference.experts)
+    names = inference_plan(model, keep=keep, keep_first_last=keep_first_last, experts=with_experts)
+    experts = inference_experts(model, keep=keep) if with_experts else []
     check_finite_weights(model, names)
+    check_finite_experts(model, experts)
     if keep_sensitive is not None and names:
         sqnrs = sensitivity(model, batches, recipe=recipe, keep=keep, keep_first_last=keep_first_last,
                             backend=backend)
@@ -198,7 +225,7 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
         log.info("minifloat.prepare_inference: kept %d layer(s) in high precision for a %.1f dB output SQNR "
                  "(predicted %.1f dB): %s", len(kept), keep_sensitive, combined_sqnr_db(sqnrs[n] for n in names),
                  ", ".join(f"{n} ({sqnrs[n]:.1f} dB)" for n in kept) or "none")
-    if not names:
+    if not names and not experts:
         prepared = [(n, m) for n, m in model.named_modules() if isinstance(m, Fp8InferenceLinear)]
         asked = LayerSpec.from_recipe(recipe, activations)
         if other := [n for n, m in prepared if (m.spec.weight, m.spec.input, m.spec.activations)
@@ -234,8 +261,12 @@ def prepare_inference(model: nn.Module, *, recipe: Recipe, calibration: Iterable
         layer = Fp8InferenceLinear.from_linear(old, spec, input_scale=input_scales.get(n),
                                                smooth_scale=divide.get(n), backend=backend, recipe=recipe)
         replace_module(model, old, layer.train(old.training))  # under every name it has, with its hooks
-    log.info("minifloat.prepare_inference: %d layer(s) in FP8 (%s, %s activations)", len(names),
-             type(recipe).__name__, activations.value)
+    for n in experts:
+        prepare_experts(model.get_submodule(n), LayerSpec.from_recipe(recipe, activations), backend=backend,
+                        recipe=recipe)
+    log.info("minifloat.prepare_inference: %d layer(s)%s in FP8 (%s, %s activations)", len(names),
+             f" and {len(experts)} MoE experts module(s)" if experts else "", type(recipe).__name__,
+             activations.value)
     refuse_save_pretrained(model)
     return model
 

@@ -29,6 +29,7 @@ from torch import nn
 
 from minifloat.core.version import __version__
 from minifloat.fp8.recipes import RECIPE_TYPES, Recipe
+from minifloat.inference.experts import expert_layer_names
 from minifloat.inference.layers import Fp8InferenceLinear, LayerSpec, inference_layers
 from minifloat.inference.prepare import refuse_save_pretrained
 from minifloat.training.checkpoint import (CHECKPOINT_FIX, MANIFEST_FILE, checkpoint_extra, load_checkpoint,
@@ -67,6 +68,11 @@ def _common(values: list):
 def quantized_config(model: nn.Module) -> dict:
     """The JSON config save_quantized writes for `model` (see the module docstring)."""
     layers = inference_layers(model)
+    if experts := sorted({n.rpartition(".fp8_experts.")[0] for n in expert_layer_names(model)}):
+        more = ", ..." if len(experts) > 1 else ""
+        raise ValueError(f"save_quantized does not hold FP8 MoE experts ({experts[0]}{more}); export the model with export_hf(model, out, format='hf-fp8-block') (transformers and "
+                         f"vLLM read it), or prepare_inference(..., keep=['*experts']) to keep the experts in high "
+                         f"precision")
     if not layers:
         raise ValueError(f"the {type(model).__name__} has no FP8 inference layers: call prepare_inference first, "
                          f"or, if it ran, it converted no layer (its log says why: only torch.nn.Linear layers "
