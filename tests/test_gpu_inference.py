@@ -190,3 +190,29 @@ def test_a_hugging_face_folder_generates_with_fp8_weights_on_the_device(device, 
     assert out.stats.peak_memory_source == (CUDA_PEAK if torch.device(device).type == "cuda" else HELD_TENSORS)
     if torch.device(device).type == "cuda" and native_fp8_available():
         assert calls, "no native FP8 GEMM ran"
+
+
+@pytest.mark.parametrize("name", ["tensor", "block"])
+def test_fp8_moe_experts_on_the_device_store_the_cpu_weights(device, name):
+    """prepare_inference of a Mixtral on the device: its FP8 experts (minifloat.inference.experts) hold the CPU's
+    codes and scales bit for bit, and the experts' output is the CPU's up to the GEMMs' rounding (the cross-device
+    floor of the dense model above; not yet measured on a GPU)."""
+    pytest.importorskip("transformers")
+    from moe_models import build, routing
+
+    from minifloat.inference.experts import Fp8InferenceExperts
+
+    reference = build().eval()
+    with eager_kernels():
+        on_cpu = mf.prepare_inference(copy.deepcopy(reference), recipe=RECIPES[name])
+    on_device = mf.prepare_inference(copy.deepcopy(reference).to(device), recipe=RECIPES[name])
+    cpu_experts, device_experts = (next(m for m in model.modules() if isinstance(m, Fp8InferenceExperts))
+                                   for model in (on_cpu, on_device))
+    assert_same_state(storage_state(device_experts), storage_state(cpu_experts))
+    x, index, weights = routing()
+    with torch.no_grad():
+        with eager_kernels():
+            expected = cpu_experts(x, index, weights)
+        got = device_experts(x.to(device), index.to(device), weights.to(device))
+    assert got.device.type == torch.device(device).type
+    assert mf.sqnr_db(expected, got.cpu()) >= CROSS_DEVICE_LOGITS_SQNR_DB
