@@ -33,6 +33,12 @@ ARCHITECTURES = {
     "bert": ("BertConfig", "BertForMaskedLM", _SIZES),
     "t5": ("T5Config", "T5ForConditionalGeneration", dict(vocab_size=128, d_model=128, d_kv=32, d_ff=256,
                                                           num_layers=2, num_heads=4)),
+    # MoE: transformers stacks the stored per-expert matrices on load (a converted checkpoint layout)
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(_SIZES, num_key_value_heads=2, num_local_experts=4,
+                                                            num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM", dict(_SIZES, num_key_value_heads=2, num_experts=4,
+                                                                num_experts_per_tok=2, moe_intermediate_size=128,
+                                                                shared_expert_intermediate_size=256)),
 }
 SHARD_SIZE = "100KB"  # the tiny Llama (~620 kB in bf16) in 8 files
 
@@ -207,16 +213,19 @@ def test_cli_names_a_damaged_folder_in_one_line(tmp_path, capsys, damage):
     assert not (tmp_path / "o").exists()
 
 
-def test_a_moe_folder_is_exported_whole_in_its_checkpoint_layout(tmp_path):
-    """transformers stacks a Mixtral's per-expert matrices on load: a stream of the stored tensors under the
-    model's names is impossible, so the whole-model export runs, which writes the checkpoint layout back."""
-    config = transformers.MixtralConfig(**_SIZES, num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    transformers.MixtralForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path / "model")
-    assert "converts its checkpoint layout on load" in hf_stream.stream_plan(tmp_path / "model", quantize=True)
-    out = hf_stream.export_folder(tmp_path / "model", tmp_path / "o", format="hf")
-    assert_same_export(out, whole_model_export(tmp_path / "model", tmp_path / "w", "hf"))
-    assert set(tensors(out)) == set(tensors(tmp_path / "model"))
+def test_a_moe_folder_streams_its_expert_matrices_as_stored(tmp_path):
+    """transformers stacks a Mixtral's per-expert matrices on load; the stream reads them as stored (the checkpoint
+    layout the export writes), one input file at a time, and quantizes each as prepare_inference's FP8 experts do
+    (the bits: test_a_streamed_export_is_the_whole_model_export_bit_for_bit)."""
+    folder = save_model(tmp_path / "model", "mixtral", shard="200KB")
+    plan = hf_stream.stream_plan(folder, quantize=True)
+    assert isinstance(plan, hf_stream.StreamPlan) and len(plan.files()) > 1
+    assert set(plan.sources) == set(tensors(folder))
+    assert set(plan.origin["model.layers.0.mlp.experts.gate_up_proj"]) == {
+        f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight" for e in range(4) for w in ("w1", "w3")}
+    out = hf_stream.export_folder(folder, tmp_path / "o", format="hf-fp8-block")
+    assert_same_export(out, whole_model_export(folder, tmp_path / "w", "hf-fp8-block"))
+    assert tensors(out)["model.layers.1.block_sparse_moe.experts.2.w2.weight"].dtype == torch.float8_e4m3fn
 
 
 def cache_snapshot(root, repo: str, folder) -> None:

@@ -13,10 +13,15 @@ more) before the next file is read. The tensors, config.json and generation_conf
 files differs. Peak memory is about one input shard's tensors in the output's bytes plus the largest tensor, where
 the whole-model path holds the model and its quantized copy.
 
+A model whose checkpoint layout transformers converts on load (a Mixtral's or Qwen-MoE's per-expert matrices, which
+it stacks: `hf_models.conversions`) is read as stored: each tensor of the meta model is mapped to the stored tensors
+save_pretrained would write for it (`hf_models.checkpoint_layout`), which is also the layout the export writes, and
+each expert matrix is quantized as prepare_inference's FP8 experts quantize it (minifloat.inference.experts).
+
 The folder is streamed only where that is certain to read what `from_pretrained` reads; otherwise `export_folder`
-loads the model whole and says why at info level (`stream_plan`'s reason): weights that are not safetensors, a model
-whose checkpoint layout transformers converts on load (MoE experts, `hf_models.conversions`; the whole-model export
-writes them back in that layout), a tensor of the model stored under another name or with another shape, or a
+loads the model whole and says why at info level (`stream_plan`'s reason): weights that are not safetensors, MoE
+experts an FP8 export keeps in high precision (minifloat.inference.hf_experts), a tensor of the model stored under
+another name or with another shape, or a
 floating tensor stored in a dtype other than the one from_pretrained(dtype="auto") gives it (it would round it
 first). Calibrated static input scales need the model run, so `minifloat export --hf --calibrate` loads it whole.
 """
@@ -53,6 +58,15 @@ class StreamPlan:
     model: nn.Module
     layers: list[str]
     sources: dict[str, tuple[Path, str]]  # written key -> (input file, key in that file)
+    origin: dict[str, list[str]] = dataclasses.field(default_factory=dict)  # model key -> its written keys
+    weights: set[str] = dataclasses.field(default_factory=set)  # the written keys quantized (weights)
+    shapes: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # written key -> stored shape
+
+    def quantize(self, model_keys) -> None:
+        """Quantize the tensors written for these model keys (a layer's weight, an experts module's stacked
+        parameters: under a converted checkpoint layout, the matrices they are stored as)."""
+        for key in model_keys:
+            self.weights.update(self.origin[key])
 
     def files(self) -> list[Path]:
         """The input files that hold a written tensor, in the folder's order."""
@@ -122,29 +136,33 @@ def stream_plan(folder: str | os.PathLike, quantize: bool) -> StreamPlan | str:
         return headers
     floating = [d for d, _ in headers.values() if d is not None and d.is_floating_point]
     model = _meta_model(folder, config, auto, floating[0] if floating else None)
-    if found := hf_models.conversions(model):
-        return (f"transformers converts its checkpoint layout on load ({len(found)} conversion(s), e.g. MoE experts "
-                f"stacked), which the whole-model export reverts")
     state = model.state_dict(keep_vars=True)  # tied tensors are one object under several names
     groups: dict[int, list[str]] = {}
     for key, tensor in state.items():
         groups.setdefault(id(tensor), []).append(key)
-    sources = {}
+    sources, origin, shapes = {}, {}, {}
     for names in groups.values():
-        found = [name for name in names if name in stored]
-        if not found:
+        # each tensor under the names save_pretrained writes (hf_models.checkpoint_layout: transformers'
+        # conversions reverted on the meta tensor, a Mixtral's stacked experts split into their matrices)
+        layouts = [hf_models.checkpoint_layout(model, {name: state[name].detach()}) for name in names]
+        found = next((layout for layout in layouts if all(k in stored for k in layout)), None)
+        if found is None:
             return f"the model's {names[0]} is not among its stored tensors under that name"
-        path, tensor = stored[found[0]], state[names[0]]
-        if (path, found[0]) not in headers:
-            return f"{found[0]} is not in {path.name}, where the index places it"
-        dtype, shape = headers[path, found[0]]
-        if shape != tuple(tensor.shape):
-            return f"{found[0]} is stored with shape {shape}, the model's is {tuple(tensor.shape)}"
-        if dtype != tensor.dtype:
-            return f"{found[0]} is stored in {dtype}, which from_pretrained loads as {tensor.dtype}"
-        sources[names[0]] = (path, found[0])
+        for key, tensor in found.items():
+            path = stored[key]
+            if (path, key) not in headers:
+                return f"{key} is not in {path.name}, where the index places it"
+            dtype, shape = headers[path, key]
+            if shape != tuple(tensor.shape):
+                return f"{key} is stored with shape {shape}, the model's is {tuple(tensor.shape)}"
+            if dtype != tensor.dtype:
+                return f"{key} is stored in {dtype}, which from_pretrained loads as {tensor.dtype}"
+            sources[key], shapes[key] = (path, key), shape
+        origin[names[0]] = list(found)
     with EXPORT_REPORTS_EXPERTS.on():
-        return StreamPlan(model, inference_plan(model) if quantize else [], sources)
+        plan = StreamPlan(model, inference_plan(model) if quantize else [], sources, origin, shapes=shapes)
+    plan.quantize(f"{layer}.weight" for layer in plan.layers)
+    return plan
 
 
 def _quantized(name: str, weight: torch.Tensor, recipe) -> Fp8InferenceLinear:
@@ -161,7 +179,7 @@ def _quantized(name: str, weight: torch.Tensor, recipe) -> Fp8InferenceLinear:
 def _write_shards(plan: StreamPlan, fmt: hf.ExportFormat, dtype: torch.dtype, tmp: Path,
                   progress: Callable[[int, int], None] | None) -> int:
     """Read, convert and write the tensors one input file at a time; returns how many tensors were written."""
-    recipe, quantized = hf_models.FORMAT_RECIPES[fmt.name], set(plan.layers)
+    recipe = hf_models.FORMAT_RECIPES[fmt.name]
     files = plan.files()
     names = [hf.WEIGHTS_FILE] if len(files) == 1 else [shard_name(i + 1, len(files)) for i in range(len(files))]
     weight_map, total, done = {}, 0, 0
@@ -172,8 +190,8 @@ def _write_shards(plan: StreamPlan, fmt: hf.ExportFormat, dtype: torch.dtype, tm
                 if source != path:
                     continue
                 tensor = f.get_tensor(stored)
-                layer, _, leaf = key.rpartition(".")
-                if layer in quantized and leaf == "weight":
+                if key in plan.weights:
+                    layer = key.removesuffix(".weight")
                     q = quantized_weight(_quantized(layer, tensor, recipe), fmt)
                     out[key], out[f"{layer}.{fmt.scale_name}"] = q.data.contiguous(), q.scale.float().contiguous()
                 else:
@@ -207,8 +225,10 @@ def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, form
     check_out(out, overwrite)
     plan = stream_plan(folder, quantize=fmt.granularity is not None)
     experts = None if isinstance(plan, str) else hf_experts.experts_plan(plan.model, fmt, static=False)
-    if experts is not None and experts.quantized:  # not met yet: stacked experts have conversions
-        plan = "its MoE experts are quantized in the checkpoint layout, which the whole-model export writes"
+    if experts is not None and experts.kept:  # prepare_inference could still store some of them in FP8
+        plan = f"its MoE experts {next(iter(experts.kept))} stay in {dtype}: {next(iter(experts.kept.values()))}"
+    elif experts is not None:  # each expert matrix, as the whole-model export quantizes it (inference.experts)
+        plan.quantize(f"{name}.{p}" for name, params in experts.quantized.items() for p in params)
     copied = hf_models.tokenizer_files(folder)
     if isinstance(plan, str):
         log.info("minifloat: exporting %s through the whole model, not shard by shard: %s", folder, plan)
@@ -233,12 +253,14 @@ def export_folder(folder: str | os.PathLike, out_dir: str | os.PathLike, *, form
         copy_into(tmp, copied)
 
     kept = write_export(out, overwrite, fill)
-    warnings = transformers_warnings(out, fmt, plan.layers, plan.model.state_dict(), name=lambda n: n)
+    written = {key: torch.empty(plan.shapes[key], device="meta") for key in plan.weights}
+    warnings = transformers_warnings(out, fmt, sorted(k.removesuffix(".weight") for k in plan.weights), written,
+                                     name=lambda n: n)
     if kept:
         warnings.append(f"minifloat: {out} keeps {', '.join(kept)}, which this export does not write (an earlier "
                         f"export's, or yours): check that it matches these weights, or delete it")
     for warning in warnings:
         log.warning("%s", warning)
-    log.info("minifloat: exported %s shard by shard (%s, %d tensors, %d FP8 linears)", out, fmt.name, count,
-             len(plan.layers))
+    log.info("minifloat: exported %s shard by shard (%s, %d tensors, %d FP8 linears, %d FP8 experts modules)", out,
+             fmt.name, count, len(plan.layers), len(experts.quantized))
     return out
