@@ -13,6 +13,7 @@ The two exports are checked to hold the same tensors, bit for bit, before their 
 
     python benchmarks/export_memory.py                                   # hf-fp8-block, 200 MB shards
     python benchmarks/export_memory.py --layers 8 --shard-size 50MB --format hf-fp8 --json runs/export_memory.json
+    python benchmarks/export_memory.py --experts 8 --layers 8 --dim 512                 # a Mixtral-shaped MoE
 """
 
 from __future__ import annotations
@@ -46,18 +47,23 @@ def peak(argv: list[str]) -> tuple[float, float]:
     return rss, seconds
 
 
-def build(folder: pathlib.Path, layers: int, dim: int, vocab: int, shard_size: str) -> int:
-    """A random bf16 Llama saved in `folder`; returns its parameter count."""
+def build(folder: pathlib.Path, layers: int, dim: int, vocab: int, shard_size: str, experts: int = 0) -> int:
+    """A random bf16 Llama (with `experts`: a Mixtral of that many experts, two per token) saved in `folder`;
+    returns its parameter count."""
     import torch
     import transformers
 
     torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=dim, intermediate_size=dim * 11 // 4,
-                                      num_hidden_layers=layers, num_attention_heads=dim // 64,
-                                      num_key_value_heads=dim // 128, tie_word_embeddings=False,
-                                      max_position_embeddings=2048)
+    fields = dict(vocab_size=vocab, hidden_size=dim, intermediate_size=dim * 11 // 4, num_hidden_layers=layers,
+                  num_attention_heads=dim // 64, num_key_value_heads=dim // 128, tie_word_embeddings=False,
+                  max_position_embeddings=2048)
+    if experts:
+        config, cls = transformers.MixtralConfig(**fields, num_local_experts=experts, num_experts_per_tok=2), \
+            transformers.MixtralForCausalLM
+    else:
+        config, cls = transformers.LlamaConfig(**fields), transformers.LlamaForCausalLM
     with torch.device("meta"):
-        model = transformers.LlamaForCausalLM(config)
+        model = cls(config)
     model = model.to_empty(device="cpu").to(torch.bfloat16)
     for p in model.parameters():
         torch.nn.init.normal_(p, std=0.02)
@@ -84,6 +90,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=24)
     p.add_argument("--dim", type=int, default=1024)
     p.add_argument("--vocab", type=int, default=32000)
+    p.add_argument("--experts", type=int, default=0, help="a Mixtral of this many experts (0: a Llama)")
     p.add_argument("--shard-size", default="200MB", help="save_pretrained's max_shard_size for the model folder")
     p.add_argument("--format", default="hf-fp8-block", choices=["hf", "hf-fp8", "hf-fp8-block"])
     p.add_argument("--json", metavar="PATH", help="write the results as JSON")
@@ -92,7 +99,7 @@ def main() -> int:
     machine.keep_existing(p, args, "json")
     with tempfile.TemporaryDirectory(prefix="minifloat-export-memory-") as tmp:
         folder = pathlib.Path(tmp) / "model"
-        params = build(folder, args.layers, args.dim, args.vocab, args.shard_size)
+        params = build(folder, args.layers, args.dim, args.vocab, args.shard_size, args.experts)
         stored = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
         shards = len(list(folder.glob("*.safetensors")))
         print(f"model: {params / 1e6:.0f}M parameters, {stored / 2**20:.0f} MiB of bf16 in {shards} file(s)")
@@ -117,7 +124,7 @@ def main() -> int:
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps({"command": " ".join(sys.argv), "time": time.strftime("%Y-%m-%d %H:%M"),
                                    "machine": machine.describe(), "parameters": params, "model_bytes": stored,
-                                   "files": shards, "format": args.format,
+                                   "files": shards, "format": args.format, "experts": args.experts,
                                    "rows": {k: {"peak_rss_mib": r, "seconds": s} for k, (r, s) in rows.items()}},
                                   indent=1))
     return 0

@@ -28,6 +28,14 @@ def test_the_folder_is_a_sharded_bf16_llama(bench, tmp_path):
     assert stored >= 2 * params  # bf16: two bytes a parameter, plus the headers
 
 
+def test_the_moe_folder_stores_each_expert_matrix(bench, tmp_path):
+    params = bench.build(tmp_path / "m", layers=2, dim=128, vocab=256, shard_size="100KB", experts=4)
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    assert config["architectures"] == ["MixtralForCausalLM"] and config["num_local_experts"] == 4
+    index = json.loads((tmp_path / "m" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert "model.layers.1.block_sparse_moe.experts.3.w2.weight" in index and params > 4 * 3 * 128 * 352 * 2
+
+
 def test_a_difference_between_the_exports_is_caught(bench, tmp_path):
     import torch
     from safetensors.torch import save_file
