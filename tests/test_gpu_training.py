@@ -121,6 +121,42 @@ def test_micro_batches_record_their_max_and_advance_once_per_step_on_the_device(
         assert_same_bits(b[key][:, 0], a[key][:, 0], f"{key} input column")
 
 
+@RECIPE_PARAMS
+def test_shared_input_casts_are_bitwise_unshared_on_the_device(device, name):
+    """q, k, v and gate, up take their sibling's cast of the input they share (minifloat.fp8.shared_input) on the
+    device's kernels (the one-pass casts recording in their own launch; a sibling records with its own fold) as on
+    the CPU: losses, gradients and the whole state as when every layer casts itself, bit for bit, and fewer casts."""
+    from minifloat.fp8 import shared_input
+    from minifloat.training.model import Llama, LlamaConfig
+
+    # 4 x 64 tokens of d 256: activations of 65536 elements, above EAGER_BELOW (the device's compiled kernels)
+    config = LlamaConfig(n_layer=2, n_head=4, d_model=256, max_seq_len=64)
+    g = torch.Generator().manual_seed(SEED + 1)
+    idx = torch.randint(0, config.vocab_size, (4, 65), generator=g).to(device)
+
+    def run(share: bool):
+        torch.manual_seed(SEED)
+        model = mf.convert(Llama(config), recipe=RECIPE_BY_NAME[name]).to(device)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        losses = []
+        for _ in range(2):
+            with autocast(device), (shared_input.unshared() if not share else torch.enable_grad()):
+                loss = model(idx[:, :-1], idx[:, 1:])[1]
+                loss.backward()
+            losses.append(loss.detach().cpu())
+            grads = {n: p.grad.detach().cpu().clone() for n, p in model.named_parameters()}
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        return losses, grads, state(model)
+
+    losses, grads, after = run(share=True)
+    ref_losses, ref_grads, ref_after = run(share=False)
+    for step, (a, b) in enumerate(zip(losses, ref_losses)):
+        assert_same_bits(a, b, f"loss at step {step}")
+    assert_same_state(grads, ref_grads, "grad ")
+    assert_same_state(after, ref_after)
+
+
 def test_delayed_scales_follow_the_history_on_the_device(device):
     """The TE rule over the device's history: scale = fp8_max / max(amax history) per role."""
     model = train(make_model("delayed", device), batches(), device, micro=MICRO)

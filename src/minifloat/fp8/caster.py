@@ -25,7 +25,7 @@ from typing import Callable
 
 import torch
 
-from minifloat.fp8 import telemetry
+from minifloat.fp8 import shared_input, telemetry
 from minifloat.fp8.fourbit.cast import cast_nvfp4
 from minifloat.fp8.gemm import native_granularity, operand
 from minifloat.fp8.native import native_nvfp4
@@ -166,9 +166,20 @@ class LayerCaster:
             if self.amax_reduce is not None and not granularity_info(spec.granularity).per_tensor:
                 raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not "
                                  f"'{spec.granularity}' ({role.value} of {self.name or 'a layer'})")
+            # a sibling layer that read this very input (q, k, v; gate, up) may have cast it already: its input
+            # scale is a function of the input alone, so its cast is this one (minifloat.fp8.shared_input)
+            shared = role is Role.INPUT and not transposed and self.amax_reduce is None
+            options = (spec, self.backend, tuple(out.items())) if shared else None
+            q = shared_input.lookup(t, options) if shared else None
+            if q is not None:
+                if record:
+                    self._observe(role, t, q)  # this layer's own record of the input's amax, and telemetry
+                return q
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
                          amax=None if self.amax_reduce is None else self._whole_amax(t), record=slot, **out)
+            if shared:
+                shared_input.remember(t, options, q)
         if record:
             self._observe(role, t, q, recorded=slot is not None)
         return q

@@ -1,0 +1,93 @@
+"""Sibling layers that read the same input share its cast: one pass over the tensor instead of one per layer.
+
+In a transformer block the q, k and v projections read the same normalized activation, and so do an MLP's gate and
+up projections. Under a recipe whose input scale is a function of the input alone (current scaling per tensor or per
+row, DeepSeek-V3's 1×128 tiles, MX blocks) every such layer casts that tensor to the same bits, and saves the same FP8
+bytes for its weight gradient. Here the first layer's cast is kept, and a sibling reading the same tensor takes it:
+  * the passes over the input (amax, cast, transposed copy) run once instead of three times for q, k, v and twice
+    for gate, up, and a GPU launches their kernels once (Transformer Engine fuses the QKV projections for the same
+    reason);
+  * the FP8 copy saved for backward is one tensor that every sibling's autograd node references, instead of one
+    copy per layer;
+  * each sibling still records the input's amax in its own scaling state and feeds telemetry (the same amax its own
+    cast would have found), so its history, non-finite count and statistics are as before: the outputs, gradients
+    and scaling state are bitwise those of unshared casts (tests/test_shared_input.py).
+
+"The same tensor" means the same memory, layout, dtype and version (an in-place change bumps the version; a write
+through `.data` does not, as for every autograd-saved tensor) while the tensor the input views is alive: the entry
+holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would. One entry
+per thread, the latest cast: siblings are called one after another. Delayed scaling is not shared (each layer casts
+with its own stored scale), nor are tensor-parallel shards (their scale comes from a collective), NVFP4 casts (each
+layer draws its own stochastic-rounding stream) or casts inside a compiled graph (the graph holds no Python state;
+there the compiler may merge identical casts itself).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+
+import torch
+
+from minifloat.core.switch import ThreadSwitch
+from minifloat.numerics.quantize import Quantized
+
+_LOCAL = threading.local()  # .holder: [entry or None], entry = (weak ref to the viewed tensor, identity, options, cast)
+_OFF = ThreadSwitch()  # on inside `unshared()`: every cast is made afresh (this thread)
+
+
+def unshared():
+    """Inside the block (this thread only) every layer casts its input itself: the reference the sharing is tested
+    against, and a way to rule it out when chasing a numerical question."""
+    return _OFF.on()
+
+
+def _anchor(t: torch.Tensor) -> torch.Tensor:
+    """The tensor `t` views (itself if it is no view): alive as long as `t`'s memory can hold `t`'s values."""
+    return t if t._base is None else t._base
+
+
+def _identity(t: torch.Tensor) -> tuple:
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
+            t._version)
+
+
+def _holder() -> list:
+    """This thread's one-entry store: a list, so that an input dying in another thread (autograd frees tensors in its
+    own threads) can still empty it."""
+    holder = getattr(_LOCAL, "holder", None)
+    if holder is None:
+        holder = _LOCAL.holder = [None]
+    return holder
+
+
+def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
+    """The cast a sibling made of this very tensor with these options (the casting spec, backend and outputs asked
+    for), else None."""
+    if _OFF or torch.compiler.is_compiling():
+        return None
+    entry = _holder()[0]
+    if entry is None:
+        return None
+    ref, identity, stored_options, q = entry
+    if ref() is not _anchor(t) or identity != _identity(t) or stored_options != options:
+        return None
+    return q
+
+
+def remember(t: torch.Tensor, options: tuple, q: Quantized) -> None:
+    """Keep `q`, the cast of `t` under `options`, for the next layer that reads `t` (replacing the previous entry)."""
+    if _OFF or torch.compiler.is_compiling():
+        return
+    holder = _holder()
+
+    def dropped(ref):  # the input died: let its cast go too (unless another entry replaced it since)
+        if holder[0] is not None and holder[0][0] is ref:
+            holder[0] = None
+
+    holder[0] = (weakref.ref(_anchor(t), dropped), _identity(t), options, q)
+
+
+def forget() -> None:
+    """Drop this thread's entry (tests; nothing else needs to: entries die with their inputs)."""
+    _holder()[0] = None

@@ -1,0 +1,187 @@
+"""Sibling FP8 layers reading the same input share its cast (minifloat.fp8.shared_input).
+
+What must hold: a Llama's training steps are bitwise those of unshared casts (losses, every gradient, every scaling
+buffer) for every recipe; where the input scale is a function of the input alone, q/k/v and gate/up cast their input
+once, and their autograd nodes save one FP8 copy of it; a tensor changed in place between two layers is cast again;
+the shared entry keeps no input alive.
+"""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+import minifloat as mf
+from minifloat.fp8 import caster as caster_module
+from minifloat.fp8 import shared_input
+from minifloat.numerics.compiling import eager_kernels
+from minifloat.training.model import Llama, LlamaConfig
+from recipe_cases import RECIPES
+
+CONFIG = LlamaConfig(n_layer=2, n_head=4, d_model=64, max_seq_len=32, attention="fp32")
+BATCH, SEQ, STEPS = 2, 16, 2
+# the layers of a block that read one input: q, k, v (the attention's) and gate, up (the MLP's)
+SIBLINGS = (("attn.q_proj", "attn.k_proj", "attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+SHARED = {"current", "current-row", "current-pow2", "block", "block-no-pow2", "mx", "mx-floor", "mxfp4"}
+
+
+@pytest.fixture(autouse=True)
+def _eager():
+    shared_input.forget()
+    with eager_kernels():
+        yield
+    shared_input.forget()
+
+
+def make_model(recipe) -> nn.Module:
+    torch.manual_seed(0)
+    return mf.convert(Llama(CONFIG), recipe=recipe)
+
+
+def casts_saved(model: nn.Module) -> int:
+    """Input casts that sharing saves in one forward: in each group of siblings, all FP8 layers but the first (convert
+    keeps block 0's q, k, v in high precision, for one)."""
+    fp8 = {name for name, m in model.named_modules() if isinstance(m, mf.Fp8Linear)}
+    saved = 0
+    for block in range(CONFIG.n_layer):
+        for group in SIBLINGS:
+            saved += max(sum(f"blocks.{block}.{name}" in fp8 for name in group) - 1, 0)
+    return saved
+
+
+def tokens(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    idx = torch.randint(0, CONFIG.vocab_size, (BATCH, SEQ + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def train(recipe, *, share: bool):
+    """Losses, final gradients and the state dict after STEPS AdamW steps under bfloat16 autocast."""
+    model = make_model(recipe)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for step in range(STEPS):
+        idx, targets = tokens(step)
+        with (torch.autocast("cpu", dtype=torch.bfloat16), (shared_input.unshared() if not share
+                                                             else torch.enable_grad())):
+            _, loss = model(idx, targets)
+            loss.backward()
+        losses.append(loss.detach())
+        grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
+
+
+# the 4-bit recipes too: MXFP4 shares (its scales are its input's), NVFP4 does not (each layer's own rounding stream)
+BITWISE = [*RECIPES, ("mxfp4", mf.MXScaling(format="e2m1")), ("nvfp4", mf.NVFP4Scaling())]
+
+
+@pytest.mark.parametrize("recipe", [r for _, r in BITWISE], ids=[n for n, _ in BITWISE])
+def test_shared_input_casts_change_no_bit(recipe):
+    losses, grads, state = train(recipe, share=True)
+    ref_losses, ref_grads, ref_state = train(recipe, share=False)
+    assert [l.item() for l in losses] == [l.item() for l in ref_losses]
+    for name, g in ref_grads.items():
+        assert torch.equal(grads[name], g), name
+    for name, t in ref_state.items():  # weights, amax histories, scales, non-finite counts
+        assert torch.equal(state[name], t), name
+
+
+def _count_casts(monkeypatch) -> list:
+    calls = []
+    original = caster_module.quantize
+
+    def counting(*args, **kwargs):
+        calls.append(args[0].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(caster_module, "quantize", counting)
+    return calls
+
+
+def _forward(model, share: bool) -> torch.Tensor:
+    idx, targets = tokens(0)
+    with torch.autocast("cpu", dtype=torch.bfloat16), (shared_input.unshared() if not share else torch.enable_grad()):
+        return model(idx, targets)[1]
+
+
+@pytest.mark.parametrize("name,recipe", BITWISE[:-1], ids=[n for n, _ in BITWISE[:-1]])  # (NVFP4 casts elsewhere)
+def test_siblings_cast_their_input_once(monkeypatch, name, recipe):
+    calls = _count_casts(monkeypatch)
+    _forward(make_model(recipe), share=False)  # (fresh models: a second forward would take the cached weight casts)
+    unshared = len(calls)
+    calls.clear()
+    model = make_model(recipe)
+    _forward(model, share=True)
+    expected = unshared - casts_saved(model) if name in SHARED else unshared  # delayed: each layer its own scale
+    assert casts_saved(model) == 4  # block 0's gate/up, block 1's q/k/v and gate/up
+    assert len(calls) == expected
+
+
+def _saved_bytes(model, share: bool) -> int:
+    """Bytes of the distinct tensors autograd saves in one forward (parameters excluded)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen: dict[tuple, int] = {}
+
+    def pack(t):
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))
+        if key[0] not in params:
+            seen[key] = t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        loss = _forward(model, share)
+    del loss
+    return sum(seen.values())
+
+
+def test_siblings_save_one_fp8_copy_of_their_input():
+    model = make_model(mf.CurrentScaling())
+    unshared, shared = _saved_bytes(model, share=False), _saved_bytes(model, share=True)
+    # per input cast saved, one copy fewer of the input's (B·T, d) E4M3 bytes and of its 0-d float32 scale
+    one_copy = BATCH * SEQ * CONFIG.d_model + 4
+    assert unshared - shared == casts_saved(model) * one_copy
+
+
+class _Pair(nn.Module):
+    def __init__(self, d: int, inplace: bool):
+        super().__init__()
+        self.a, self.b, self.inplace = nn.Linear(d, d, bias=False), nn.Linear(d, d, bias=False), inplace
+
+    def forward(self, x):
+        ya = self.a(x)
+        if self.inplace:
+            x.mul_(2.0)  # a new value under the same memory: b must not take a's cast
+        return ya + self.b(x)
+
+
+@pytest.mark.parametrize("inplace", [False, True], ids=["same-input", "changed-in-place"])
+def test_an_input_changed_in_place_is_cast_again(monkeypatch, inplace):
+    torch.manual_seed(0)
+    model = mf.convert(_Pair(64, inplace), recipe=mf.CurrentScaling(), keep_first_last=False)
+    x = torch.randn(32, 64)
+    calls = _count_casts(monkeypatch)
+    with torch.no_grad():
+        y = model(x.clone())
+    assert len(calls) == (2 if inplace else 1) + 2  # the inputs' casts and the two weights'
+    with torch.no_grad(), shared_input.unshared():
+        assert torch.equal(model(x.clone()), y)
+
+
+def test_the_shared_entry_keeps_no_input_alive():
+    torch.manual_seed(0)
+    model = mf.convert(_Pair(64, inplace=False), recipe=mf.CurrentScaling(), keep_first_last=False)
+    x = torch.randn(32, 64)
+    alive = weakref.ref(x)
+    with torch.no_grad():
+        model(x)
+    assert shared_input._holder()[0] is not None  # the entry exists while x does
+    del x
+    gc.collect()
+    assert alive() is None
+    assert shared_input._holder()[0] is None  # ... and went with it (its FP8 copy too)
