@@ -15,7 +15,8 @@ BENCH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 OUTPUTS = {"cast_routes": ("--json",), "column_amax": ("--json",), "convergence": ("--json", "--markdown"),
            "distributed": ("--json",), "export_memory": ("--json",), "fp4_convergence": ("--json",), "generate": ("--json",),
            "minilm_inference": ("--json",), "optimizer_states": ("--json",), "peak_memory": ("--json",),
-           "requantize": ("--json",), "step_time": ("--json", "--markdown"), "tokenize_memory": ("--json",)}
+           "requantize": ("--json",), "shared_input": ("--json",), "step_time": ("--json", "--markdown"),
+           "tokenize_memory": ("--json",)}
 
 DRIVER = textwrap.dedent("""
     import contextlib, io, json, runpy, sys

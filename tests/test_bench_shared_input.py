@@ -1,0 +1,31 @@
+"""benchmarks/shared_input.py runs end to end on a tiny model and records what it measured (no figure is asserted:
+the test checks the measurement's shape, and that sharing saved bytes where it applies and none where it does not)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import subprocess
+import sys
+
+SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "shared_input.py"
+
+
+def test_the_benchmark_measures_both_settings(tmp_path):
+    out = tmp_path / "r.json"
+    done = subprocess.run([sys.executable, str(SCRIPT), "--model", "tiny", "--batch-size", "2", "--seq-len", "16",
+                           "--steps", "1", "--rounds", "1", "--warmup", "1", "--recipes", "current,delayed",
+                           "--json", str(out)], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = {row["recipe"]: row for row in json.loads(out.read_text())["rows"]}
+    assert set(rows) == {"current", "delayed"}
+    for row in rows.values():
+        assert all(ms > 0 for ms in row["step_ms"].values())
+    assert rows["current"]["saved_ratio"] < 1.0  # q/k/v and gate/up saved one FP8 copy of their input
+    assert rows["delayed"]["saved_ratio"] == 1.0  # delayed scaling does not share
+
+
+def test_an_unknown_recipe_is_refused_in_one_line(tmp_path):
+    done = subprocess.run([sys.executable, str(SCRIPT), "--recipes", "current,bogus"], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 2 and "bogus" in done.stderr.strip().splitlines()[-1]
