@@ -9,8 +9,10 @@ OUT/summary.txt and the screen.
     call 1  the autotuned large casts, the in-launch amax records racing on real programs, the GPU tier's part no
             GPU has run yet (tests/test_gpu_training.py), and the eager benchmark with the profiler (host time,
             syncs and Python per run: the 100m question first)
-    call 2  the optimizer-state and no-sync tests, and CUDA graphs (reduce-overhead) for the host-bound 100m step
-    call 3  the inference tier, the Llama-3-8B shapes compiled, FP8 where it pays (a later session's)
+    call 2  eager CUDA-graph replays of FP8 layers, the optimizer-state and no-sync tests, and CUDA graphs
+            (reduce-overhead) for the host-bound 100m step
+    call 3  sibling layers sharing their input's cast, the inference tier, the Llama-3-8B shapes compiled, FP8 where
+            it pays (a later session's)
 
 A step that reaches its limit is interrupted first (SIGINT, GRACE_S before the limit), so pytest still prints which
 tests failed and why, and a benchmark keeps the rows it saved.
@@ -74,6 +76,10 @@ CALLS: dict[int, tuple[Step, ...]] = {
                                         "{out}/profile.txt", "--json", "{out}/gpu_eager.json", "--overwrite")),
     ),
     2: (
+        # since 2026-12-07: an eager FP8 model's forward and backward captured with torch.cuda.graph and replayed
+        # (no host cache frozen into the graph: minifloat.core.capture), never run on a GPU
+        Step("eager-graphs", 60, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
+                                         "eager_graph_replays and (delayed or current)")),
         Step("optim", 40, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
                                   "optimizer or master or stochastic")),
         Step("no-sync", 60, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k", "synchronise")),
@@ -84,6 +90,8 @@ CALLS: dict[int, tuple[Step, ...]] = {
                                          "--budget-s", "165", "--json", "{out}/gpu_graphs.json", "--overwrite")),
     ),
     3: (
+        # since 2026-12-07: q/k/v and gate/up sharing their input's cast on the device's kernels, bitwise unshared
+        Step("shared-input", 60, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k", "shared_input")),
         # since 2026-11-28: NVFP4 inference layers (per-token global scales through torch.ldexp), never run on a GPU
         Step("inference", 90, _pytest("-m", "gpu", "tests/test_gpu_inference.py")),
         Step("bench-compiled", 260, _bench("--sections", "llama8b", "--variants", "delayed,current",

@@ -260,6 +260,57 @@ def test_cuda_graphs_capture_the_compiled_step(device, name):
     assert_same_state(state(compiled), state(eager))
 
 
+@pytest.mark.parametrize("name", ["delayed", "current", "current-row", "block", "mx"])
+def test_eager_graph_replays_give_eagers_bits(device, name):
+    """torch.cuda.graph around an eager (uncompiled) FP8 model's forward and backward, PyTorch's whole-network
+    capture: after warm-up steps on a side stream, one capture; then each step copies its batch into the static
+    input and replays, the optimizer (and with it the FP8 step's end) running eagerly between replays. Outputs,
+    gradients, weights and scaling state are eager's bit for bit: the capture took nothing from a host cache (the
+    step's weight cast, the delayed reciprocals, a sibling's cast: minifloat.core.capture), so every replay reads the
+    scales and weights as they are at that step."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    warmup, data = 2, batches(STEPS + 3)
+    eager, graphed = make_model(name, device), make_model(name, device)
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in (eager, graphed)]
+    cast = lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)  # noqa: E731 (as captures need)
+
+    reference = []
+    for x in data:
+        with cast():
+            y = eager(x.to(device))
+        loss_of(y).backward()
+        reference.append((y.detach().clone(), [p.grad.clone() for p in eager.parameters()]))
+        opts[0].step()
+        opts[0].zero_grad(set_to_none=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up: seeds delayed scales, compiles and tunes the kernels for these shapes
+        for x in data[:warmup]:
+            with cast():
+                y = graphed(x.to(device))
+            loss_of(y).backward()
+            opts[1].step()
+            opts[1].zero_grad(set_to_none=True)
+    torch.cuda.current_stream().wait_stream(side)
+    static_x = data[warmup].to(device).clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):  # records only: the step runs at its first replay
+        with cast():
+            static_y = graphed(static_x)
+        loss_of(static_y).backward()
+    for i, x in enumerate(data[warmup:], start=warmup):
+        static_x.copy_(x.to(device))
+        graph.replay()
+        y_e, g_e = reference[i]
+        assert_same_bits(static_y, y_e, f"step {i} output")
+        for k, (p, g) in enumerate(zip(graphed.parameters(), g_e)):
+            assert_same_bits(p.grad, g, f"step {i} gradient {k}")
+        opts[1].step()  # the replayed backward writes the gradients afresh: no zero_grad between replays
+    assert_same_state(state(graphed), state(eager))
+
+
 # ---------------------------------------------------------------------------------------------------- host syncs
 
 

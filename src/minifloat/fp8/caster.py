@@ -25,6 +25,7 @@ from typing import Callable
 
 import torch
 
+from minifloat.core.capture import host_caches_usable
 from minifloat.fp8 import shared_input, telemetry
 from minifloat.fp8.fourbit.cast import cast_nvfp4
 from minifloat.fp8.gemm import native_granularity, operand
@@ -46,7 +47,8 @@ class WeightCache:
     The weight does not change between the micro-batches of an optimizer step, so its casts are made once. An entry
     is keyed by the weight's version counter and storage (an optimizer step, `load_state_dict` or a `.data`
     swap invalidate it) and the casting options; `clear()` runs at every FP8 step, when delayed scales change.
-    Compiled graphs do not use it (the cast is part of the graph; keying on Python state would add guards).
+    Compiled graphs do not use it (the cast is part of the graph; keying on Python state would add guards), nor does
+    a CUDA graph's capture (its replays would read the captured step's cast after the weight changed).
 
     `by_storage` False keys by version, dtype, device and shape alone, for a tensor-parallel layer
     (`LayerCaster.amax_reduce`): a miss there runs a collective (the whole weight's amax), so every rank must miss
@@ -65,8 +67,9 @@ class WeightCache:
 
     def get(self, kind: str, weight: torch.Tensor, options: tuple, make: Callable[[], Quantized]
             ) -> tuple[Quantized, bool]:
-        """(the cast, whether it came from the cache)."""
-        if torch.compiler.is_compiling():
+        """(the cast, whether it came from the cache). Inside a compiled graph or a CUDA graph's capture the cast is
+        made afresh (minifloat.core.capture): a replay must cast the weight it then holds."""
+        if not host_caches_usable(weight.device):
             return make(), False
         key = (*self._identity(weight), options)
         entry = self._entries.get(kind)
@@ -78,8 +81,8 @@ class WeightCache:
 
     def peek(self, kind: str, weight: torch.Tensor, generation: int) -> Quantized | None:
         """The `kind` cast of this very weight in this scaling generation (whatever its other options), else None."""
-        if torch.compiler.is_compiling():  # before reading the dict: no guard on its entries in a compiled graph
-            return None
+        if not host_caches_usable(weight.device):  # before reading the dict: no guard on its entries in a compiled
+            return None  # graph, and nothing frozen into a CUDA graph's replays
         entry = self._entries.get(kind)
         if entry is None:
             return None

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 from torch._subclasses.fake_tensor import FakeTensor
 
+from minifloat.core.capture import capturing, refuse_host_read
 from minifloat.core.rng import named_seed
 from minifloat.numerics import triton_cast
 from minifloat.numerics.hadamard import rht_signs
@@ -126,8 +127,13 @@ class ScalingState(nn.Module):
         if self._seeded is None:
             if self.initialized.is_meta:  # shapes only: nothing to seed from, the stored scale stands in
                 return [True] * self.initialized.numel()
+            refuse_host_read(self.initialized.device, self._where())
             self._seeded = [bool(v) for v in self.initialized.tolist()]
         return self._seeded
+
+    def _where(self) -> str:
+        name = getattr(self, "layer_name", "")  # (a state pickled before it existed has none)
+        return f"layer {name!r}" if name else "an FP8 layer"
 
     @property
     def history_len(self) -> int:
@@ -205,6 +211,7 @@ class ScalingState(nn.Module):
         self.scale[col] = torch.where(~self.initialized[col] & finite, fresh, self.scale[col])
         self.initialized[col] = self.initialized[col] | finite
         if not compiling:
+            refuse_host_read(self.initialized.device, self._where())
             self._host_seeded()[col] = bool(self.initialized[col])  # one host sync, until the role is seeded
         return qscale, now
 
@@ -220,8 +227,10 @@ class ScalingState(nn.Module):
         fewer per cast)."""
         seeded = not torch.compiler.is_compiling() and self._host_seeded()[col]
         qscale, now = self.delayed_scale(col, amax, fmt, margin=margin, store=store)
-        # reciprocal_rn is `1.0 / s` bit for bit (eager: one reciprocal kernel, where a division launches two)
-        if not seeded:
+        # reciprocal_rn is `1.0 / s` bit for bit (eager: one reciprocal kernel, where a division launches two); a
+        # CUDA graph's capture records the division from the stored scale itself, which every replay reads afresh
+        # (the host-side cache would freeze the captured step's reciprocals into the graph: minifloat.core.capture)
+        if not seeded or capturing(self.scale.device):
             inverse = reciprocal_rn(qscale)
             return inverse, reciprocal_rn(inverse), now
         key = (self.scale._version, self.scale.data_ptr(), self.scale.device)
@@ -287,10 +296,8 @@ class ScalingState(nn.Module):
             self._warn_nonfinite(role)
 
     def _warn_nonfinite(self, role: Role) -> None:
-        name = getattr(self, "layer_name", "")  # (a state pickled before it existed has none)
-        where = f"layer {name!r}" if name else "an FP8 layer"
         log.warning("minifloat: non-finite values in the %s of %s; its amax was not recorded and its scale is kept "
-                    "(this layer says it once)", role.value, where)
+                    "(this layer says it once)", role.value, self._where())
         self._warned = True
 
     def advance(self, recipe) -> None:

@@ -18,8 +18,10 @@ through `.data` does not, as for every autograd-saved tensor) while the tensor t
 holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would. One entry
 per thread, the latest cast: siblings are called one after another. Delayed scaling is not shared (each layer casts
 with its own stored scale), nor are tensor-parallel shards (their scale comes from a collective), NVFP4 casts (each
-layer draws its own stochastic-rounding stream) or casts inside a compiled graph (the graph holds no Python state;
-there the compiler may merge identical casts itself).
+layer draws its own stochastic-rounding stream), casts inside a compiled graph (the graph holds no Python state;
+there the compiler may merge identical casts itself) or casts while a CUDA graph is captured: an entry made before
+the capture (the graph's static input, cast by a warm-up step) would be frozen into every replay
+(minifloat.core.capture).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import weakref
 
 import torch
 
+from minifloat.core.capture import host_caches_usable
 from minifloat.core.switch import ThreadSwitch
 from minifloat.numerics.quantize import Quantized
 
@@ -64,7 +67,7 @@ def _holder() -> list:
 def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
     """The cast a sibling made of this very tensor with these options (the casting spec, backend and outputs asked
     for), else None."""
-    if _OFF or torch.compiler.is_compiling():
+    if _OFF or not host_caches_usable(t.device):
         return None
     entry = _holder()[0]
     if entry is None:
@@ -77,7 +80,7 @@ def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
 
 def remember(t: torch.Tensor, options: tuple, q: Quantized) -> None:
     """Keep `q`, the cast of `t` under `options`, for the next layer that reads `t` (replacing the previous entry)."""
-    if _OFF or torch.compiler.is_compiling():
+    if _OFF or not host_caches_usable(t.device):
         return
     holder = _holder()
 

@@ -21,6 +21,8 @@ from typing import Iterator
 
 import torch
 
+from minifloat.core.capture import capturing
+
 # (BLOCK_M, BLOCK_K, num_warps); the first is the untuned default. Each compiles for SM 9.0 in at most 128 registers a
 # thread without spills (tests/test_triton_aot.py): larger cast tiles (128×64 on 8 warps: 145-252 registers; 128×128
 # on 16: spills) were left out, the casts' rounding being register-hungry; the amax passes hold far less
@@ -65,7 +67,7 @@ def _tunes(x: torch.Tensor) -> bool:
     """Whether a launch over `x` picks its tiling by timing: a CUDA tensor of TUNE_FROM elements or more, and never
     while a CUDA graph is being captured (timing synchronises the device; a first launch of a shape there takes the
     first tiling, the same bits)."""
-    return x.is_cuda and x.numel() >= TUNE_FROM and not torch.cuda.is_current_stream_capturing()
+    return x.is_cuda and x.numel() >= TUNE_FROM and not capturing(x.device)
 
 
 def _tuned(kernel, candidates, restore, key):
