@@ -289,8 +289,12 @@ class ResidualSwiGLU(nn.Module):
         return x + self.mlp(self.norm(x))  # (T, C)
 
 
-def train_step(forward, opt: torch.optim.Optimizer, device: torch.device, *inputs):
-    """A step that returns (output, loss) from forward(*inputs) and ends at opt.step() (which ends the FP8 step)."""
+def train_step(forward, opt: torch.optim.Optimizer, device: torch.device, *inputs, compiled: bool = False):
+    """A step that returns (output, loss) from forward(*inputs) and ends at opt.step() (which ends the FP8 step).
+    With --cuda-graphs, an eager run's forward and backward are replayed from one CUDA graph (`graphed_step`)."""
+    if GRAPHS["on"] and not compiled:
+        return graphed_step(forward, opt, device, *inputs)
+
     def step():
         with autocast(device):
             out, loss = forward(*inputs)
@@ -298,6 +302,45 @@ def train_step(forward, opt: torch.optim.Optimizer, device: torch.device, *input
         opt.step()
         opt.zero_grad(set_to_none=True)
         return out.detach()
+
+    return step
+
+
+GRAPHS = {"on": False}  # --cuda-graphs
+GRAPH_WARMUP = 2  # eager steps on a side stream before the capture: seed delayed scales, compile and tune kernels
+
+
+def graphed_step(forward, opt: torch.optim.Optimizer, device: torch.device, *inputs):
+    """train_step with forward and backward captured once in a CUDA graph and replayed (PyTorch's whole-network
+    capture of an eager model; minifloat's layers take nothing from a host cache while captured, docs/fp8.md): the
+    first call runs GRAPH_WARMUP eager steps on a side stream, then captures; every call replays the graph, whose
+    backward writes the gradients afresh, and runs the optimizer (and with it the FP8 step's end) eagerly. The inputs
+    are the step's static tensors (the sections train on one batch). Autocast without its weight cache, as captures
+    need it."""
+    graph: dict = {}
+
+    def eager_step():
+        with torch.autocast(device.type, dtype=torch.bfloat16, cache_enabled=False):
+            out, loss = forward(*inputs)
+        loss.backward()
+        return out
+
+    def step():
+        if not graph:
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                for _ in range(GRAPH_WARMUP):
+                    eager_step()
+                    opt.step()
+                    opt.zero_grad(set_to_none=True)
+            torch.cuda.current_stream(device).wait_stream(side)
+            graph["graph"] = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph["graph"]):
+                graph["out"] = eager_step()
+        graph["graph"].replay()
+        opt.step()
+        return graph["out"].detach()  # the graph's static output: the next replay overwrites it
 
     return step
 
@@ -316,7 +359,7 @@ def mlp_workload(shape: dict, variant: Variant, device: torch.device, compiled: 
 
     opt = adamw(model)
     flops = 6.0 * shape["tokens"] * 3 * shape["d_model"] * shape["ffn"] * shape["blocks"]
-    return Workload(train_step(with_loss, opt, device, x), shape["tokens"], flops, model)
+    return Workload(train_step(with_loss, opt, device, x, compiled=compiled), shape["tokens"], flops, model)
 
 
 def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled: bool) -> Workload:
@@ -339,9 +382,10 @@ def llama_workload(shape: dict, variant: Variant, device: torch.device, compiled
         model = to_fp8(model, variant, {name for name, kind in plan.items() if kind == "fp8"})
     forward = compile_model(model) if compiled else model
     opt = adamw(model)
-    return Workload(train_step(forward, opt, device, idx, targets), tokens, flops, model)
+    return Workload(train_step(forward, opt, device, idx, targets, compiled=compiled), tokens, flops, model)
 
 
+GRAPHED_SECTIONS = ("mlp", "llama8b", "100m", "1b")  # their eager runs replay CUDA graphs under --cuda-graphs
 LLAMA_SECTIONS = ("llama8b", "100m", "1b")  # the sections whose models have layers that pay and layers that don't
 BUILDERS = {"gemm": gemm_workload, "linear": linear_workload, "mlp": mlp_workload, "llama8b": llama_workload,
             "100m": llama_workload, "1b": llama_workload}
@@ -359,7 +403,7 @@ class Case:
     @property
     def mode(self) -> str:
         if not self.compiled:
-            return "eager"
+            return "eager (CUDA graphs)" if GRAPHS["on"] and self.section in GRAPHED_SECTIONS else "eager"
         details = ([] if COMPILE_MODE["mode"] == "default" else [COMPILE_MODE["mode"]]) + (
             ["whole model"] if COMPILE_MODE["scope"] == "model" else [])
         return "compiled" + (f" ({', '.join(details)})" if details else "")
@@ -697,6 +741,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-scope", choices=("blocks", "model"), default="blocks",
                    help="blocks: compile each repeated block of the Llama and MLP sections in place, the rest eager "
                         "(minutes less compiling); model: torch.compile of the whole model")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="eager runs of the mlp and Llama sections (bf16 too) capture forward and backward in one CUDA "
+                        "graph and replay it, the optimizer eager between replays: the host's work per layer out of "
+                        "small steps without torch.compile (CUDA only; compiled runs are --compile-mode's)")
     p.add_argument("--budget-s", type=float, default=420.0, help="compiled runs that would end after this many "
                                                                   "seconds of the run are skipped")
     p.add_argument("--steps", type=int, default=None, help="timed steps per variant (default 10, smoke 3)")
@@ -736,6 +784,11 @@ def main(argv=None) -> int:
     args.start = time.perf_counter()
     COMPILE_MODE.update(mode=args.compile_mode, scope=args.compile_scope)
     args.device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.cuda_graphs and args.device.type != "cuda":
+        print(f"--cuda-graphs needs a CUDA device (this run's is {args.device}); leave it out on a CPU",
+              file=sys.stderr)
+        return 2
+    GRAPHS["on"] = args.cuda_graphs
     on_gpu = args.device.type == "cuda" and torch.cuda.is_available()
     if (args.device.type == "cuda" or not args.smoke) and not on_gpu:
         print(f"benchmarks/gpu.py needs a CUDA GPU (device {args.device}, torch "

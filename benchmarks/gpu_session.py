@@ -80,6 +80,10 @@ CALLS: dict[int, tuple[Step, ...]] = {
         # (no host cache frozen into the graph: minifloat.core.capture), never run on a GPU
         Step("eager-graphs", 60, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
                                          "eager_graph_replays and (delayed or current)")),
+        # the host-bound 100m step with eager FP8 layers replayed from a CUDA graph, bf16 likewise (issue 21's 0.9x)
+        Step("bench-eager-graphs", 90, _bench("--sections", "100m", "--variants", "delayed,current", "--no-compile",
+                                              "--cuda-graphs", "--json", "{out}/gpu_eager_graphs.json",
+                                              "--overwrite")),
         Step("optim", 40, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k",
                                   "optimizer or master or stochastic")),
         Step("no-sync", 60, _pytest("-m", "gpu", "tests/test_gpu_training.py", "-k", "synchronise")),

@@ -262,6 +262,7 @@ REFUSED = [
     (["--compile-variants", "all,delayed"], "'all' stands alone"),
     (["--sections", ""], "--sections names none"),
     (["--steps", "0"], "--steps and --warmup must be >= 1"),
+    (["--cuda-graphs"], "--cuda-graphs needs a CUDA device"),
 ]
 
 
@@ -302,3 +303,14 @@ def test_the_time_budget_reads_the_compile_time_measured(bench, monkeypatch):
     monkeypatch.setattr(bench, "run_case", fifty_seconds)
     rows = bench.run(bench.plan(args, [bench.BASELINE, "delayed"]), args, {}, lambda rows: None)
     assert [r["variant"] for r in rows if "skipped" not in r] == ["bf16", "delayed"]
+
+
+def test_cuda_graphs_label_the_eager_rows_they_replay(bench, monkeypatch):
+    """--cuda-graphs replays the eager runs of the sections that train with an optimizer (their rows say so); the
+    linear and GEMM sections, and compiled runs, are as without it."""
+    monkeypatch.setitem(bench.GRAPHS, "on", True)
+    modes = {(section, compiled): bench.Case(section, 0, "delayed", compiled).mode
+             for section in bench.SECTIONS for compiled in (False, True)}
+    assert {s for (s, c), m in modes.items() if m == "eager (CUDA graphs)"} == set(bench.GRAPHED_SECTIONS)
+    assert modes[("linear", False)] == modes[("gemm", False)] == "eager"
+    assert all(m.startswith("compiled") for (s, c), m in modes.items() if c)
