@@ -566,7 +566,7 @@ def test_small_tensors_and_the_interpreter_take_the_first_tiling(monkeypatch):
     assert seen[-1] == ((-(-100 // bm), -(-300 // bk)), bm, bk, warps)
 
     class Big:  # a large CUDA tensor, as launch sees it
-        shape, is_cuda = (4096, 4096), True
+        shape, is_cuda, device = (4096, 4096), True, torch.device("cuda")
 
         def numel(self):
             return 4096 * 4096
