@@ -141,3 +141,32 @@ def test_a_capture_takes_no_sibling_cast_made_before_it(monkeypatch):
         with pretend_capture():
             layer(x)
     assert len(calls) == warm + 1 + 2  # under capture: the input cast again, and the weight's
+
+
+# the trainer's presets (bf16 too: the baseline benchmarks/gpu.py --cuda-graphs captures beside them)
+PRESETS = ["bf16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4", "mxfp4"]
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_the_captured_llama_step_reads_nothing_on_the_host(preset):
+    """What benchmarks/gpu.py --cuda-graphs captures (the reference Llama under a PrecisionPolicy preset: fp32 norms,
+    attention, head and loss; forward and backward) makes, on the capture's code path after a warm-up step, no read
+    of a tensor on the host but the CPU-only non-finite checks: on a GPU any other would stop the capture."""
+    from host_syncs import CPU_ONLY_READS, HostSyncs
+    from minifloat.training.model import Llama, LlamaConfig
+
+    torch.manual_seed(0)
+    model = mf.PrecisionPolicy.preset(preset).apply(Llama(LlamaConfig(n_layer=2, n_head=4, d_model=64,
+                                                                      max_seq_len=32, attention="fp32")))
+    idx = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(1))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, cache_enabled=False):
+            loss = model(idx[:, :-1], idx[:, 1:])[1]
+        loss.backward()
+
+    step()  # warm-up: seeds delayed scales, sets the host mirrors
+    model.zero_grad(set_to_none=True)
+    with pretend_capture(), HostSyncs() as syncs:
+        step()
+    assert not {site: n for site, n in syncs.sites.items() if site not in CPU_ONLY_READS}
