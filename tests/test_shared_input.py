@@ -185,3 +185,48 @@ def test_the_shared_entry_keeps_no_input_alive():
     gc.collect()
     assert alive() is None
     assert shared_input._holder()[0] is None  # ... and went with it (its FP8 copy too)
+
+
+class _Siblings(nn.Module):
+    """Three layers reading one normalized input (q, k, v's pattern), run under activation checkpointing."""
+
+    def __init__(self, d: int, reentrant: bool | None):
+        super().__init__()
+        self.norm = nn.LayerNorm(d)
+        self.q, self.k, self.v = (nn.Linear(d, d, bias=False) for _ in range(3))
+        self.reentrant = reentrant
+
+    def block(self, x):
+        h = self.norm(x)
+        return self.q(h) * self.k(h) + self.v(h)
+
+    def forward(self, x):
+        if self.reentrant is None:
+            return self.block(x)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=self.reentrant)
+
+
+@pytest.mark.parametrize("reentrant", [None, False, True], ids=["plain", "non-reentrant", "reentrant"])
+@pytest.mark.parametrize("recipe", [mf.CurrentScaling(), mf.CurrentScaling(granularity="row"), mf.DelayedScaling()],
+                         ids=["current", "row", "delayed"])
+def test_activation_checkpointing_recomputes_the_shared_cast_bitwise(recipe, reentrant):
+    """The recompute casts the recomputed input once and the siblings take it, as in the forward: gradients and
+    scaling state bitwise those of unshared casts, with checkpointing and without."""
+    def run(share: bool):
+        torch.manual_seed(0)
+        model = mf.convert(_Siblings(64, reentrant), recipe=recipe, keep_first_last=False)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        for step in range(2):
+            x = (torch.randn(32, 64, generator=torch.Generator().manual_seed(step)) * (1 + step)).requires_grad_()
+            with torch.autocast("cpu", dtype=torch.bfloat16), (shared_input.unshared() if not share
+                                                                 else torch.enable_grad()):
+                model(x).float().pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        return x.grad, model.state_dict()
+
+    grad, state = run(share=True)
+    ref_grad, ref_state = run(share=False)
+    assert torch.equal(grad, ref_grad)
+    for key, value in ref_state.items():
+        assert torch.equal(state[key], value), key
