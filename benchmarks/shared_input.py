@@ -1,13 +1,12 @@
 """What sharing the input's cast among sibling layers (q, k, v; gate, up) saves in a Llama training step.
 
-minifloat.fp8.shared_input lets the layers of a block that read one tensor take the first one's cast where the input
-scale is a function of the input alone (current scaling per tensor or row, 1×128 tiles, MX). This measures, on the
-reference Llama under bfloat16 autocast, each recipe's training step (forward, backward, AdamW) with the sharing on
-and off (`shared_input.unshared()`), on one model in one process, the settings alternating round by round so the
-machine's drift hits both alike:
-step time (median), the ratio of shared to unshared, and the bytes autograd saves in one forward (distinct tensors,
-parameters excluded). Both settings give the same bits (tests/test_shared_input.py); this is only about time and
-memory. No number here is asserted anywhere.
+minifloat.fp8.shared_input lets the layers of a block that read one tensor take the first one's cast (every FP8 recipe
+but NVFP4). This measures, on the reference Llama under bfloat16 autocast, each recipe's training step (forward,
+backward, AdamW) with the sharing on and off (`shared_input.unshared()`), on one model in one process, the settings
+alternating round by round so the machine's drift hits both alike: step time (median of the rounds' medians, and
+their spread: the run's noise), the ratio of shared to unshared, and the bytes autograd saves in one forward
+(distinct tensors, parameters excluded). Both settings give the same bits (tests/test_shared_input.py); this is only
+about time and memory. No number here is asserted anywhere.
 
 Usage:
     python benchmarks/shared_input.py                                 # the 10m preset, 8 x 256 tokens, a few minutes
@@ -39,7 +38,7 @@ RECIPES = {
     "current-row": lambda: mf.CurrentScaling(granularity="row"),
     "block": lambda: mf.BlockScaling(),
     "mx": lambda: mf.MXScaling(),
-    "delayed": lambda: mf.DelayedScaling(),  # not shared: its row is the control (ratio ~1)
+    "delayed": lambda: mf.DelayedScaling(),
 }
 SETTINGS = ("unshared", "shared")
 
@@ -73,8 +72,9 @@ class Run:
         seen: dict[tuple, int] = {}
 
         def pack(t):
-            if t.untyped_storage().data_ptr() not in params:
-                seen[(t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape))] = t.numel() * t.element_size()
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in params:
+                seen[(ptr, t.storage_offset(), tuple(t.shape))] = t.numel() * t.element_size()
             return t
 
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
@@ -85,7 +85,7 @@ class Run:
 
 def measure(recipe: str, args: argparse.Namespace) -> dict:
     # one model for both settings, which alternate round by round: two models' memory lay differently and timed
-    # differently by a few percent even where the setting changes nothing (delayed scaling, the control)
+    # differently by a few percent where the setting changed nothing
     run = Run(recipe, args)
     for setting in SETTINGS:
         for _ in range(args.warmup):
@@ -95,8 +95,10 @@ def measure(recipe: str, args: argparse.Namespace) -> dict:
         for setting in (SETTINGS if r % 2 == 0 else SETTINGS[::-1]):
             times[setting].append(statistics.median(run.step(setting == "shared") for _ in range(args.steps)))
     ms = {s: statistics.median(t) * 1e3 for s, t in times.items()}
+    spread = {s: (max(t) - min(t)) / statistics.median(t) for s, t in times.items()}
     saved = {s: run.saved_bytes(s == "shared") for s in SETTINGS}
-    return {"recipe": recipe, "step_ms": ms, "shared_over_unshared": ms["shared"] / ms["unshared"],
+    return {"recipe": recipe, "step_ms": ms, "round_spread": spread,
+            "shared_over_unshared": ms["shared"] / ms["unshared"],
             "saved_mib": {s: b / 2**20 for s, b in saved.items()},
             "saved_ratio": saved["shared"] / saved["unshared"]}
 
@@ -130,7 +132,8 @@ def main() -> int:
         row = measure(recipe, args)
         rows.append(row)
         print(f"{recipe:12s} unshared {row['step_ms']['unshared']:8.1f} ms  shared {row['step_ms']['shared']:8.1f} ms"
-              f"  ratio {row['shared_over_unshared']:.3f}   saved for backward {row['saved_mib']['unshared']:.1f}"
+              f"  ratio {row['shared_over_unshared']:.3f} (rounds spread {max(row['round_spread'].values()):.1%})"
+              f"   saved for backward {row['saved_mib']['unshared']:.1f}"
               f" -> {row['saved_mib']['shared']:.1f} MiB ({row['saved_ratio']:.3f})", flush=True)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps({"machine": machine.describe(), "args": vars(args),

@@ -1,5 +1,5 @@
 """benchmarks/shared_input.py runs end to end on a tiny model and records what it measured (no figure is asserted:
-the test checks the measurement's shape, and that sharing saved bytes where it applies and none where it does not)."""
+the test checks the measurement's shape, and that sharing saved bytes)."""
 
 from __future__ import annotations
 
@@ -21,8 +21,8 @@ def test_the_benchmark_measures_both_settings(tmp_path):
     assert set(rows) == {"current", "delayed"}
     for row in rows.values():
         assert all(ms > 0 for ms in row["step_ms"].values())
-    assert rows["current"]["saved_ratio"] < 1.0  # q/k/v and gate/up saved one FP8 copy of their input
-    assert rows["delayed"]["saved_ratio"] == 1.0  # delayed scaling does not share
+    for row in rows.values():  # q/k/v and gate/up saved one FP8 copy of their input
+        assert row["saved_ratio"] < 1.0
 
 
 def test_an_unknown_recipe_is_refused_in_one_line(tmp_path):

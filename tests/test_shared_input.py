@@ -1,9 +1,10 @@
 """Sibling FP8 layers reading the same input share its cast (minifloat.fp8.shared_input).
 
 What must hold: a Llama's training steps are bitwise those of unshared casts (losses, every gradient, every scaling
-buffer) for every recipe; where the input scale is a function of the input alone, q/k/v and gate/up cast their input
-once, and their autograd nodes save one FP8 copy of it; a tensor changed in place between two layers is cast again;
-the shared entry keeps no input alive.
+buffer) for every recipe; q/k/v and gate/up cast their input once (every FP8 recipe but NVFP4), and their autograd
+nodes save one FP8 copy of it; under delayed scaling a sibling whose own stored scale differs (edited by hand) takes
+the first sibling's cast; a tensor changed in place between two layers is cast again; the shared entry keeps no
+input alive.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from torch import nn
 import minifloat as mf
 from minifloat.fp8 import caster as caster_module
 from minifloat.fp8 import shared_input
+from minifloat.fp8.recipes import Role
+from minifloat.fp8.scaling import ROLE_INDEX
 from minifloat.numerics.compiling import eager_kernels
 from minifloat.training.model import Llama, LlamaConfig
 from recipe_cases import RECIPES
@@ -26,7 +29,8 @@ CONFIG = LlamaConfig(n_layer=2, n_head=4, d_model=64, max_seq_len=32, attention=
 BATCH, SEQ, STEPS = 2, 16, 2
 # the layers of a block that read one input: q, k, v (the attention's) and gate, up (the MLP's)
 SIBLINGS = (("attn.q_proj", "attn.k_proj", "attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
-SHARED = {"current", "current-row", "current-pow2", "block", "block-no-pow2", "mx", "mx-floor", "mxfp4"}
+SHARED = {"delayed", "delayed-e4m3", "current", "current-row", "current-pow2", "block", "block-no-pow2", "mx",
+          "mx-floor", "mxfp4"}
 
 
 @pytest.fixture(autouse=True)
@@ -118,7 +122,7 @@ def test_siblings_cast_their_input_once(monkeypatch, name, recipe):
     calls.clear()
     model = make_model(recipe)
     _forward(model, share=True)
-    expected = unshared - casts_saved(model) if name in SHARED else unshared  # delayed: each layer its own scale
+    expected = unshared - casts_saved(model) if name in SHARED else unshared
     assert casts_saved(model) == 4  # block 0's gate/up, block 1's q/k/v and gate/up
     assert len(calls) == expected
 
@@ -230,3 +234,27 @@ def test_activation_checkpointing_recomputes_the_shared_cast_bitwise(recipe, ree
     assert torch.equal(grad, ref_grad)
     for key, value in ref_state.items():
         assert torch.equal(state[key], value), key
+
+
+def test_a_delayed_sibling_takes_the_first_siblings_cast_whatever_its_own_scale():
+    """Delayed scaling shares the first sibling's cast, made with the first sibling's stored scale. Siblings record
+    the same input's amaxes step by step, so their scales agree (the bitwise tests above); a scale edited by hand (or
+    a sibling that also reads other tensors) is the case where they do not, and the documented rule decides."""
+    torch.manual_seed(0)
+    model = mf.convert(_Siblings(64, reentrant=None), recipe=mf.DelayedScaling(), keep_first_last=False)
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        model(x).float().sum().backward()  # seeds every layer's scales
+    col = ROLE_INDEX[Role.INPUT]
+    model.k.fp8_state.scale[col].mul_(0.7)  # k's input scale no longer q's (a power of two would move no grid point)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = model.norm(x)
+        shared = model.k(h) if model.q(h) is not None else None
+        with shared_input.unshared():
+            own = model.k(h)
+        shared_input.forget()
+        model.k.fp8_state.scale[col].copy_(model.q.fp8_state.scale[col])  # k with q's input scale: the cast it took
+        with shared_input.unshared():
+            with_q_scale = model.k(h)
+    assert not torch.equal(shared, own)
+    assert torch.equal(shared, with_q_scale)

@@ -159,6 +159,18 @@ class LayerCaster:
         # an eager cast records its amax into the state itself (on a GPU in the launch that takes it); a compiled
         # graph records with its own ops (`ScalingState.record`), which inductor fuses with the cast
         slot = self._slot(role, record)
+        # a sibling layer that read this very input (q, k, v; gate, up) may have cast it already: its cast is this
+        # one (minifloat.fp8.shared_input; delayed scaling: with the sibling's scale, which its history of the same
+        # input's amaxes makes this layer's own)
+        shared = role is Role.INPUT and not transposed and self.amax_reduce is None
+        options = (spec, self.backend, tuple(out.items())) if shared else None
+        q = shared_input.lookup(t, options) if shared else None
+        if q is not None:
+            if spec.delayed and record and self.recording:  # seeds this layer's scale at its first step, as its
+                self.state.delayed_cast_scales(ROLE_INDEX[role], lambda: q.amax, spec.fmt, margin=spec.margin)  # cast
+            if record:
+                self._observe(role, t, q)  # this layer's own record of the input's amax, and telemetry
+            return q
         if spec.delayed:
             dscale, multiplier, amax = self.state.delayed_cast_scales(
                 ROLE_INDEX[role], lambda: self._whole_amax(t), spec.fmt, margin=spec.margin,
@@ -169,20 +181,11 @@ class LayerCaster:
             if self.amax_reduce is not None and not granularity_info(spec.granularity).per_tensor:
                 raise ValueError(f"a sharded (tensor-parallel) layer casts per tensor only, not "
                                  f"'{spec.granularity}' ({role.value} of {self.name or 'a layer'})")
-            # a sibling layer that read this very input (q, k, v; gate, up) may have cast it already: its input
-            # scale is a function of the input alone, so its cast is this one (minifloat.fp8.shared_input)
-            shared = role is Role.INPUT and not transposed and self.amax_reduce is None
-            options = (spec, self.backend, tuple(out.items())) if shared else None
-            q = shared_input.lookup(t, options) if shared else None
-            if q is not None:
-                if record:
-                    self._observe(role, t, q)  # this layer's own record of the input's amax, and telemetry
-                return q
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
                          amax=None if self.amax_reduce is None else self._whole_amax(t), record=slot, **out)
-            if shared:
-                shared_input.remember(t, options, q)
+        if shared:
+            shared_input.remember(t, options, q)
         if record:
             self._observe(role, t, q, recorded=slot is not None)
         return q

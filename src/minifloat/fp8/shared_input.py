@@ -1,27 +1,30 @@
 """Sibling layers that read the same input share its cast: one pass over the tensor instead of one per layer.
 
 In a transformer block the q, k and v projections read the same normalized activation, and so do an MLP's gate and
-up projections. Under a recipe whose input scale is a function of the input alone (current scaling per tensor or per
-row, DeepSeek-V3's 1×128 tiles, MX blocks) every such layer casts that tensor to the same bits, and saves the same FP8
-bytes for its weight gradient. Here the first layer's cast is kept, and a sibling reading the same tensor takes it:
+up projections. Each of them used to cast that tensor itself, to the same bits, and to save its own FP8 copy for its
+weight gradient. Here the first layer's cast is kept, and a sibling reading the same tensor takes it:
   * the passes over the input (amax, cast, transposed copy) run once instead of three times for q, k, v and twice
     for gate, up, and a GPU launches their kernels once (Transformer Engine fuses the QKV projections for the same
     reason);
   * the FP8 copy saved for backward is one tensor that every sibling's autograd node references, instead of one
     copy per layer;
-  * each sibling still records the input's amax in its own scaling state and feeds telemetry (the same amax its own
-    cast would have found), so its history, non-finite count and statistics are as before: the outputs, gradients
-    and scaling state are bitwise those of unshared casts (tests/test_shared_input.py).
+  * each sibling still records the input's amax in its own scaling state (a delayed role is seeded from it at the
+    first step) and feeds telemetry, so its history, scales, non-finite count and statistics are as before.
+Why the cast is the same: under current scaling (per tensor or row), 1×128 tiles and MX blocks the scale is a function
+of the input alone. Under delayed scaling it is the first sibling's stored scale, which is a function of its history
+of the same input's amaxes, the history every sibling records step by step: so the outputs, gradients and scaling
+state are bitwise those of unshared casts (tests/test_shared_input.py). Where a sibling's delayed scale differs (an
+edit by hand, or a layer that also reads other tensors), it takes the first sibling's cast all the same: a scale
+made from this very input's amax history.
 
 "The same tensor" means the same memory, layout, dtype and version (an in-place change bumps the version; a write
 through `.data` does not, as for every autograd-saved tensor) while the tensor the input views is alive: the entry
 holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would. One entry
-per thread, the latest cast: siblings are called one after another. Delayed scaling is not shared (each layer casts
-with its own stored scale), nor are tensor-parallel shards (their scale comes from a collective), NVFP4 casts (each
-layer draws its own stochastic-rounding stream), casts inside a compiled graph (the graph holds no Python state;
-there the compiler may merge identical casts itself) or casts while a CUDA graph is captured: an entry made before
-the capture (the graph's static input, cast by a warm-up step) would be frozen into every replay
-(minifloat.core.capture).
+per thread, the latest cast: siblings are called one after another. Not shared: tensor-parallel shards (their scale
+comes from a collective), NVFP4 casts (each layer draws its own stochastic-rounding stream; they do not come here),
+casts inside a compiled graph (the graph holds no Python state; there the compiler may merge identical casts itself)
+and casts while a CUDA graph is captured: an entry made before the capture (the graph's static input, cast by a
+warm-up step) would be frozen into every replay (minifloat.core.capture).
 """
 
 from __future__ import annotations
