@@ -311,6 +311,21 @@ def test_eager_graph_replays_give_eagers_bits(device, name):
     assert_same_state(state(graphed), state(eager))
 
 
+@pytest.mark.parametrize("name", ["delayed"])
+def test_eager_graph_replays_refuse_a_capture_before_the_first_step(device, name):
+    """A capture before the first training step would have to read the delayed layers' state on the host to seed
+    their scales, which a capture cannot: one RuntimeError naming the layer and the fix, not torch's capture error."""
+    if torch.device(device).type != "cuda":
+        pytest.skip("CUDA graphs need a CUDA device")
+    model = make_model(name, device)
+    x = batches(1)[0].to(device)
+    graph = torch.cuda.CUDAGraph()
+    with pytest.raises(RuntimeError, match="run one training step eagerly before capturing") as info:
+        with torch.cuda.graph(graph), torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False):
+            model(x)
+    assert "\n" not in str(info.value) and "blocks.0" in str(info.value)
+
+
 # ---------------------------------------------------------------------------------------------------- host syncs
 
 
