@@ -258,3 +258,16 @@ def test_a_delayed_sibling_takes_the_first_siblings_cast_whatever_its_own_scale(
             with_q_scale = model.k(h)
     assert not torch.equal(shared, own)
     assert torch.equal(shared, with_q_scale)
+
+
+def test_inference_mode_tensors_are_cast_by_every_layer():
+    """A tensor made under torch.inference_mode has no version counter to prove it unchanged: every layer casts it
+    (the same outputs as unshared), and nothing fails."""
+    torch.manual_seed(0)
+    model = mf.convert(_Siblings(64, reentrant=None), recipe=mf.CurrentScaling(), keep_first_last=False)
+    with torch.inference_mode():
+        x = torch.randn(32, 64)
+        y = model(x)
+        with shared_input.unshared():
+            assert torch.equal(model(x), y)
+    assert shared_input._holder()[0] is None

@@ -18,7 +18,8 @@ edit by hand, or a layer that also reads other tensors), it takes the first sibl
 made from this very input's amax history.
 
 "The same tensor" means the same memory, layout, dtype and version (an in-place change bumps the version; a write
-through `.data` does not, as for every autograd-saved tensor) while the tensor the input views is alive: the entry
+through `.data` does not, as for every autograd-saved tensor; a tensor made under torch.inference_mode has no version
+counter, and is never shared) while the tensor the input views is alive: the entry
 holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would. One entry
 per thread, the latest cast: siblings are called one after another. Not shared: tensor-parallel shards (their scale
 comes from a collective), NVFP4 casts (each layer draws its own stochastic-rounding stream; they do not come here),
@@ -70,7 +71,7 @@ def _holder() -> list:
 def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
     """The cast a sibling made of this very tensor with these options (the casting spec, backend and outputs asked
     for), else None."""
-    if _OFF or not host_caches_usable(t.device):
+    if _OFF or t.is_inference() or not host_caches_usable(t.device):
         return None
     entry = _holder()[0]
     if entry is None:
@@ -83,7 +84,7 @@ def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
 
 def remember(t: torch.Tensor, options: tuple, q: Quantized) -> None:
     """Keep `q`, the cast of `t` under `options`, for the next layer that reads `t` (replacing the previous entry)."""
-    if _OFF or not host_caches_usable(t.device):
+    if _OFF or t.is_inference() or not host_caches_usable(t.device):  # (an inference tensor has no version counter)
         return
     holder = _holder()
 
