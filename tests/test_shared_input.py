@@ -184,11 +184,11 @@ def test_the_shared_entry_keeps_no_input_alive():
     alive = weakref.ref(x)
     with torch.no_grad():
         model(x)
-    assert shared_input._holder()[0] is not None  # the entry exists while x does
+    assert shared_input._holder().entry is not None  # the entry exists while x does
     del x
     gc.collect()
     assert alive() is None
-    assert shared_input._holder()[0] is None  # ... and went with it (its FP8 copy too)
+    assert shared_input._holder().entry is None  # ... and went with it (its FP8 copy too)
 
 
 class _Siblings(nn.Module):
@@ -270,4 +270,34 @@ def test_inference_mode_tensors_are_cast_by_every_layer():
         y = model(x)
         with shared_input.unshared():
             assert torch.equal(model(x), y)
-    assert shared_input._holder()[0] is None
+    assert shared_input._holder().entry is None
+
+
+def test_a_delayed_cast_is_retired_when_its_scale_moves(monkeypatch):
+    """The same tensor read again after the FP8 step's end (a batch reused across steps) is cast anew with the new
+    delayed scale, not taken from the previous step's entry; under current scaling the cast is the tensor's own."""
+    calls = _count_casts(monkeypatch)
+    for recipe, recast in ((mf.DelayedScaling(), True), (mf.CurrentScaling(), False)):
+        torch.manual_seed(0)
+        layer = mf.convert(nn.Linear(64, 64, bias=False), recipe=recipe, keep_first_last=False)
+        x = torch.randn(32, 64) * 3
+        with torch.no_grad():
+            layer(x)
+            layer.fp8_step()  # (a step's end moves the delayed scales: the first cast seeded from x's amax)
+            calls.clear()
+            y = layer(x)
+        assert len(calls) == (2 if recast else 1)  # (the weight's cast, and x's where it is retired)
+        with torch.no_grad(), shared_input.unshared():
+            assert torch.equal(layer(x), y)
+
+
+def test_a_backward_releases_the_forwards_last_cast():
+    """Once a backward begins every sibling has been called: the entry is dropped, so the forward's last cast (its
+    row-major FP8 bytes or bfloat16 operand, which autograd does not keep) does not live on with its input."""
+    torch.manual_seed(0)
+    layer = mf.convert(nn.Linear(64, 64, bias=False), recipe=mf.CurrentScaling(), keep_first_last=False)
+    x = torch.randn(32, 64, requires_grad=True)
+    y = layer(x)
+    assert shared_input._holder().entry is not None  # x lives, and so would its cast
+    y.sum().backward()
+    assert shared_input._holder().entry is None

@@ -28,6 +28,7 @@ import logging
 
 import torch
 
+from minifloat.fp8 import shared_input
 from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.gemm import scaled_mm
 from minifloat.fp8.native import OUT_DTYPES as NATIVE_OUT_DTYPES
@@ -142,6 +143,7 @@ class Fp8LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        shared_input.release()  # the forward's siblings are done: its last input cast need not be held
         refuse_double_backward(ctx.caster)
         warn_if_trained_in_eval(ctx.caster)
         xd, xs, weight, ws = ctx.saved_tensors

@@ -184,8 +184,8 @@ class LayerCaster:
             q = quantize(t, spec.fmt, granularity=spec.granularity, margin=spec.margin,
                          power_of_two=spec.power_of_two, mx_rule=spec.mx_rule,
                          amax=None if self.amax_reduce is None else self._whole_amax(t), record=slot, **out)
-        if shared:
-            shared_input.remember(t, options, q)
+        if shared:  # (a delayed cast is retired when its scale moves: the step's end, a load)
+            shared_input.remember(t, options, q, state=self.state if spec.delayed else None)
         if record:
             self._observe(role, t, q, recorded=slot is not None)
         return q

@@ -20,8 +20,11 @@ made from this very input's amax history.
 "The same tensor" means the same memory, layout, dtype and version (an in-place change bumps the version; a write
 through `.data` does not, as for every autograd-saved tensor; a tensor made under torch.inference_mode has no version
 counter, and is never shared) while the tensor the input views is alive: the entry
-holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would. One entry
-per thread, the latest cast: siblings are called one after another. Not shared: tensor-parallel shards (their scale
+holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would; a
+delayed cast is also retired at its scaling state's next generation (the FP8 step's end, a load), so a tensor read
+again in a later step is cast with that step's scale. One entry per thread, the latest cast: siblings are called one
+after another, and the first FP8 backward drops every entry (the forward's last cast would otherwise keep the bytes
+autograd does not save, its row-major FP8 copy or bfloat16 operand, for as long as its input lives). Not shared: tensor-parallel shards (their scale
 comes from a collective), NVFP4 casts (each layer draws its own stochastic-rounding stream; they do not come here),
 casts inside a compiled graph (the graph holds no Python state; there the compiler may merge identical casts itself)
 and casts while a CUDA graph is captured: an entry made before the capture (the graph's static input, cast by a
@@ -39,8 +42,20 @@ from minifloat.core.capture import host_caches_usable
 from minifloat.core.switch import ThreadSwitch
 from minifloat.numerics.quantize import Quantized
 
-_LOCAL = threading.local()  # .holder: [entry or None], entry = (weak ref to the viewed tensor, identity, options, cast)
+_LOCAL = threading.local()  # .holder: this thread's `_Holder`
+_HOLDERS: "weakref.WeakSet[_Holder]" = weakref.WeakSet()  # every thread's, for `release`
 _OFF = ThreadSwitch()  # on inside `unshared()`: every cast is made afresh (this thread)
+
+
+class _Holder:
+    """One thread's one-entry store, reachable from other threads: an input can die in one of autograd's threads,
+    and a backward runs there."""
+
+    __slots__ = ("entry", "__weakref__")
+
+    def __init__(self):
+        # (weak ref to the viewed tensor, identity, options, the cast, the scaling state it depends on, its generation)
+        self.entry: tuple | None = None
 
 
 def unshared():
@@ -59,42 +74,57 @@ def _identity(t: torch.Tensor) -> tuple:
             t._version)
 
 
-def _holder() -> list:
-    """This thread's one-entry store: a list, so that an input dying in another thread (autograd frees tensors in its
-    own threads) can still empty it."""
+def _holder() -> _Holder:
     holder = getattr(_LOCAL, "holder", None)
     if holder is None:
-        holder = _LOCAL.holder = [None]
+        holder = _LOCAL.holder = _Holder()
+        _HOLDERS.add(holder)
     return holder
 
 
 def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
     """The cast a sibling made of this very tensor with these options (the casting spec, backend and outputs asked
-    for), else None."""
-    if _OFF or t.is_inference() or not host_caches_usable(t.device):
+    for), while what it depended on is unchanged; else None."""
+    if _OFF or not host_caches_usable(t.device) or t.is_inference():
         return None
-    entry = _holder()[0]
+    entry = _holder().entry
     if entry is None:
         return None
-    ref, identity, stored_options, q = entry
+    ref, identity, stored_options, q, state, generation = entry
     if ref() is not _anchor(t) or identity != _identity(t) or stored_options != options:
+        return None
+    if state is not None and state.generation != generation:  # its delayed scale may have moved (a step's end, a load)
         return None
     return q
 
 
-def remember(t: torch.Tensor, options: tuple, q: Quantized) -> None:
-    """Keep `q`, the cast of `t` under `options`, for the next layer that reads `t` (replacing the previous entry)."""
-    if _OFF or t.is_inference() or not host_caches_usable(t.device):  # (an inference tensor has no version counter)
+def remember(t: torch.Tensor, options: tuple, q: Quantized, state=None) -> None:
+    """Keep `q`, the cast of `t` under `options`, for the next layer that reads `t` (replacing the previous entry);
+    `state`: the ScalingState whose delayed scale the cast was made with, whose next generation (the FP8 step's end, a
+    load, a reset: `ScalingState.generation`) retires it."""
+    if _OFF or not host_caches_usable(t.device) or t.is_inference():  # (an inference tensor has no version counter)
         return
     holder = _holder()
 
     def dropped(ref):  # the input died: let its cast go too (unless another entry replaced it since)
-        if holder[0] is not None and holder[0][0] is ref:
-            holder[0] = None
+        if holder.entry is not None and holder.entry[0] is ref:
+            holder.entry = None
 
-    holder[0] = (weakref.ref(_anchor(t), dropped), _identity(t), options, q)
+    holder.entry = (weakref.ref(_anchor(t), dropped), _identity(t), options, q, state,
+                    None if state is None else state.generation)
+
+
+def release() -> None:
+    """Drop every thread's entry: a backward has begun, so the forward's siblings have all been called, and the last
+    cast of the forward would otherwise hold its bytes (the row-major FP8 copy, the emulated GEMM's bfloat16 operand,
+    which autograd does not save) for as long as its input lives. The FP8 layers' backwards call it (not a compiled
+    one: no entry is made there)."""
+    if torch.compiler.is_compiling():
+        return
+    for holder in list(_HOLDERS):
+        holder.entry = None
 
 
 def forget() -> None:
-    """Drop this thread's entry (tests; nothing else needs to: entries die with their inputs)."""
-    _holder()[0] = None
+    """Drop this thread's entry (tests)."""
+    _holder().entry = None

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import torch
 
+from minifloat.fp8 import shared_input
 from minifloat.fp8.autograd import refuse_double_backward
 from minifloat.fp8.caster import LayerCaster
 from minifloat.fp8.fourbit.gemm import fp4_mm
@@ -91,6 +92,7 @@ class Fp4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy):
+        shared_input.release()  # the forward's siblings are done: its last input cast need not be held
         refuse_double_backward(ctx.caster)
         weight, *saved_xt = ctx.saved_tensors
         caster, out_dtype = ctx.caster, ctx.compute_dtype
