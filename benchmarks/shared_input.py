@@ -1,12 +1,12 @@
 """What sharing the input's cast among sibling layers (q, k, v; gate, up) saves in a Llama training step.
 
-minifloat.fp8.shared_input lets the layers of a block that read one tensor take the first one's cast (every FP8 recipe
-but NVFP4). This measures, on the reference Llama under bfloat16 autocast, each recipe's training step (forward,
-backward, AdamW) with the sharing on and off (`shared_input.unshared()`), on one model in one process, the settings
-alternating round by round so the machine's drift hits both alike: step time (median of the rounds' medians, and
-their spread: the run's noise), the ratio of shared to unshared, and the bytes autograd saves in one forward
-(distinct tensors, parameters excluded). Both settings give the same bits (tests/test_shared_input.py); this is only
-about time and memory. No number here is asserted anywhere.
+minifloat.fp8.shared_input lets the layers of a block that read one tensor take the first one's cast (every recipe).
+This measures, on the reference Llama under bfloat16 autocast, each recipe's training step (forward, backward, AdamW)
+with the sharing on and off (`shared_input.unshared()`), on one model in one process, the settings alternating round
+by round so the machine's drift hits both alike: step time (median of the rounds' medians, and their spread: the
+run's noise), the ratio of shared to unshared, and the bytes autograd saves in one forward (distinct tensors,
+parameters excluded). Both settings give the same bits (tests/test_shared_input.py); this is only about time and
+memory. No number here is asserted anywhere.
 
 Usage:
     python benchmarks/shared_input.py                                 # the 10m preset, 8 x 256 tokens, a few minutes
@@ -39,6 +39,7 @@ RECIPES = {
     "block": lambda: mf.BlockScaling(),
     "mx": lambda: mf.MXScaling(),
     "delayed": lambda: mf.DelayedScaling(),
+    "nvfp4": lambda: mf.NVFP4Scaling(),
 }
 SETTINGS = ("unshared", "shared")
 

@@ -1,7 +1,7 @@
 """Sibling FP8 layers reading the same input share its cast (minifloat.fp8.shared_input).
 
 What must hold: a Llama's training steps are bitwise those of unshared casts (losses, every gradient, every scaling
-buffer) for every recipe; q/k/v and gate/up cast their input once (every FP8 recipe but NVFP4), and their autograd
+buffer) for every recipe; q/k/v and gate/up cast their input once (every recipe), and their autograd
 nodes save one FP8 copy of it; under delayed scaling a sibling whose own stored scale differs (edited by hand) takes
 the first sibling's cast; a tensor changed in place between two layers is cast again; the shared entry keeps no
 input alive.
@@ -30,7 +30,7 @@ BATCH, SEQ, STEPS = 2, 16, 2
 # the layers of a block that read one input: q, k, v (the attention's) and gate, up (the MLP's)
 SIBLINGS = (("attn.q_proj", "attn.k_proj", "attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 SHARED = {"delayed", "delayed-e4m3", "current", "current-row", "current-pow2", "block", "block-no-pow2", "mx",
-          "mx-floor", "mxfp4"}
+          "mx-floor", "mxfp4", "nvfp4"}
 
 
 @pytest.fixture(autouse=True)
@@ -81,7 +81,8 @@ def train(recipe, *, share: bool):
     return losses, grads, {k: v.clone() for k, v in model.state_dict().items()}
 
 
-# the 4-bit recipes too: MXFP4 shares (its scales are its input's), NVFP4 does not (each layer's own rounding stream)
+# the 4-bit recipes too: MXFP4 and NVFP4 share (NVFP4's forward input is rounded to nearest, unrotated: a function
+# of the input; its stochastically rounded gradients and rotated wgrad operands are each layer's own)
 BITWISE = [*RECIPES, ("mxfp4", mf.MXScaling(format="e2m1")), ("nvfp4", mf.NVFP4Scaling())]
 
 
@@ -97,14 +98,16 @@ def test_shared_input_casts_change_no_bit(recipe):
 
 
 def _count_casts(monkeypatch) -> list:
+    """The shapes of the tensors the casters quantize (FP8 and MX through `quantize`, NVFP4 through `cast_nvfp4`)."""
     calls = []
-    original = caster_module.quantize
+    for name, at in (("quantize", 0), ("cast_nvfp4", 1)):
+        original = getattr(caster_module, name)
 
-    def counting(*args, **kwargs):
-        calls.append(args[0].shape)
-        return original(*args, **kwargs)
+        def counting(*args, _original=original, _at=at, **kwargs):
+            calls.append(args[_at].shape)
+            return _original(*args, **kwargs)
 
-    monkeypatch.setattr(caster_module, "quantize", counting)
+        monkeypatch.setattr(caster_module, name, counting)
     return calls
 
 
@@ -114,7 +117,7 @@ def _forward(model, share: bool) -> torch.Tensor:
         return model(idx, targets)[1]
 
 
-@pytest.mark.parametrize("name,recipe", BITWISE[:-1], ids=[n for n, _ in BITWISE[:-1]])  # (NVFP4 casts elsewhere)
+@pytest.mark.parametrize("name,recipe", BITWISE, ids=[n for n, _ in BITWISE])
 def test_siblings_cast_their_input_once(monkeypatch, name, recipe):
     calls = _count_casts(monkeypatch)
     _forward(make_model(recipe), share=False)  # (fresh models: a second forward would take the cached weight casts)

@@ -138,9 +138,16 @@ class LayerCaster:
             # the emulated GEMM needs only the operand (telemetry also reads the E2M1 elements); the native one
             # (minifloat.fp8.fourbit.gemm) the elements and the scales
             native = native_nvfp4(t.device, self.backend)
-            q = cast_nvfp4(spec, t, seed=seed, transposed=transposed, rht_signs=rht_signs,
-                           operand_dtype=None if native else _OPERAND,
-                           keep_data=native or (record and self.recording and telemetry.enabled()))
+            keep = native or (record and self.recording and telemetry.enabled())
+            # the forward's input (rounded to nearest, no rotation: a function of the input) is shared by siblings
+            shared = role is Role.INPUT and seed is None and rht_signs is None and not transposed
+            options = (spec, self.backend, native, keep) if shared else None
+            q = shared_input.lookup(t, options) if shared else None
+            if q is None:
+                q = cast_nvfp4(spec, t, seed=seed, transposed=transposed, rht_signs=rht_signs,
+                               operand_dtype=None if native else _OPERAND, keep_data=keep)
+                if shared:
+                    shared_input.remember(t, options, q)
             if record:
                 self._observe(role, t, q)
             return q if native else q.gemm_operand(_OPERAND)

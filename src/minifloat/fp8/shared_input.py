@@ -24,9 +24,10 @@ holds only a weak reference to it, and is dropped when it dies, so no activation
 delayed cast is also retired at its scaling state's next generation (the FP8 step's end, a load), so a tensor read
 again in a later step is cast with that step's scale. One entry per thread, the latest cast: siblings are called one
 after another, and the first FP8 backward drops every entry (the forward's last cast would otherwise keep the bytes
-autograd does not save, its row-major FP8 copy or bfloat16 operand, for as long as its input lives). Not shared: tensor-parallel shards (their scale
-comes from a collective), NVFP4 casts (each layer draws its own stochastic-rounding stream; they do not come here),
-casts inside a compiled graph (the graph holds no Python state; there the compiler may merge identical casts itself)
+autograd does not save, its row-major FP8 copy or bfloat16 operand, for as long as its input lives). NVFP4's forward
+input is shared too (rounded to nearest and not rotated, it is a function of the input); its stochastically rounded
+gradients and rotated wgrad operands are each layer's own. Not shared: tensor-parallel shards (their scale comes from
+a collective), casts inside a compiled graph (the graph holds no Python state; there the compiler may merge identical casts itself)
 and casts while a CUDA graph is captured: an entry made before the capture (the graph's static input, cast by a
 warm-up step) would be frozen into every replay (minifloat.core.capture).
 """
