@@ -16,6 +16,9 @@ nothing (the interpreter's run stubbed out after a real warm-up), the median aga
 torch ops left are tiny CPU kernels, so this is Python, dispatcher and allocation time: a proxy for what a GPU's host
 pays per layer, without the launches' own cost.
 
+--siblings N (3 by default) also counts N layers reading one input, as a block's q, k and v do, with their input's
+cast shared (minifloat.fp8.shared_input) and not.
+
 Usage:
     python benchmarks/launches.py              # torch path
     TRITON_INTERPRET=1 python benchmarks/launches.py --triton
@@ -27,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import os
 import statistics
 import time
@@ -137,6 +141,42 @@ def count(recipe, tokens: int, dim: int, layers: int) -> dict:
             "triton_kernels": kernels, "ops": dict(step_ops.ops.most_common())}
 
 
+class Siblings(torch.nn.Module):
+    """n FP8 layers reading one input, summed (q, k and v's pattern: minifloat.fp8.shared_input)."""
+
+    def __init__(self, recipe, dim: int, n: int):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(mf.Fp8Linear(dim, dim, recipe=recipe, bias=False) for _ in range(n))
+
+    def forward(self, x):
+        return sum(layer(x) for layer in self.layers)
+
+
+CPU_ONLY = "aten._local_scalar_dense.default"  # the CPU's non-finite check reads each recorded amax; a GPU skips it
+
+
+def count_siblings(recipe, tokens: int, dim: int, n: int) -> dict:
+    """Launches of one forward+backward of n sibling layers with their input's cast shared and not, after warm-up,
+    without the CPU-only reads (what a GPU launches)."""
+    from minifloat.fp8 import shared_input
+
+    model = Siblings(recipe, dim, n)
+    train_step = _train_step(model, tokens, dim)
+    out = {}
+    for setting in ("unshared", "shared"):
+        with shared_input.unshared() if setting == "unshared" else contextlib.nullcontext():
+            for _ in range(2):
+                train_step()
+                fp8_step(model)
+            _launches.clear()
+            with CountOps() as ops:
+                train_step()
+            out[setting] = sum(ops.ops.values()) - ops.ops[CPU_ONLY] + sum(_launches.values())
+            out[f"{setting}_triton"] = dict(_launches)
+            fp8_step(model)
+    return out
+
+
 def host_time(layer: torch.nn.Module, tokens: int, dim: int, steps: int) -> float:
     """Median wall time (µs) of one training step of `layer` (forward, backward and, for an FP8 layer, the FP8 step's
     end) with every Triton kernel a launch that does nothing: the host work of the native path. The warm-up runs
@@ -172,6 +212,8 @@ def main() -> None:
                                                               "on a CPU)")
     parser.add_argument("--layers", type=int, default=24, help="layers of the model whose FP8 step end is counted")
     parser.add_argument("--verbose", action="store_true", help="list the ops")
+    parser.add_argument("--siblings", type=int, default=3, help="also count N layers reading one input (q, k, v: "
+                                                                  "3), their input's cast shared and not; 0: skip")
     parser.add_argument("--host-time", type=int, default=0, metavar="STEPS",
                         help="also time STEPS steps per recipe with the Triton kernels' launches doing nothing (with "
                              "--triton in the interpreter): the host work per layer step, against nn.Linear's")
@@ -197,6 +239,11 @@ def main() -> None:
             us = host_time(mf.Fp8Linear(args.dim, args.dim, recipe=recipe, bias=False), args.tokens, args.dim,
                            args.host_time)
             print(f"{'':8s} host time per step: {us:7.0f} µs ({us / base:.2f}× nn.Linear)")
+        if args.siblings:
+            c = count_siblings(recipe, args.tokens, args.dim, args.siblings)
+            print(f"{'':8s} {args.siblings} siblings reading one input, fwd+bwd on a GPU (the CPU's reads left out): "
+                  f"{c['unshared']} launches unshared {c['unshared_triton']}, {c['shared']} shared "
+                  f"{c['shared_triton']}")
 
 
 if __name__ == "__main__":

@@ -29,3 +29,24 @@ def test_an_unknown_recipe_is_refused_in_one_line(tmp_path):
     done = subprocess.run([sys.executable, str(SCRIPT), "--recipes", "current,bogus"], capture_output=True,
                           text=True, timeout=120)
     assert done.returncode == 2 and "bogus" in done.stderr.strip().splitlines()[-1]
+
+
+def test_sibling_layers_launch_fewer_kernels_on_the_native_path(monkeypatch):
+    """benchmarks/launches.py --siblings on the torch path (no Triton here): three layers reading one input launch
+    fewer ops with their input's cast shared, under current scaling (the amax and cast passes of two casts against
+    a record each); the counts leave out the CPU-only reads a GPU skips."""
+    import importlib.util
+
+    bench_dir = SCRIPT.parent
+    sys.path.insert(0, str(bench_dir))
+    try:
+        spec = importlib.util.spec_from_file_location("launches", bench_dir / "launches.py")
+        launches = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(launches)
+    finally:
+        sys.path.remove(str(bench_dir))
+    import minifloat as mf
+
+    launches.native_everywhere(set_attr=monkeypatch.setattr, count=False)
+    counts = launches.count_siblings(mf.CurrentScaling(), tokens=16, dim=64, n=3)
+    assert 0 < counts["shared"] < counts["unshared"]
