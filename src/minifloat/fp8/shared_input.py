@@ -4,8 +4,8 @@ In a transformer block the q, k and v projections read the same normalized activ
 up projections. Each of them used to cast that tensor itself, to the same bits, and to save its own FP8 copy for its
 weight gradient. Here the first layer's cast is kept, and a sibling reading the same tensor takes it:
   * the passes over the input (amax, cast, transposed copy) run once instead of three times for q, k, v and twice
-    for gate, up, and a GPU launches their kernels once (Transformer Engine fuses the QKV projections for the same
-    reason);
+    for gate, up (a GPU launches the cast's kernels once, and one small record per sibling; Transformer Engine fuses
+    the QKV projections for the same reason);
   * the FP8 copy saved for backward is one tensor that every sibling's autograd node references, instead of one
     copy per layer;
   * each sibling still records the input's amax in its own scaling state (a delayed role is seeded from it at the
