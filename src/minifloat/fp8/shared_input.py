@@ -86,7 +86,7 @@ def _holder() -> _Holder:
 def lookup(t: torch.Tensor, options: tuple) -> Quantized | None:
     """The cast a sibling made of this very tensor with these options (the casting spec, backend and outputs asked
     for), while what it depended on is unchanged; else None."""
-    if _OFF or not host_caches_usable(t.device) or t.is_inference():
+    if not host_caches_usable(t.device) or _OFF or t.is_inference():  # (compiling: nothing more is traced)
         return None
     entry = _holder().entry
     if entry is None:
@@ -103,7 +103,7 @@ def remember(t: torch.Tensor, options: tuple, q: Quantized, state=None) -> None:
     """Keep `q`, the cast of `t` under `options`, for the next layer that reads `t` (replacing the previous entry);
     `state`: the ScalingState whose delayed scale the cast was made with, whose next generation (the FP8 step's end, a
     load, a reset: `ScalingState.generation`) retires it."""
-    if _OFF or not host_caches_usable(t.device) or t.is_inference():  # (an inference tensor has no version counter)
+    if not host_caches_usable(t.device) or _OFF or t.is_inference():  # (an inference tensor has no version counter)
         return
     holder = _holder()
 
