@@ -49,7 +49,9 @@ def make_model(recipe) -> nn.Module:
 def casts_saved(model: nn.Module) -> int:
     """Input casts that sharing saves in one forward: in each group of siblings, all FP8 layers but the first (convert
     keeps block 0's q, k, v in high precision, for one)."""
-    fp8 = {name for name, m in model.named_modules() if isinstance(m, mf.Fp8Linear)}
+    from minifloat.inference.layers import Fp8InferenceLinear
+
+    fp8 = {name for name, m in model.named_modules() if isinstance(m, (mf.Fp8Linear, Fp8InferenceLinear))}
     saved = 0
     for block in range(CONFIG.n_layer):
         for group in SIBLINGS:
@@ -304,3 +306,48 @@ def test_a_backward_releases_the_forwards_last_cast():
     assert shared_input._holder().entry is not None  # x lives, and so would its cast
     y.sum().backward()
     assert shared_input._holder().entry is None
+
+
+def _count_inference_casts(monkeypatch) -> list:
+    from minifloat.inference import layers, nvfp4
+
+    calls = []
+    for module, name in ((layers, "quantize"), (nvfp4, "quantize_input")):
+        original = getattr(module, name)
+
+        def counting(*args, _original=original, **kwargs):
+            calls.append(args[0].shape)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counting)
+    return calls
+
+
+INFERENCE = [("current", mf.CurrentScaling(), "dynamic"), ("row", mf.CurrentScaling(granularity="row"), "dynamic"),
+             ("block", mf.BlockScaling(), "dynamic"), ("mx", mf.MXScaling(), "dynamic"),
+             ("nvfp4", mf.NVFP4Scaling(), "dynamic"), ("current-static", mf.CurrentScaling(), "static")]
+
+
+@pytest.mark.parametrize("name,recipe,activations", INFERENCE, ids=[c[0] for c in INFERENCE])
+def test_prepared_inference_layers_share_a_dynamic_input_cast(monkeypatch, name, recipe, activations):
+    """prepare_inference's FP8 layers: with dynamic activation scales (the input's own) q/k/v and gate/up cast their
+    input once, with the logits bitwise those of unshared casts; static scales (each layer's own, calibrated) are
+    not shared."""
+    torch.manual_seed(0)
+    model = Llama(CONFIG)
+    idx, _ = tokens(0)
+    calibration = [idx] if activations == "static" else None
+    model = mf.prepare_inference(model, recipe=recipe, calibration=calibration, activations=activations)
+    calls = _count_inference_casts(monkeypatch)
+    with torch.no_grad(), shared_input.unshared():
+        ref = model(idx)[0]
+    unshared = len(calls)
+    calls.clear()
+    with torch.no_grad():
+        logits = model(idx)[0]
+    assert torch.equal(logits, ref)
+    if activations == "static":
+        assert len(calls) == unshared
+    else:
+        assert casts_saved(model) == 4  # (prepare_inference keeps block 0's q, k, v too)
+        assert len(calls) == unshared - casts_saved(model)

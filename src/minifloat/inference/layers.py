@@ -29,6 +29,7 @@ from torch import nn
 
 from minifloat.core.autocast import compute_dtype
 from minifloat.core.validate import check_bool, check_choice, check_int
+from minifloat.fp8 import shared_input
 from minifloat.fp8.fourbit.gemm import fp4_mm
 from minifloat.fp8.gemm import BACKENDS, native_granularity, scaled_mm
 from minifloat.fp8.native import native_nvfp4
@@ -184,6 +185,7 @@ class FrozenWeightLinear(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output: torch.Tensor):
+        shared_input.release()  # the forward's siblings are done: its last input cast need not be held
         layer = ctx.layer
         dy = grad_output.reshape(-1, layer.out_features).float()  # (tokens, out)
         grad_x = grad_bias = None
@@ -304,15 +306,25 @@ class Fp8InferenceLinear(nn.Module):
         if self.spec.smooth:
             x2 = x2.float() / self.smooth_scale
         static = self.spec.activations == Activations.STATIC
+        native = not self.spec.is_nvfp4 and native_granularity(x2.device, spec.granularity, self.backend)
+        # dynamic scales are the input's own: q, k and v (gate and up) reading one tensor share its cast
+        # (minifloat.fp8.shared_input); not a static scale (the layer's own, calibrated) nor after a smoothing (which
+        # divides by this layer's own scales)
+        options = ("inference", spec, native, self.backend) if not (static or self.spec.smooth) else None
+        q = shared_input.lookup(x2, options) if options else None
+        if q is not None:
+            return q
         if self.spec.is_nvfp4:
-            return nvfp4.quantize_input(x2, self.input_scale if static else None,
-                                        keep_data=static and native_nvfp4(x2.device, self.backend))
-        native = native_granularity(x2.device, spec.granularity, self.backend)
-        out = dict(operand_dtype=None if native else _OPERAND, keep_data=native)
-        if static:
-            return quantize(x2, spec.fmt, granularity=Granularity.TENSOR, scale=self.input_scale, **out)
-        return quantize(x2, spec.fmt, granularity=spec.granularity, margin=spec.margin,
-                        power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out)
+            q = nvfp4.quantize_input(x2, self.input_scale if static else None,
+                                     keep_data=static and native_nvfp4(x2.device, self.backend))
+        else:
+            out = dict(operand_dtype=None if native else _OPERAND, keep_data=native)
+            q = (quantize(x2, spec.fmt, granularity=Granularity.TENSOR, scale=self.input_scale, **out) if static
+                 else quantize(x2, spec.fmt, granularity=spec.granularity, margin=spec.margin,
+                               power_of_two=spec.power_of_two, mx_rule=spec.mx_rule, **out))
+        if options:
+            shared_input.remember(x2, options, q)
+        return q
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype.itemsize == 1:  # a forward that casts its input to `layer.weight.dtype` (an FP8 code buffer)
