@@ -19,17 +19,17 @@ made from this very input's amax history.
 
 "The same tensor" means the same memory, layout, dtype and version (an in-place change bumps the version; a write
 through `.data` does not, as for every autograd-saved tensor; a tensor made under torch.inference_mode has no version
-counter, and is never shared) while the tensor the input views is alive: the entry
-holds only a weak reference to it, and is dropped when it dies, so no activation lives longer than it would; a
-delayed cast is also retired at its scaling state's next generation (the FP8 step's end, a load), so a tensor read
-again in a later step is cast with that step's scale. One entry per thread, the latest cast: siblings are called one
-after another, and the first FP8 backward drops every entry (the forward's last cast would otherwise keep the bytes
-autograd does not save, its row-major FP8 copy or bfloat16 operand, for as long as its input lives). NVFP4's forward
-input is shared too (rounded to nearest and not rotated, it is a function of the input); its stochastically rounded
-gradients and rotated wgrad operands are each layer's own. Not shared: tensor-parallel shards (their scale comes from
-a collective), casts inside a compiled graph (the graph holds no Python state; there the compiler may merge identical casts itself)
-and casts while a CUDA graph is captured: an entry made before the capture (the graph's static input, cast by a
-warm-up step) would be frozen into every replay (minifloat.core.capture).
+counter, and is never shared) while the tensor the input views is alive: the entry holds only a weak reference to it,
+and is dropped when it dies, so no activation lives longer than it would. A delayed cast is also retired at its
+scaling state's next generation (the FP8 step's end, a load), so a tensor read again in a later step is cast with
+that step's scale. One entry per thread, the latest cast: siblings are called one after another, and the first FP8
+backward drops every entry (the forward's last cast would otherwise keep the bytes autograd does not save, its
+row-major FP8 copy or bfloat16 operand, for as long as its input lives). NVFP4's forward input is shared too (rounded
+to nearest and not rotated, it is a function of the input); its stochastically rounded gradients and rotated wgrad
+operands are each layer's own. Not shared: tensor-parallel shards (their scale comes from a collective), casts
+inside a compiled graph (the graph holds no Python state; there the compiler may merge identical casts itself) and
+casts while a CUDA graph is captured: an entry made before the capture (the graph's static input, cast by a warm-up
+step) would be frozen into every replay (minifloat.core.capture).
 """
 
 from __future__ import annotations
